@@ -1,0 +1,90 @@
+//! The payments ledger shared by every example: one JSON payment message
+//! (`out_trade_no`, `account`, `amount`) becomes one `ledger` row and adds
+//! `amount` to the account's balance in `accounts`.
+//!
+//! `ledger.out_trade_no` deliberately has no unique constraint: the examples
+//! prove that onceonly, not the business table, prevents double charges.
+#![allow(dead_code)] // each example uses the backends it needs
+
+use serde::{Deserialize, Serialize};
+
+/// One payment notification.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Payment {
+    /// The merchant's order number: the idempotency key.
+    pub out_trade_no: String,
+    /// The account to credit.
+    pub account: String,
+    /// The amount in minor units.
+    pub amount: i64,
+}
+
+/// What the handler returns and onceonly stores: duplicates get it back.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Receipt {
+    /// The id of the ledger row.
+    pub ledger_id: i64,
+    /// The account balance right after this payment.
+    pub balance: i64,
+}
+
+/// SQLite flavour of the ledger.
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    use super::{Payment, Receipt};
+    use sqlx::{SqliteConnection, SqlitePool};
+
+    /// Creates the ledger tables if missing.
+    pub async fn create_tables(pool: &SqlitePool) -> sqlx::Result<()> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, \
+             out_trade_no TEXT NOT NULL, account TEXT NOT NULL, amount INTEGER NOT NULL)",
+        )
+        .execute(pool)
+        .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, balance INTEGER NOT NULL)",
+        )
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records `p` on the open transaction `conn`.
+    pub async fn record(conn: &mut SqliteConnection, p: &Payment) -> sqlx::Result<Receipt> {
+        let ledger_id: i64 = sqlx::query_scalar(
+            "INSERT INTO ledger (out_trade_no, account, amount) VALUES (?, ?, ?) RETURNING id",
+        )
+        .bind(&p.out_trade_no)
+        .bind(&p.account)
+        .bind(p.amount)
+        .fetch_one(&mut *conn)
+        .await?;
+        let balance: i64 = sqlx::query_scalar(
+            "INSERT INTO accounts (account, balance) VALUES (?, ?) \
+             ON CONFLICT (account) DO UPDATE SET balance = balance + excluded.balance \
+             RETURNING balance",
+        )
+        .bind(&p.account)
+        .bind(p.amount)
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(Receipt { ledger_id, balance })
+    }
+
+    /// `(out_trade_no, times charged, total amount)` for every key, sorted.
+    pub async fn charges(pool: &SqlitePool) -> sqlx::Result<Vec<(String, i64, i64)>> {
+        sqlx::query_as(
+            "SELECT out_trade_no, COUNT(*), SUM(amount) FROM ledger GROUP BY out_trade_no ORDER BY out_trade_no",
+        )
+        .fetch_all(pool)
+        .await
+    }
+
+    /// `(account, balance)` for every account, sorted.
+    pub async fn balances(pool: &SqlitePool) -> sqlx::Result<Vec<(String, i64)>> {
+        sqlx::query_as("SELECT account, balance FROM accounts ORDER BY account")
+            .fetch_all(pool)
+            .await
+    }
+}

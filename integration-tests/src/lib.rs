@@ -1,0 +1,158 @@
+//! Helpers for the integration tests: connections to the real services
+//! (failing loudly with the command that starts them), unique table names and
+//! the per-backend SQL of a small business table.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use onceonly::{MySqlStore, PgStore, SqlStore, SqliteStore};
+
+/// PostgreSQL URL: `ONCEONLY_PG_URL`, default `postgres://postgres@127.0.0.1:5432/test`.
+pub fn pg_url() -> String {
+    std::env::var("ONCEONLY_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// MySQL/MariaDB URL: `ONCEONLY_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`.
+pub fn mysql_url() -> String {
+    std::env::var("ONCEONLY_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+fn unreachable_service(what: &str, url: &str, e: impl std::fmt::Display) -> ! {
+    panic!(
+        "{what} is not reachable at {url}: {e}\n\
+         Start the services with `scripts/services` (or `docker compose up -d`), \
+         or point ONCEONLY_PG_URL / ONCEONLY_MYSQL_URL at running servers. \
+         These tests never skip."
+    )
+}
+
+/// A name unique to this process and call, usable as an SQL identifier.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A PostgreSQL store on dedup table `table` (migrated).
+pub async fn pg_store(table: &str) -> PgStore {
+    let url = pg_url();
+    let store = match PgStore::connect(&url).await {
+        Ok(s) => s,
+        Err(e) => unreachable_service("PostgreSQL", &url, e),
+    };
+    let store = store.with_table(table).expect("valid table name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// A MariaDB/MySQL store on dedup table `table` (migrated).
+pub async fn mysql_store(table: &str) -> MySqlStore {
+    let url = mysql_url();
+    let store = match MySqlStore::connect(&url).await {
+        Ok(s) => s,
+        Err(e) => unreachable_service("MariaDB/MySQL", &url, e),
+    };
+    let store = store.with_table(table).expect("valid table name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// An SQLite store in file `path` on dedup table `table` (migrated).
+pub async fn sqlite_store(path: &std::path::Path, table: &str) -> SqliteStore {
+    let store = SqliteStore::open(path)
+        .await
+        .expect("open sqlite")
+        .with_table(table)
+        .expect("valid table name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// SQL of the business table `charges(id, out_trade_no, amount)` per backend.
+/// `out_trade_no` has no unique constraint: dedup must come from onceonly.
+pub struct BusinessSql {
+    /// `CREATE TABLE`.
+    pub create: String,
+    /// `INSERT` with two parameters: out_trade_no, amount.
+    pub insert: String,
+    /// Row count.
+    pub count: String,
+    /// Distinct out_trade_no count.
+    pub distinct: String,
+    /// `DROP TABLE`.
+    pub drop: String,
+}
+
+impl BusinessSql {
+    fn new(table: &str, create: String, placeholders: (&str, &str)) -> Self {
+        Self {
+            create,
+            insert: format!(
+                "INSERT INTO {table} (out_trade_no, amount) VALUES ({}, {})",
+                placeholders.0, placeholders.1
+            ),
+            count: format!("SELECT COUNT(*) FROM {table}"),
+            distinct: format!("SELECT COUNT(DISTINCT out_trade_no) FROM {table}"),
+            drop: format!("DROP TABLE IF EXISTS {table}"),
+        }
+    }
+
+    /// PostgreSQL flavour.
+    pub fn postgres(table: &str) -> Self {
+        Self::new(
+            table,
+            format!(
+                "CREATE TABLE {table} (id bigserial PRIMARY KEY, out_trade_no text NOT NULL, amount bigint NOT NULL)"
+            ),
+            ("$1", "$2"),
+        )
+    }
+
+    /// MySQL/MariaDB flavour.
+    pub fn mysql(table: &str) -> Self {
+        Self::new(
+            table,
+            format!(
+                "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, out_trade_no VARCHAR(400) NOT NULL, amount BIGINT NOT NULL)"
+            ),
+            ("?", "?"),
+        )
+    }
+
+    /// SQLite flavour.
+    pub fn sqlite(table: &str) -> Self {
+        Self::new(
+            table,
+            format!(
+                "CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, out_trade_no TEXT NOT NULL, amount INTEGER NOT NULL)"
+            ),
+            ("?", "?"),
+        )
+    }
+}
+
+/// A payment message as the tests send it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Pay {
+    /// The key.
+    pub out_trade_no: String,
+    /// The amount.
+    pub amount: i64,
+}
+
+/// JSON bytes of a payment.
+pub fn pay(no: &str, amount: i64) -> Vec<u8> {
+    serde_json::to_vec(&Pay {
+        out_trade_no: no.to_owned(),
+        amount,
+    })
+    .expect("serialize")
+}

@@ -1,0 +1,482 @@
+//! The core contract, against real PostgreSQL, MariaDB and SQLite.
+//!
+//! The same suite is stamped out per backend by `backend_suite!`. Each test
+//! uses its own dedup and business tables, so tests run in parallel.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use onceonly::{
+    Claim, ClaimRequest, ClaimTimes, Delivery, Engine, Failure, FingerprintSpec, HandlerError,
+    Json, KeyError, KeySpec, ManualClock, Outcome, Rejection, RetryPolicy, SqlStore, handler_fn,
+};
+use onceonly_integration_tests::{BusinessSql, Pay, pay, unique};
+
+/// What a test handler observes: how often it ran, and whether to fail next.
+#[derive(Clone, Default)]
+struct Probe {
+    runs: Arc<AtomicUsize>,
+    fail_next: Arc<AtomicBool>,
+    delay_ms: u64,
+}
+
+/// Outcome counts of a set of reports.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Tally {
+    processed: usize,
+    duplicate: usize,
+    conflict: usize,
+    rejected: usize,
+    failed: usize,
+}
+
+impl Tally {
+    fn add<T>(&mut self, outcome: &Outcome<T>) {
+        match outcome {
+            Outcome::Processed { .. } => self.processed += 1,
+            Outcome::Duplicate { .. } => self.duplicate += 1,
+            Outcome::Conflict { .. } => self.conflict += 1,
+            Outcome::Rejected(_) => self.rejected += 1,
+            Outcome::Failed(_) => self.failed += 1,
+            _ => unreachable!("unknown outcome"),
+        }
+    }
+}
+
+macro_rules! backend_suite {
+    ($name:ident, $conn:ty, $business:path, $url:expr, |$table:ident| $setup:expr) => {
+        mod $name {
+            use super::*;
+
+            struct Ctx<S> {
+                store: S,
+                sql: BusinessSql,
+                business: String,
+                url: String,
+                _dir: tempfile::TempDir,
+            }
+
+            async fn ctx() -> Ctx<impl SqlStore<Db = <$conn as sqlx::Connection>::Database>> {
+                let dir = tempfile::tempdir().expect("tempdir");
+                let $table = unique("keys");
+                #[allow(unused_variables)]
+                let path = dir.path().join("db.sqlite");
+                let store = { let _ = &path; $setup(&path).await };
+                let business = unique("charges");
+                let sql = $business(&business);
+                sqlx::query(&sql.create).execute(store.pool()).await.expect("create business table");
+                let url = $url(&path);
+                Ctx { store, sql, business, url, _dir: dir }
+            }
+
+            impl<S: SqlStore<Db = <$conn as sqlx::Connection>::Database>> Ctx<S> {
+                fn engine(&self) -> onceonly::EngineBuilder<S> {
+                    Engine::builder(self.store.clone())
+                        .scope("payments")
+                        .key_expr("json:/out_trade_no")
+                        .retry(RetryPolicy::none())
+                }
+
+                fn handler(
+                    &self,
+                    probe: &Probe,
+                ) -> impl onceonly::Handler<
+                    <$conn as sqlx::Connection>::Database,
+                    Input = Json<Pay>,
+                    Output = (String, i64),
+                > + use<S> {
+                    let insert = self.sql.insert.clone();
+                    let probe = probe.clone();
+                    handler_fn(move |conn: &mut $conn, Json(p): Json<Pay>, _: &Delivery| {
+                        let insert = insert.clone();
+                        let probe = probe.clone();
+                        Box::pin(async move {
+                            probe.runs.fetch_add(1, Ordering::SeqCst);
+                            sqlx::query(&insert)
+                                .bind(&p.out_trade_no)
+                                .bind(p.amount)
+                                .execute(&mut *conn)
+                                .await?;
+                            if probe.delay_ms > 0 {
+                                tokio::time::sleep(Duration::from_millis(probe.delay_ms)).await;
+                            }
+                            if probe.fail_next.swap(false, Ordering::SeqCst) {
+                                return Err(HandlerError::permanent("injected failure after the write"));
+                            }
+                            Ok::<_, HandlerError>((p.out_trade_no, p.amount))
+                        })
+                    })
+                }
+
+                async fn scalar(&self, sql: &str) -> i64 {
+                    sqlx::query_scalar::<_, i64>(sql)
+                        .fetch_one(self.store.pool())
+                        .await
+                        .expect("scalar query")
+                }
+
+                async fn rows(&self) -> i64 {
+                    self.scalar(&self.sql.count).await
+                }
+
+                async fn drop_tables(self) {
+                    let dedup = format!("DROP TABLE IF EXISTS {}", self.store.table());
+                    sqlx::query(&dedup).execute(self.store.pool()).await.ok();
+                    sqlx::query(&self.sql.drop).execute(self.store.pool()).await.ok();
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn thousand_deliveries_with_30_percent_duplicates() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                // 700 distinct keys, 300 redeliveries spread through the stream.
+                let mut stream: Vec<String> = (0..700).map(|i| format!("T-{i:04}")).collect();
+                for i in 0..300 {
+                    let at = (i * 7919) % stream.len();
+                    let key = format!("T-{:04}", (i * 31) % 700);
+                    stream.insert(at, key);
+                }
+                let tally = Arc::new(std::sync::Mutex::new(Tally::default()));
+                let chunks: Vec<Vec<String>> = stream.chunks(125).map(<[String]>::to_vec).collect();
+                let mut tasks = Vec::new();
+                for chunk in chunks {
+                    let engine = engine.clone();
+                    let handler = ctx.handler(&probe);
+                    let tally = tally.clone();
+                    tasks.push(tokio::spawn(async move {
+                        for key in chunk {
+                            let d = Delivery::new(pay(&key, 10));
+                            let report = engine.process(&handler, &d).await;
+                            tally.lock().unwrap().add(&report.outcome);
+                        }
+                    }));
+                }
+                for t in tasks {
+                    t.await.unwrap();
+                }
+                drop(handler);
+                let tally = std::mem::take(&mut *tally.lock().unwrap());
+                assert_eq!(tally, Tally { processed: 700, duplicate: 300, ..Tally::default() });
+                assert_eq!(ctx.rows().await, 700, "business rows must equal distinct keys");
+                assert_eq!(ctx.scalar(&ctx.sql.distinct).await, 700);
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 700, "handler ran once per key");
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn concurrent_duplicates_run_the_handler_once() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe { delay_ms: 100, ..Probe::default() };
+                let mut tasks = Vec::new();
+                for _ in 0..32 {
+                    let engine = engine.clone();
+                    let handler = ctx.handler(&probe);
+                    tasks.push(tokio::spawn(async move {
+                        engine.process(&handler, &Delivery::new(pay("T-hot", 99))).await
+                    }));
+                }
+                let mut tally = Tally::default();
+                let mut replayed = Vec::new();
+                for t in tasks {
+                    let report = t.await.unwrap();
+                    tally.add(&report.outcome);
+                    if let Outcome::Duplicate { result } = report.outcome {
+                        replayed.push(result);
+                    }
+                }
+                assert_eq!(tally, Tally { processed: 1, duplicate: 31, ..Tally::default() });
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 1, "handler must run once");
+                assert!(
+                    replayed.iter().all(|r| r.as_ref() == Some(&("T-hot".to_owned(), 99))),
+                    "every duplicate carries the stored result: {replayed:?}"
+                );
+                assert_eq!(ctx.rows().await, 1);
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn handler_error_rolls_back_everything_and_a_retry_processes() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe::default();
+                probe.fail_next.store(true, Ordering::SeqCst);
+                let handler = ctx.handler(&probe);
+                let d = Delivery::new(pay("T-fail", 5));
+                let first = engine.process(&handler, &d).await;
+                match &first.outcome {
+                    Outcome::Failed(f @ Failure::Handler(_)) => {
+                        assert!(!f.is_retryable());
+                        assert_eq!(f.reason(), "handler_error");
+                    }
+                    other => panic!("expected a handler failure, got {other:?}"),
+                }
+                assert_eq!(ctx.rows().await, 0, "the business write was rolled back");
+                assert_eq!(
+                    ctx.store.get("payments", "T-fail").await.unwrap(),
+                    None,
+                    "no claim is left behind"
+                );
+                let retry = engine.process(&handler, &d).await;
+                assert!(matches!(retry.outcome, Outcome::Processed { .. }), "{retry:?}");
+                assert_eq!(ctx.rows().await, 1);
+                let again = engine.process(&handler, &d).await;
+                assert!(matches!(again.outcome, Outcome::Duplicate { .. }), "{again:?}");
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 2);
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn same_key_other_payload_is_a_conflict() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                let first = engine.process(&handler, &Delivery::new(pay("T-c", 5))).await;
+                assert!(matches!(first.outcome, Outcome::Processed { .. }));
+                let expected = FingerprintSpec::Auto.compute(&Delivery::new(pay("T-c", 5)));
+                let other = engine.process(&handler, &Delivery::new(pay("T-c", 6))).await;
+                match other.outcome {
+                    Outcome::Conflict { stored, received } => {
+                        assert_eq!(stored, expected);
+                        assert_ne!(received, expected);
+                    }
+                    o => panic!("expected a conflict, got {o:?}"),
+                }
+                assert_eq!(other.outcome_reason(), Some("fingerprint_mismatch"));
+                assert_eq!(ctx.rows().await, 1, "business table untouched by the conflict");
+                assert_eq!(ctx.scalar(&format!("SELECT MAX(amount) FROM {}", ctx.business)).await, 5);
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 1);
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn expired_records_are_reclaimable_and_purged_in_batches() {
+                let ctx = ctx().await;
+                let clock = ManualClock::starting_now();
+                let engine = ctx
+                    .engine()
+                    .retention(Duration::from_secs(3600))
+                    .clock(clock.clone())
+                    .build()
+                    .unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                let d = Delivery::new(pay("T-exp", 1));
+                assert!(matches!(engine.process(&handler, &d).await.outcome, Outcome::Processed { .. }));
+                clock.advance_ms(3_599_000);
+                assert!(matches!(engine.process(&handler, &d).await.outcome, Outcome::Duplicate { .. }));
+                clock.advance_ms(2_000);
+                let late = engine.process(&handler, &d).await;
+                assert!(matches!(late.outcome, Outcome::Processed { .. }), "expired → reclaimed: {late:?}");
+                let record = ctx.store.get("payments", "T-exp").await.unwrap().unwrap();
+                assert_eq!(record.created_at_ms, clock_now(&clock));
+                assert_eq!(ctx.rows().await, 2);
+
+                // Purge: 5 expired records go in bounded batches, the live one stays.
+                for i in 0..5 {
+                    engine.process(&handler, &Delivery::new(pay(&format!("T-old-{i}"), 1))).await;
+                }
+                clock.advance_ms(3_600_000);
+                engine.process(&handler, &Delivery::new(pay("T-live", 1))).await;
+                let now = clock_now(&clock);
+                let mut batches = Vec::new();
+                loop {
+                    let n = ctx.store.purge_expired(Some("payments"), now, 2).await.unwrap();
+                    batches.push(n);
+                    if n < 2 {
+                        break;
+                    }
+                }
+                assert_eq!(batches, vec![2, 2, 2, 0], "6 expired records in batches of 2");
+                assert!(ctx.store.get("payments", "T-live").await.unwrap().is_some());
+                assert!(ctx.store.get("payments", "T-exp").await.unwrap().is_none());
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn bad_keys_are_rejected_with_precise_reasons() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let by_header = ctx.engine().key(KeySpec::header("Idempotency-Key")).build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                let reject = |o: Outcome<(String, i64)>| match o {
+                    Outcome::Rejected(Rejection::BadKey(e)) => e,
+                    other => panic!("expected a bad key, got {other:?}"),
+                };
+                let empty = engine.process(&handler, &Delivery::new(pay("", 1))).await;
+                assert_eq!(reject(empty.outcome), KeyError::Empty);
+                let long = "k".repeat(10_240);
+                let long = engine.process(&handler, &Delivery::new(pay(&long, 1))).await;
+                assert_eq!(reject(long.outcome), KeyError::TooLong { len: 10_240, max: 255 });
+                let missing = engine
+                    .process(&handler, &Delivery::new(br#"{"amount":1}"#.to_vec()))
+                    .await;
+                assert_eq!(
+                    reject(missing.outcome),
+                    KeyError::MissingField { pointer: "/out_trade_no".into() }
+                );
+                let not_utf8 = by_header
+                    .process(
+                        &handler,
+                        &Delivery::new(pay("T-1", 1)).with_metadata("Idempotency-Key", b"\xc3\x28".to_vec()),
+                    )
+                    .await;
+                assert_eq!(reject(not_utf8.outcome), KeyError::NotUtf8);
+                let malformed = engine.process(&handler, &Delivery::new(b"{\"out_trade_no\":".to_vec())).await;
+                let e = reject(malformed.outcome);
+                assert!(matches!(e, KeyError::NotJson(_)));
+                assert_eq!(e.reason(), "decode_error");
+                let undecodable = engine
+                    .process(&handler, &Delivery::new(br#"{"out_trade_no":"T-x","amount":"ten"}"#.to_vec()))
+                    .await;
+                assert!(matches!(undecodable.outcome, Outcome::Rejected(Rejection::Decode(_))));
+                assert_eq!(undecodable.outcome.reason(), Some("decode_error"));
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 0, "the handler never ran");
+                assert_eq!(ctx.rows().await, 0);
+                assert_eq!(ctx.store.get("payments", "T-x").await.unwrap(), None);
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn keys_are_byte_exact_and_scopes_are_separate() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let other_scope = ctx.engine().scope("refunds").build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                for key in ["abc", "ABC", "abc ", "ábc"] {
+                    let r = engine.process(&handler, &Delivery::new(pay(key, 1))).await;
+                    assert!(matches!(r.outcome, Outcome::Processed { .. }), "{key:?}: {r:?}");
+                }
+                let r = other_scope.process(&handler, &Delivery::new(pay("abc", 1))).await;
+                assert!(matches!(r.outcome, Outcome::Processed { .. }), "another scope processes it once too");
+                let r = other_scope.process(&handler, &Delivery::new(pay("abc", 1))).await;
+                assert!(matches!(r.outcome, Outcome::Duplicate { .. }));
+                assert_eq!(ctx.rows().await, 5);
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn sigkill_between_claim_and_commit_leaves_nothing_and_a_restart_processes_once() {
+                let ctx = ctx().await;
+                let backend = stringify!($name);
+                let table = ctx.store.table().to_string();
+                let args = |mode: &'static str| {
+                    vec![backend.to_owned(), ctx.url.clone(), table.clone(), ctx.business.clone(), "T-crash".to_owned(), mode.to_owned()]
+                };
+                for kill in 1..=2 {
+                    let mut child = Command::new(env!("CARGO_BIN_EXE_crash_worker"))
+                        .args(args("hang"))
+                        .stdout(Stdio::piped())
+                        .spawn()
+                        .expect("spawn crash_worker");
+                    let stdout = child.stdout.take().unwrap();
+                    let line = tokio::task::spawn_blocking(move || {
+                        let mut line = String::new();
+                        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+                    });
+                    let line = tokio::time::timeout(Duration::from_secs(60), line)
+                        .await
+                        .expect("worker claimed within 60 s")
+                        .unwrap()
+                        .unwrap();
+                    assert_eq!(line.trim(), "CLAIMED", "kill #{kill}");
+                    // The worker holds the claim and a business row, uncommitted.
+                    child.kill().expect("SIGKILL");
+                    child.wait().unwrap();
+                    assert_eq!(ctx.rows().await, 0, "kill #{kill}: the uncommitted business row is gone");
+                    assert_eq!(ctx.store.get("crash-test", "T-crash").await.unwrap(), None, "kill #{kill}: no claim left");
+                }
+                let run = || {
+                    let out = Command::new(env!("CARGO_BIN_EXE_crash_worker")).args(args("run")).output().expect("run crash_worker");
+                    assert!(out.status.success(), "{out:?}");
+                    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+                };
+                assert_eq!(run(), "processed", "the restarted worker processes the key");
+                assert_eq!(run(), "duplicate", "and a later redelivery is a duplicate");
+                assert_eq!(ctx.rows().await, 1, "exactly one business row");
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
+            async fn batch_claim_reports_new_duplicate_conflict_and_in_batch_repeats() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                engine.process(&handler, &Delivery::new(pay("B-done", 1))).await;
+                engine.process(&handler, &Delivery::new(pay("B-other", 1))).await;
+                let fp = |no: &str, amount| FingerprintSpec::Auto.compute(&Delivery::new(pay(no, amount))).unwrap();
+                let fps = [fp("B-a", 1), fp("B-b", 1), fp("B-done", 1), fp("B-other", 2), fp("B-b", 9)];
+                let req = |key, i: usize| ClaimRequest { key, fingerprint: Some(&fps[i]), source: Some("t/0@1") };
+                let reqs = [
+                    req("B-a", 0),
+                    req("B-b", 1),
+                    req("B-a", 0),
+                    req("B-done", 2),
+                    req("B-other", 3),
+                    req("B-b", 4),
+                ];
+                let times = ClaimTimes::new(onceonly::Clock::now_ms(&onceonly::SystemClock), Duration::from_secs(60));
+                let mut tx = ctx.store.begin().await.unwrap();
+                let claims = ctx.store.claim_batch(&mut tx, "payments", times, &reqs).await.unwrap();
+                assert_eq!(claims[0], Claim::Claimed);
+                assert_eq!(claims[1], Claim::Claimed);
+                assert_eq!(claims[2], Claim::InBatch { first: 0 });
+                assert!(matches!(&claims[3], Claim::Duplicate { result: Some(_) }), "{:?}", claims[3]);
+                assert!(matches!(&claims[4], Claim::Conflict { stored: Some(_) }), "{:?}", claims[4]);
+                assert_eq!(claims[5], Claim::Conflict { stored: Some(fps[1]) });
+                for key in ["B-a", "B-b"] {
+                    ctx.store.complete(&mut tx, "payments", key, b"\"ok\"").await.unwrap();
+                }
+                tx.commit().await.unwrap();
+                let a = ctx.store.get("payments", "B-a").await.unwrap().unwrap();
+                assert_eq!(a.result.as_deref(), Some(&b"\"ok\""[..]));
+                assert_eq!(a.fingerprint, Some(fps[0]));
+                assert_eq!(a.source.as_deref(), Some("t/0@1"));
+                // A batch that rolls back leaves nothing.
+                let mut tx = ctx.store.begin().await.unwrap();
+                let r = [req("B-gone", 0)];
+                assert_eq!(ctx.store.claim_batch(&mut tx, "payments", times, &r).await.unwrap(), vec![Claim::Claimed]);
+                tx.rollback().await.unwrap();
+                assert_eq!(ctx.store.get("payments", "B-gone").await.unwrap(), None);
+                ctx.drop_tables().await;
+            }
+        }
+    };
+}
+
+fn clock_now(clock: &ManualClock) -> i64 {
+    onceonly::Clock::now_ms(clock)
+}
+
+trait ReasonExt {
+    fn outcome_reason(&self) -> Option<&'static str>;
+}
+
+impl<T> ReasonExt for onceonly::Report<T> {
+    fn outcome_reason(&self) -> Option<&'static str> {
+        self.outcome.reason()
+    }
+}
+
+backend_suite!(postgres, sqlx::PgConnection, BusinessSql::postgres, |_: &std::path::Path| onceonly_integration_tests::pg_url(), |table| |_p: &std::path::Path| {
+    let t = table.clone();
+    async move { onceonly_integration_tests::pg_store(&t).await }
+});
+backend_suite!(mysql, sqlx::MySqlConnection, BusinessSql::mysql, |_: &std::path::Path| onceonly_integration_tests::mysql_url(), |table| |_p: &std::path::Path| {
+    let t = table.clone();
+    async move { onceonly_integration_tests::mysql_store(&t).await }
+});
+backend_suite!(sqlite, sqlx::SqliteConnection, BusinessSql::sqlite, |p: &std::path::Path| p.display().to_string(), |table| |p: &std::path::Path| {
+    let t = table.clone();
+    let p = p.to_owned();
+    async move { onceonly_integration_tests::sqlite_store(&p, &t).await }
+});

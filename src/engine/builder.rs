@@ -1,0 +1,147 @@
+//! Configuration of an [`Engine`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Engine, Inner, RetryPolicy};
+use crate::clock::{Clock, SystemClock};
+use crate::fingerprint::FingerprintSpec;
+use crate::key::{KeySpec, KeySpecError};
+use crate::store::{SqlStore, StoreError, validate_scope};
+
+/// The default retention of dedup records: 7 days (Kafka's default log
+/// retention). It must outlast the longest redelivery or replay horizon.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A configuration that cannot work. Returned by [`EngineBuilder::build`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// No scope was set.
+    #[error("the engine needs a scope (consumer group, queue or handler name)")]
+    MissingScope,
+    /// No key spec was set.
+    #[error("the engine needs a key spec, e.g. `json:/out_trade_no`")]
+    MissingKey,
+    /// The key spec is invalid.
+    #[error("invalid key spec: {0}")]
+    Key(#[from] KeySpecError),
+    /// The scope is invalid.
+    #[error(transparent)]
+    Scope(#[from] StoreError),
+    /// The retention is zero.
+    #[error("retention must be longer than zero")]
+    ZeroRetention,
+}
+
+/// Builds an [`Engine`]: `Engine::builder(store).scope(..).key(..).build()`.
+pub struct EngineBuilder<S> {
+    store: S,
+    scope: Option<String>,
+    key: Option<Result<KeySpec, KeySpecError>>,
+    fingerprint: FingerprintSpec,
+    retention: Duration,
+    retry: RetryPolicy,
+    transient_retries: u32,
+    clock: Arc<dyn Clock>,
+}
+
+impl<S: SqlStore> EngineBuilder<S> {
+    pub(super) fn new(store: S) -> Self {
+        Self {
+            store,
+            scope: None,
+            key: None,
+            fingerprint: FingerprintSpec::default(),
+            retention: DEFAULT_RETENTION,
+            retry: RetryPolicy::default(),
+            transient_retries: 3,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// The scope keys are unique in: the consumer group, queue or handler
+    /// name. Two scopes processing the same message each process it once.
+    #[must_use]
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// The key spec.
+    #[must_use]
+    pub fn key(mut self, key: KeySpec) -> Self {
+        self.key = Some(Ok(key));
+        self
+    }
+
+    /// The key spec in string form, e.g. `json:/out_trade_no`; a bad
+    /// expression fails [`EngineBuilder::build`].
+    #[must_use]
+    pub fn key_expr(mut self, expr: &str) -> Self {
+        self.key = Some(KeySpec::parse(expr));
+        self
+    }
+
+    /// What the payload fingerprint covers (default: canonical JSON or raw bytes).
+    #[must_use]
+    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.fingerprint = spec;
+        self
+    }
+
+    /// How long records are kept (default 7 days). Must outlast the longest
+    /// redelivery or replay horizon: a duplicate arriving after its record
+    /// expired is processed again.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The retry policy for retryable failures.
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How many times a transaction that hit a transient database error
+    /// (deadlock, serialization failure, busy) is retried at once within one
+    /// attempt (default 3).
+    #[must_use]
+    pub fn transient_retries(mut self, retries: u32) -> Self {
+        self.transient_retries = retries;
+        self
+    }
+
+    /// The clock (default: system time).
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Checks the configuration and builds the engine.
+    pub fn build(self) -> Result<Engine<S>, BuildError> {
+        let scope = self.scope.ok_or(BuildError::MissingScope)?;
+        validate_scope(&scope)?;
+        let key = self.key.ok_or(BuildError::MissingKey)??;
+        key.validate()?;
+        if self.retention.is_zero() {
+            return Err(BuildError::ZeroRetention);
+        }
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                store: self.store,
+                scope,
+                key,
+                fingerprint: self.fingerprint,
+                retention: self.retention,
+                retry: self.retry,
+                transient_retries: self.transient_retries,
+                clock: self.clock,
+            }),
+        })
+    }
+}

@@ -1,0 +1,188 @@
+//! The user's handler, its input decoding and its errors.
+
+use std::error::Error as StdError;
+use std::marker::PhantomData;
+
+use async_trait::async_trait;
+use futures_util::future::BoxFuture;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::Database;
+
+use crate::delivery::Delivery;
+
+/// A boxed error.
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// The payload could not be decoded into the handler's input type. The
+/// delivery is rejected (reason `decode_error`) and never retried.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot decode payload: {0}")]
+pub struct DecodeError(pub String);
+
+/// Decodes a handler's input from a delivery.
+pub trait FromDelivery: Sized + Send + 'static {
+    /// Decodes `delivery`.
+    fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError>;
+}
+
+/// JSON input: the payload deserialized with serde.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Json<T>(pub T);
+
+impl<T: DeserializeOwned + Send + 'static> FromDelivery for Json<T> {
+    fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
+        serde_json::from_slice(delivery.payload())
+            .map(Json)
+            .map_err(|e| DecodeError(e.to_string()))
+    }
+}
+
+/// Raw bytes input.
+impl FromDelivery for Vec<u8> {
+    fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
+        Ok(delivery.payload().to_vec())
+    }
+}
+
+/// UTF-8 text input.
+impl FromDelivery for String {
+    fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
+        String::from_utf8(delivery.payload().to_vec())
+            .map_err(|e| DecodeError(format!("payload is not UTF-8: {e}")))
+    }
+}
+
+/// A handler failure, classified retryable (a retry may succeed: timeout,
+/// deadlock, unavailable dependency) or permanent (the message itself is bad:
+/// dead-letter it after the first attempt).
+#[derive(Debug, thiserror::Error)]
+#[error("{source}")]
+pub struct HandlerError {
+    retryable: bool,
+    source: BoxError,
+}
+
+impl HandlerError {
+    /// A failure worth retrying.
+    pub fn retryable(error: impl Into<BoxError>) -> Self {
+        Self {
+            retryable: true,
+            source: error.into(),
+        }
+    }
+
+    /// A failure that retrying cannot fix.
+    pub fn permanent(error: impl Into<BoxError>) -> Self {
+        Self {
+            retryable: false,
+            source: error.into(),
+        }
+    }
+
+    /// Whether the policy may retry it.
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+}
+
+/// Database errors are retryable exactly when they are transient (lost
+/// connection, deadlock, serialization failure, lock timeout, busy SQLite);
+/// constraint violations and the like are permanent.
+impl From<sqlx::Error> for HandlerError {
+    fn from(e: sqlx::Error) -> Self {
+        Self {
+            retryable: crate::store::is_transient(&e),
+            source: Box::new(e),
+        }
+    }
+}
+
+/// Business logic run once per key, inside the claim's transaction.
+///
+/// `conn` is the open transaction: every write made through it commits
+/// together with the claim, or rolls back with it. Do not commit or roll back
+/// yourself, and do not perform effects outside the database that cannot be
+/// undone (or make them idempotent on their own, e.g. with the Redis store).
+#[async_trait]
+pub trait Handler<DB: Database>: Send + Sync {
+    /// The decoded input ([`Json<T>`], `Vec<u8>`, `String`, or your own [`FromDelivery`]).
+    type Input: FromDelivery;
+    /// The result, stored with the key and returned to duplicates.
+    type Output: Serialize + DeserializeOwned + Send + Sync + 'static;
+
+    /// Handles one delivery whose key was just claimed.
+    async fn handle(
+        &self,
+        conn: &mut DB::Connection,
+        input: Self::Input,
+        delivery: &Delivery,
+    ) -> Result<Self::Output, HandlerError>;
+}
+
+/// A handler made from a closure; see [`handler_fn`].
+pub struct FnHandler<C, I, O, F> {
+    f: F,
+    _types: PhantomData<fn(C, I) -> O>,
+}
+
+/// Wraps a closure as a [`Handler`]. Annotate the connection type:
+///
+/// ```
+/// # #[cfg(feature = "sqlite")] {
+/// use onceonly::{handler_fn, Delivery, HandlerError, Json};
+/// use sqlx::SqliteConnection;
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { out_trade_no: String, amount: i64 }
+///
+/// let handler = handler_fn(|conn: &mut SqliteConnection, Json(p): Json<Payment>, _: &Delivery| {
+///     Box::pin(async move {
+///         sqlx::query("INSERT INTO ledger (out_trade_no, amount) VALUES (?, ?)")
+///             .bind(&p.out_trade_no)
+///             .bind(p.amount)
+///             .execute(&mut *conn)
+///             .await?;
+///         Ok::<_, HandlerError>(p.amount)
+///     })
+/// });
+/// # let _ = handler; }
+/// ```
+pub fn handler_fn<C, I, O, F>(f: F) -> FnHandler<C, I, O, F>
+where
+    C: Send + 'static,
+    I: FromDelivery,
+    O: Serialize + DeserializeOwned + Send + Sync + 'static,
+    F: for<'c> Fn(&'c mut C, I, &'c Delivery) -> BoxFuture<'c, Result<O, HandlerError>>
+        + Send
+        + Sync,
+{
+    FnHandler {
+        f,
+        _types: PhantomData,
+    }
+}
+
+#[async_trait]
+impl<DB, C, I, O, F> Handler<DB> for FnHandler<C, I, O, F>
+where
+    DB: Database<Connection = C>,
+    C: Send + 'static,
+    I: FromDelivery,
+    O: Serialize + DeserializeOwned + Send + Sync + 'static,
+    F: for<'c> Fn(&'c mut C, I, &'c Delivery) -> BoxFuture<'c, Result<O, HandlerError>>
+        + Send
+        + Sync,
+{
+    type Input = I;
+    type Output = O;
+
+    async fn handle(
+        &self,
+        conn: &mut C,
+        input: I,
+        delivery: &Delivery,
+    ) -> Result<O, HandlerError> {
+        (self.f)(conn, input, delivery).await
+    }
+}

@@ -1,0 +1,177 @@
+//! What the engine reports for each delivery. Transports act on it: ack,
+//! commit the offset, answer, retry or dead-letter.
+
+use crate::engine::handler::{DecodeError, HandlerError};
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdemKey, KeyError};
+use crate::store::StoreError;
+
+/// The outcome of one delivery, with its key and attempt count.
+#[derive(Debug)]
+pub struct Report<T> {
+    /// The derived key (`None` when no key could be derived).
+    pub key: Option<IdemKey>,
+    /// How many attempts were made (1 unless retried in-process).
+    pub attempts: u32,
+    /// What happened.
+    pub outcome: Outcome<T>,
+}
+
+/// What happened to a delivery.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Outcome<T> {
+    /// The handler ran and its transaction, claim included, committed.
+    /// Safe to acknowledge.
+    Processed {
+        /// The handler's result, as stored.
+        result: T,
+    },
+    /// The key was already committed with the same payload: the handler did
+    /// not run. Safe to acknowledge.
+    Duplicate {
+        /// The stored result; `None` if none was stored or it no longer
+        /// decodes as the handler's output type.
+        result: Option<T>,
+    },
+    /// The key was already committed with another payload fingerprint: the
+    /// handler did not run. Dead-letter with reason `fingerprint_mismatch`
+    /// (HTTP: 422).
+    Conflict {
+        /// The fingerprint stored with the key.
+        stored: Option<Fingerprint>,
+        /// The fingerprint of this delivery.
+        received: Option<Fingerprint>,
+    },
+    /// Bad input: no key or undecodable payload. Never retried; dead-letter
+    /// it (HTTP: 400).
+    Rejected(Rejection),
+    /// The attempt failed and was rolled back: nothing of it was committed.
+    Failed(Failure),
+}
+
+impl<T> Outcome<T> {
+    /// A short label for logs, metrics and tables.
+    pub fn kind(&self) -> OutcomeKind {
+        match self {
+            Self::Processed { .. } => OutcomeKind::Processed,
+            Self::Duplicate { .. } => OutcomeKind::Duplicate,
+            Self::Conflict { .. } => OutcomeKind::Conflict,
+            Self::Rejected(_) => OutcomeKind::Rejected,
+            Self::Failed(_) => OutcomeKind::Failed,
+        }
+    }
+
+    /// The dead-letter reason code: `fingerprint_mismatch`, `bad_key`,
+    /// `decode_error`, `handler_error` or `store_error`; `None` for
+    /// processed and duplicate deliveries.
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            Self::Processed { .. } | Self::Duplicate { .. } => None,
+            Self::Conflict { .. } => Some("fingerprint_mismatch"),
+            Self::Rejected(r) => Some(r.reason()),
+            Self::Failed(f) => Some(f.reason()),
+        }
+    }
+
+    /// Whether the delivery may be acknowledged without further action:
+    /// its effect is committed (processed) or was committed earlier (duplicate).
+    pub fn is_done(&self) -> bool {
+        matches!(self, Self::Processed { .. } | Self::Duplicate { .. })
+    }
+}
+
+/// The variant of an [`Outcome`], without data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum OutcomeKind {
+    /// See [`Outcome::Processed`].
+    Processed,
+    /// See [`Outcome::Duplicate`].
+    Duplicate,
+    /// See [`Outcome::Conflict`].
+    Conflict,
+    /// See [`Outcome::Rejected`].
+    Rejected,
+    /// See [`Outcome::Failed`].
+    Failed,
+}
+
+impl OutcomeKind {
+    /// Lower-case name, e.g. `duplicate`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Conflict => "conflict",
+            Self::Rejected => "rejected",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// Why a delivery was rejected as bad input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// No valid key could be derived.
+    #[error(transparent)]
+    BadKey(#[from] KeyError),
+    /// The payload does not decode into the handler's input type.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+impl Rejection {
+    /// `bad_key` or `decode_error`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::BadKey(e) => e.reason(),
+            Self::Decode(_) => "decode_error",
+        }
+    }
+}
+
+/// Why an attempt failed. Whatever the cause, its transaction was rolled
+/// back: no claim and no business write of it remain.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Failure {
+    /// The handler returned an error.
+    #[error("handler failed: {0}")]
+    Handler(#[source] HandlerError),
+    /// The handler panicked; treated as a permanent failure.
+    #[error("handler panicked: {0}")]
+    Panic(String),
+    /// The dedup store (the database) failed. This says nothing about the
+    /// message: transports must not dead-letter it, but back off and retry.
+    #[error("dedup store failed: {0}")]
+    Store(#[source] StoreError),
+    /// The handler's result could not be serialized for storage.
+    #[error("cannot serialize the handler's result: {0}")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl Failure {
+    /// Whether the retry policy may try again.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Handler(e) => e.is_retryable(),
+            Self::Store(e) => e.is_transient(),
+            Self::Panic(_) | Self::Encode(_) => false,
+        }
+    }
+
+    /// Whether the failure is the infrastructure's rather than the message's.
+    pub fn is_infrastructure(&self) -> bool {
+        matches!(self, Self::Store(_))
+    }
+
+    /// `store_error` for store failures, `handler_error` otherwise.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Store(_) => "store_error",
+            _ => "handler_error",
+        }
+    }
+}

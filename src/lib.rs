@@ -1,0 +1,26 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+pub mod clock;
+pub mod delivery;
+pub mod engine;
+pub mod fingerprint;
+pub mod key;
+pub mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use delivery::Delivery;
+pub use engine::{
+    BuildError, DecodeError, Engine, EngineBuilder, Failure, FromDelivery, Handler, HandlerError,
+    Json, Outcome, OutcomeKind, Rejection, Report, RetryPolicy, handler_fn,
+};
+pub use fingerprint::{Fingerprint, FingerprintSpec};
+pub use futures_util::future::BoxFuture;
+pub use key::{IdemKey, KeyError, KeySpec, KeySpecError};
+#[cfg(feature = "mysql")]
+pub use store::mysql::MySqlStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::PgStore;
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::SqliteStore;
+pub use store::{Claim, ClaimRequest, ClaimTimes, Record, SqlStore, StoreError};

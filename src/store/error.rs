@@ -1,0 +1,65 @@
+//! Store errors and the classification of transient database errors.
+
+/// An error of the dedup store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The table name is not a valid SQL identifier.
+    #[error(
+        "invalid table name {0:?}: use `table` or `schema.table`, letters, digits and `_`, at most 48 bytes each"
+    )]
+    InvalidTableName(String),
+    /// The scope is empty, too long or contains control characters.
+    #[error("invalid scope {0:?}: 1 to 128 bytes without control characters")]
+    InvalidScope(String),
+    /// The record of a key kept changing under the claim (concurrent purge
+    /// and reclaim); transient.
+    #[error("claim of key {0:?} kept racing with concurrent changes")]
+    Contention(String),
+    /// A stored record could not be read back.
+    #[error("stored record is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Whether retrying the transaction may succeed (lost connection,
+    /// deadlock, serialization failure, lock timeout, busy database).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Database(e) => is_transient(e),
+            Self::Contention(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// Whether a sqlx error is worth retrying: I/O and pool timeouts, and the
+/// database errors that mean "try again" on each backend (Postgres
+/// serialization failure `40001`, deadlock `40P01`, lock not available `55P03`,
+/// shutdown `57P01`/`57P02`/`57P03`; MySQL/MariaDB deadlock 1213 and lock wait
+/// timeout 1205; SQLite `BUSY` and `LOCKED`).
+pub fn is_transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => {
+            #[cfg(feature = "mysql")]
+            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return matches!(my.number(), 1205 | 1213);
+            }
+            #[cfg(feature = "sqlite")]
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                // sqlx reports extended result codes; the primary code is the low byte.
+                let code = db.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0);
+                return matches!(code & 0xff, 5 | 6);
+            }
+            matches!(
+                db.code().as_deref(),
+                Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03")
+            )
+        }
+        _ => false,
+    }
+}

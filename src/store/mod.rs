@@ -1,0 +1,261 @@
+//! Dedup records and the SQL stores that claim them inside the caller's transaction.
+//!
+//! A record is `(scope, key)` → fingerprint, result, source, created_at,
+//! expires_at, under a primary key on `(scope, key)`. The claim is an insert
+//! in the same transaction as the handler's business writes: if the
+//! transaction commits, the key is done together with its effects; if it
+//! rolls back (handler error, crash, lost connection), nothing is left behind
+//! and a redelivery processes the key again. Concurrent claims of one key are
+//! serialized by the database's unique index.
+//!
+//! One implementation per backend, each behind its cargo feature:
+//! [`PgStore`](crate::store::postgres::PgStore) (`postgres`),
+//! [`MySqlStore`](crate::store::mysql::MySqlStore) (`mysql`, also MariaDB),
+//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`).
+
+mod batch;
+mod claim;
+mod numbered;
+mod sql;
+mod error;
+mod table;
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use sqlx::{Database, Pool, Transaction};
+
+use crate::fingerprint::Fingerprint;
+
+pub use error::{StoreError, is_transient};
+pub use table::TableName;
+
+/// The default dedup table name.
+pub const DEFAULT_TABLE: &str = "onceonly_keys";
+
+/// The largest scope length in bytes.
+pub const MAX_SCOPE_LEN: usize = 128;
+
+/// The largest source length in bytes; longer sources are truncated on a character boundary.
+pub const MAX_SOURCE_LEN: usize = 512;
+
+/// One key to claim.
+#[derive(Clone, Copy, Debug)]
+pub struct ClaimRequest<'a> {
+    /// The validated key.
+    pub key: &'a str,
+    /// The payload fingerprint, if fingerprints are enabled.
+    pub fingerprint: Option<&'a Fingerprint>,
+    /// Source coordinates for audits, e.g. `payments/3@1042`.
+    pub source: Option<&'a str>,
+}
+
+/// The clock values of a claim: records expire at `expires_at_ms`; a record
+/// whose `expires_at_ms <= now_ms` is treated as absent and may be reclaimed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClaimTimes {
+    /// Now, in milliseconds since the Unix epoch.
+    pub now_ms: i64,
+    /// Expiry of a new claim, in milliseconds since the Unix epoch.
+    pub expires_at_ms: i64,
+}
+
+impl ClaimTimes {
+    /// `now_ms` plus a retention window.
+    pub fn new(now_ms: i64, retention: Duration) -> Self {
+        let ttl = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+        Self {
+            now_ms,
+            expires_at_ms: now_ms.saturating_add(ttl),
+        }
+    }
+}
+
+/// What a claim found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The key is new (or its record had expired): the caller owns it until
+    /// its transaction ends.
+    Claimed,
+    /// The key was already committed with the same payload.
+    Duplicate {
+        /// The stored result, `None` if none was recorded.
+        result: Option<Vec<u8>>,
+    },
+    /// The key was already committed with another payload fingerprint.
+    Conflict {
+        /// The fingerprint stored with the key.
+        stored: Option<Fingerprint>,
+    },
+    /// Batch claims only: the same key appeared earlier in the same batch, at
+    /// this index, with the same fingerprint. Its outcome is that entry's.
+    InBatch {
+        /// Index of the first occurrence.
+        first: usize,
+    },
+}
+
+/// A stored record, as read back by [`SqlStore::get`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// The scope (consumer group, queue or handler name).
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The payload fingerprint.
+    pub fingerprint: Option<Fingerprint>,
+    /// The stored result bytes.
+    pub result: Option<Vec<u8>>,
+    /// Source coordinates.
+    pub source: Option<String>,
+    /// When the record was claimed, in ms since the Unix epoch.
+    pub created_at_ms: i64,
+    /// When the record expires, in ms since the Unix epoch.
+    pub expires_at_ms: i64,
+}
+
+impl Record {
+    /// `created_at_ms` as a [`SystemTime`].
+    pub fn created_at(&self) -> SystemTime {
+        from_ms(self.created_at_ms)
+    }
+
+    /// `expires_at_ms` as a [`SystemTime`].
+    pub fn expires_at(&self) -> SystemTime {
+        from_ms(self.expires_at_ms)
+    }
+}
+
+fn from_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// A SQL dedup store: the seam between the engine and a database backend.
+///
+/// Claims and completions run on the caller's open transaction (`conn`), so
+/// they commit or roll back together with the handler's writes.
+#[async_trait]
+pub trait SqlStore: Clone + Send + Sync + 'static {
+    /// The sqlx database of this backend.
+    type Db: Database;
+
+    /// The connection pool.
+    fn pool(&self) -> &Pool<Self::Db>;
+
+    /// The dedup table.
+    fn table(&self) -> &TableName;
+
+    /// Creates the dedup table and its indexes if they do not exist. Safe to
+    /// run concurrently from several processes.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// Begins a transaction with the isolation this backend's claim relies on.
+    async fn begin(&self) -> Result<Transaction<'static, Self::Db>, StoreError>;
+
+    /// Claims `req.key` in `scope` inside the open transaction `conn`.
+    async fn claim(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError>;
+
+    /// Claims many keys inside the open transaction `conn`; one [`Claim`] per
+    /// request, in order. A key repeated inside the batch is
+    /// [`Claim::InBatch`] (same fingerprint) or [`Claim::Conflict`] (another
+    /// fingerprint) for every occurrence after the first.
+    async fn claim_batch(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError>;
+
+    /// Records the result of a claimed key, in the same transaction as the claim.
+    async fn complete(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        key: &str,
+        result: &[u8],
+    ) -> Result<(), StoreError>;
+
+    /// Reads one committed record (expired or not).
+    async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError>;
+
+    /// Deletes at most `limit` records that expired at or before `now_ms`
+    /// (in `scope` only, if given), in one short transaction; returns how many
+    /// were deleted. Call it in a loop until it returns less than `limit`.
+    async fn purge_expired(
+        &self,
+        scope: Option<&str>,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<u64, StoreError>;
+}
+
+/// Checks a scope: 1 to [`MAX_SCOPE_LEN`] bytes, no control characters.
+pub fn validate_scope(scope: &str) -> Result<(), StoreError> {
+    if scope.is_empty()
+        || scope.len() > MAX_SCOPE_LEN
+        || scope.bytes().any(|b| b.is_ascii_control())
+    {
+        return Err(StoreError::InvalidScope(scope.chars().take(160).collect()));
+    }
+    Ok(())
+}
+
+/// Truncates a source string to [`MAX_SOURCE_LEN`] bytes on a character boundary.
+pub fn clamp_source(source: &str) -> &str {
+    if source.len() <= MAX_SOURCE_LEN {
+        return source;
+    }
+    let mut end = MAX_SOURCE_LEN;
+    while !source.is_char_boundary(end) {
+        end -= 1;
+    }
+    &source[..end]
+}
+
+/// Decides whether a found record means duplicate or conflict.
+pub(crate) fn classify_existing(
+    stored_fp: Option<Fingerprint>,
+    stored_result: Option<Vec<u8>>,
+    req: &ClaimRequest<'_>,
+) -> Claim {
+    match (stored_fp, req.fingerprint) {
+        (Some(stored), Some(received)) if stored != *received => Claim::Conflict {
+            stored: Some(stored),
+        },
+        _ => Claim::Duplicate {
+            result: stored_result,
+        },
+    }
+}
+
+/// How many times a claim re-reads when the record changes under it
+/// (concurrent purge or reclaim) before giving up with a transient error.
+pub(crate) const CLAIM_ROUNDS: usize = 4;
+
+pub(crate) use batch::plan_batch;
+
+/// Checks that recording a result touched exactly the claimed record.
+pub(crate) fn expect_one(rows: u64, key: &str) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::Corrupt(format!(
+            "recording the result of key {key:?} updated {rows} rows instead of 1"
+        )))
+    }
+}

@@ -1,0 +1,137 @@
+//! SQL text of each backend, built once per store from a validated table name.
+
+use super::TableName;
+
+/// Every statement a store runs. Placeholders are `$n` (Postgres, SQLite) or `?` (MySQL).
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub ddl: Vec<String>,
+    pub insert: String,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub insert_many: String,
+    pub existing: String,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub existing_many: String,
+    pub reclaim: String,
+    pub complete: String,
+    pub get: String,
+    pub purge: String,
+    pub purge_scope: String,
+}
+
+const COLS: &str = "scope, idem_key, fingerprint, source, created_at_ms, expires_at_ms";
+
+/// Statements shared by the `$n`-placeholder dialects (Postgres and SQLite).
+fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
+    let purge = |scope: &str| {
+        format!(
+            "DELETE FROM {t} WHERE (scope, idem_key) IN (SELECT scope, idem_key FROM {t} \
+             WHERE expires_at_ms <= $1{scope} ORDER BY expires_at_ms LIMIT $2{purge_tail})"
+        )
+    };
+    Sql {
+        ddl,
+        insert: format!(
+            "INSERT INTO {t} ({COLS}) VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (scope, idem_key) DO NOTHING RETURNING 1"
+        ),
+        insert_many: format!(
+            "INSERT INTO {t} ({COLS}) SELECT $1, u.k, u.f, u.s, $5, $6 \
+             FROM UNNEST($2::text[], $3::bytea[], $4::text[]) AS u(k, f, s) \
+             ON CONFLICT (scope, idem_key) DO NOTHING RETURNING idem_key"
+        ),
+        existing: format!(
+            "SELECT fingerprint, result, expires_at_ms FROM {t} WHERE scope = $1 AND idem_key = $2"
+        ),
+        existing_many: format!(
+            "SELECT idem_key, fingerprint, result, expires_at_ms FROM {t} \
+             WHERE scope = $1 AND idem_key = ANY($2::text[])"
+        ),
+        reclaim: format!(
+            "UPDATE {t} SET fingerprint = $3, source = $4, created_at_ms = $5, expires_at_ms = $6, \
+             result = NULL WHERE scope = $1 AND idem_key = $2 AND expires_at_ms <= $5"
+        ),
+        complete: format!("UPDATE {t} SET result = $3 WHERE scope = $1 AND idem_key = $2"),
+        get: format!("SELECT {COLS}, result FROM {t} WHERE scope = $1 AND idem_key = $2"),
+        purge: purge(""),
+        purge_scope: purge(" AND scope = $3"),
+    }
+}
+
+impl Sql {
+    #[cfg(feature = "postgres")]
+    pub fn postgres(table: &TableName) -> Self {
+        let t = table.quoted('"');
+        let ddl = vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\
+                 scope text NOT NULL, idem_key text NOT NULL, fingerprint bytea, result bytea, \
+                 source text, created_at_ms bigint NOT NULL, expires_at_ms bigint NOT NULL, \
+                 PRIMARY KEY (scope, idem_key))"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} (expires_at_ms)",
+                table.index("expires_at", '"')
+            ),
+        ];
+        // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
+        numbered(&t, ddl, " FOR UPDATE SKIP LOCKED")
+    }
+
+    #[cfg(feature = "sqlite")]
+    pub fn sqlite(table: &TableName) -> Self {
+        let t = table.quoted('"');
+        let ddl = vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\
+                 scope TEXT NOT NULL, idem_key TEXT NOT NULL, fingerprint BLOB, result BLOB, \
+                 source TEXT, created_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, \
+                 PRIMARY KEY (scope, idem_key)) WITHOUT ROWID"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} (expires_at_ms)",
+                table.index("expires_at", '"')
+            ),
+        ];
+        numbered(&t, ddl, "")
+    }
+
+    #[cfg(feature = "mysql")]
+    pub fn mysql(table: &TableName) -> Self {
+        let t = table.quoted('`');
+        // VARBINARY keys: byte-exact comparison. The default collations of
+        // MySQL/MariaDB are case-insensitive and ignore trailing spaces, which
+        // would make `abc`, `ABC` and `abc ` one key.
+        let ddl = vec![format!(
+            "CREATE TABLE IF NOT EXISTS {t} (\
+             scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
+             fingerprint VARBINARY(32) NULL, result LONGBLOB NULL, source VARBINARY(512) NULL, \
+             created_at_ms BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, \
+             PRIMARY KEY (scope, idem_key), KEY {} (expires_at_ms)\
+             ) ENGINE=InnoDB",
+            table.index("expires_at", '`')
+        )];
+        let purge = |scope: &str| {
+            format!(
+                "DELETE FROM {t} WHERE {scope}expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
+            )
+        };
+        Sql {
+            ddl,
+            insert: format!("INSERT INTO {t} ({COLS}) VALUES (?, ?, ?, ?, ?, ?)"),
+            insert_many: String::new(),
+            existing: format!(
+                "SELECT fingerprint, result, expires_at_ms FROM {t} WHERE scope = ? AND idem_key = ?"
+            ),
+            existing_many: String::new(),
+            reclaim: format!(
+                "UPDATE {t} SET fingerprint = ?, source = ?, created_at_ms = ?, expires_at_ms = ?, \
+                 result = NULL WHERE scope = ? AND idem_key = ? AND expires_at_ms <= ?"
+            ),
+            complete: format!("UPDATE {t} SET result = ? WHERE scope = ? AND idem_key = ?"),
+            get: format!("SELECT {COLS}, result FROM {t} WHERE scope = ? AND idem_key = ?"),
+            purge: purge(""),
+            purge_scope: purge("scope = ? AND "),
+        }
+    }
+}
