@@ -65,7 +65,10 @@ fn describe(report: &Report<Receipt>) -> String {
             format!("ledger #{} balance {}", result.ledger_id, result.balance)
         }
         Outcome::Duplicate { result: Some(r) } => {
-            format!("replayed receipt: ledger #{} balance {}", r.ledger_id, r.balance)
+            format!(
+                "replayed receipt: ledger #{} balance {}",
+                r.ledger_id, r.balance
+            )
         }
         Outcome::Conflict { .. } => "same key, other payload: refused".to_owned(),
         Outcome::Rejected(r) => format!("{}: {r}", r.reason()),
@@ -85,7 +88,11 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         .scope("payments-ledger")
         .key_expr("json:/out_trade_no")
         .retention(Duration::from_secs(7 * 24 * 3600))
-        .retry(RetryPolicy::default().max_attempts(3).initial_delay(Duration::from_millis(10)))
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(10)),
+        )
         .build()?;
     let handler = LedgerHandler {
         flaky: Mutex::new(HashSet::from(["T-4001".to_owned()])),
@@ -102,14 +109,26 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         ),
         ("first delivery", payment("T-1003", "alice", 100)),
         ("same key, other amount", payment("T-1002", "bob", 9_999)),
-        ("malformed JSON", r#"{"out_trade_no":"T-3001","amount":"#.to_owned()),
-        ("no out_trade_no", r#"{"account":"bob","amount":1}"#.to_owned()),
-        ("amount is not a number", r#"{"out_trade_no":"T-3002","account":"bob","amount":"ten"}"#.to_owned()),
+        (
+            "malformed JSON",
+            r#"{"out_trade_no":"T-3001","amount":"#.to_owned(),
+        ),
+        (
+            "no out_trade_no",
+            r#"{"account":"bob","amount":1}"#.to_owned(),
+        ),
+        (
+            "amount is not a number",
+            r#"{"out_trade_no":"T-3002","account":"bob","amount":"ten"}"#.to_owned(),
+        ),
         ("fails once, then retried", payment("T-4001", "dave", 42)),
         ("redelivery", payment("T-4001", "dave", 42)),
     ];
 
-    println!("{:<3} {:<28} {:<8} {:<10} {:<3} detail", "#", "delivery", "key", "outcome", "att");
+    println!(
+        "{:<3} {:<28} {:<8} {:<10} {:<3} detail",
+        "#", "delivery", "key", "outcome", "att"
+    );
     let mut tally: BTreeMap<&str, usize> = BTreeMap::new();
     let mut line = 0;
     let mut show = |label: &str, report: &Report<Receipt>| {
@@ -117,10 +136,15 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         let kind = report.outcome.kind().as_str();
         *tally.entry(kind).or_default() += 1;
         let key = report.key.as_ref().map_or("-", |k| k.as_str());
-        println!("{line:<3} {label:<28} {key:<8} {kind:<10} {:<3} {}", report.attempts, describe(report));
+        println!(
+            "{line:<3} {label:<28} {key:<8} {kind:<10} {:<3} {}",
+            report.attempts,
+            describe(report)
+        );
     };
     for (i, (label, body)) in stream.iter().enumerate() {
-        let delivery = Delivery::new(body.as_bytes().to_vec()).with_source(format!("quickstart/0@{i}"));
+        let delivery =
+            Delivery::new(body.as_bytes().to_vec()).with_source(format!("quickstart/0@{i}"));
         show(label, &engine.process_with_retry(&handler, &delivery).await);
     }
 

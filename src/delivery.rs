@@ -76,7 +76,9 @@ impl Delivery {
 
     /// All metadata entries in arrival order.
     pub fn metadata_entries(&self) -> impl Iterator<Item = (&str, &[u8])> {
-        self.metadata.iter().map(|(n, v)| (n.as_str(), v.as_slice()))
+        self.metadata
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
     }
 
     /// The source coordinates, if the transport set them.
@@ -128,6 +130,12 @@ mod tests {
         let d = Delivery::new(b"{not json".to_vec());
         assert!(d.json().is_err());
         let d = Delivery::new(br#"{"a":1}"#.to_vec());
-        assert_eq!(d.json().ok().and_then(|v| v.get("a")).and_then(|v| v.as_i64()), Some(1));
+        assert_eq!(
+            d.json()
+                .ok()
+                .and_then(|v| v.get("a"))
+                .and_then(|v| v.as_i64()),
+            Some(1)
+        );
     }
 }

@@ -168,15 +168,24 @@ mod tests {
     #[test]
     fn field_subset_ignores_other_fields() {
         let spec = FingerprintSpec::Fields(vec!["/amount".into(), "/currency".into()]);
-        let a = spec.compute(&Delivery::new(br#"{"amount":5,"currency":"EUR","ts":1}"#.to_vec()));
-        let b = spec.compute(&Delivery::new(br#"{"ts":2,"currency":"EUR","amount":5.0}"#.to_vec()));
-        let c = spec.compute(&Delivery::new(br#"{"amount":6,"currency":"EUR","ts":1}"#.to_vec()));
+        let a = spec.compute(&Delivery::new(
+            br#"{"amount":5,"currency":"EUR","ts":1}"#.to_vec(),
+        ));
+        let b = spec.compute(&Delivery::new(
+            br#"{"ts":2,"currency":"EUR","amount":5.0}"#.to_vec(),
+        ));
+        let c = spec.compute(&Delivery::new(
+            br#"{"amount":6,"currency":"EUR","ts":1}"#.to_vec(),
+        ));
         assert_eq!(a, b);
         assert_ne!(a, c);
     }
 
     #[test]
     fn disabled_gives_none() {
-        assert_eq!(FingerprintSpec::Disabled.compute(&Delivery::new(b"x".to_vec())), None);
+        assert_eq!(
+            FingerprintSpec::Disabled.compute(&Delivery::new(b"x".to_vec())),
+            None
+        );
     }
 }

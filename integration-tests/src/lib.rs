@@ -15,7 +15,8 @@ pub fn pg_url() -> String {
 
 /// MySQL/MariaDB URL: `ONCEONLY_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`.
 pub fn mysql_url() -> String {
-    std::env::var("ONCEONLY_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    std::env::var("ONCEONLY_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
 fn unreachable_service(what: &str, url: &str, e: impl std::fmt::Display) -> ! {

@@ -20,6 +20,7 @@ struct Probe {
     runs: Arc<AtomicUsize>,
     fail_next: Arc<AtomicBool>,
     delay_ms: u64,
+    poison: Option<&'static str>,
 }
 
 /// Outcome counts of a set of reports.
@@ -63,12 +64,24 @@ macro_rules! backend_suite {
                 let $table = unique("keys");
                 #[allow(unused_variables)]
                 let path = dir.path().join("db.sqlite");
-                let store = { let _ = &path; $setup(&path).await };
+                let store = {
+                    let _ = &path;
+                    $setup(&path).await
+                };
                 let business = unique("charges");
                 let sql = $business(&business);
-                sqlx::query(&sql.create).execute(store.pool()).await.expect("create business table");
+                sqlx::query(&sql.create)
+                    .execute(store.pool())
+                    .await
+                    .expect("create business table");
                 let url = $url(&path);
-                Ctx { store, sql, business, url, _dir: dir }
+                Ctx {
+                    store,
+                    sql,
+                    business,
+                    url,
+                    _dir: dir,
+                }
             }
 
             impl<S: SqlStore<Db = <$conn as sqlx::Connection>::Database>> Ctx<S> {
@@ -102,8 +115,13 @@ macro_rules! backend_suite {
                             if probe.delay_ms > 0 {
                                 tokio::time::sleep(Duration::from_millis(probe.delay_ms)).await;
                             }
+                            if probe.poison == Some(p.out_trade_no.as_str()) {
+                                return Err(HandlerError::permanent("poison message"));
+                            }
                             if probe.fail_next.swap(false, Ordering::SeqCst) {
-                                return Err(HandlerError::permanent("injected failure after the write"));
+                                return Err(HandlerError::permanent(
+                                    "injected failure after the write",
+                                ));
                             }
                             Ok::<_, HandlerError>((p.out_trade_no, p.amount))
                         })
@@ -124,7 +142,10 @@ macro_rules! backend_suite {
                 async fn drop_tables(self) {
                     let dedup = format!("DROP TABLE IF EXISTS {}", self.store.table());
                     sqlx::query(&dedup).execute(self.store.pool()).await.ok();
-                    sqlx::query(&self.sql.drop).execute(self.store.pool()).await.ok();
+                    sqlx::query(&self.sql.drop)
+                        .execute(self.store.pool())
+                        .await
+                        .ok();
                 }
             }
 
@@ -161,10 +182,25 @@ macro_rules! backend_suite {
                 }
                 drop(handler);
                 let tally = std::mem::take(&mut *tally.lock().unwrap());
-                assert_eq!(tally, Tally { processed: 700, duplicate: 300, ..Tally::default() });
-                assert_eq!(ctx.rows().await, 700, "business rows must equal distinct keys");
+                assert_eq!(
+                    tally,
+                    Tally {
+                        processed: 700,
+                        duplicate: 300,
+                        ..Tally::default()
+                    }
+                );
+                assert_eq!(
+                    ctx.rows().await,
+                    700,
+                    "business rows must equal distinct keys"
+                );
                 assert_eq!(ctx.scalar(&ctx.sql.distinct).await, 700);
-                assert_eq!(probe.runs.load(Ordering::SeqCst), 700, "handler ran once per key");
+                assert_eq!(
+                    probe.runs.load(Ordering::SeqCst),
+                    700,
+                    "handler ran once per key"
+                );
                 ctx.drop_tables().await;
             }
 
@@ -172,13 +208,18 @@ macro_rules! backend_suite {
             async fn concurrent_duplicates_run_the_handler_once() {
                 let ctx = ctx().await;
                 let engine = ctx.engine().build().unwrap();
-                let probe = Probe { delay_ms: 100, ..Probe::default() };
+                let probe = Probe {
+                    delay_ms: 100,
+                    ..Probe::default()
+                };
                 let mut tasks = Vec::new();
                 for _ in 0..32 {
                     let engine = engine.clone();
                     let handler = ctx.handler(&probe);
                     tasks.push(tokio::spawn(async move {
-                        engine.process(&handler, &Delivery::new(pay("T-hot", 99))).await
+                        engine
+                            .process(&handler, &Delivery::new(pay("T-hot", 99)))
+                            .await
                     }));
                 }
                 let mut tally = Tally::default();
@@ -190,10 +231,23 @@ macro_rules! backend_suite {
                         replayed.push(result);
                     }
                 }
-                assert_eq!(tally, Tally { processed: 1, duplicate: 31, ..Tally::default() });
-                assert_eq!(probe.runs.load(Ordering::SeqCst), 1, "handler must run once");
+                assert_eq!(
+                    tally,
+                    Tally {
+                        processed: 1,
+                        duplicate: 31,
+                        ..Tally::default()
+                    }
+                );
+                assert_eq!(
+                    probe.runs.load(Ordering::SeqCst),
+                    1,
+                    "handler must run once"
+                );
                 assert!(
-                    replayed.iter().all(|r| r.as_ref() == Some(&("T-hot".to_owned(), 99))),
+                    replayed
+                        .iter()
+                        .all(|r| r.as_ref() == Some(&("T-hot".to_owned(), 99))),
                     "every duplicate carries the stored result: {replayed:?}"
                 );
                 assert_eq!(ctx.rows().await, 1);
@@ -223,10 +277,16 @@ macro_rules! backend_suite {
                     "no claim is left behind"
                 );
                 let retry = engine.process(&handler, &d).await;
-                assert!(matches!(retry.outcome, Outcome::Processed { .. }), "{retry:?}");
+                assert!(
+                    matches!(retry.outcome, Outcome::Processed { .. }),
+                    "{retry:?}"
+                );
                 assert_eq!(ctx.rows().await, 1);
                 let again = engine.process(&handler, &d).await;
-                assert!(matches!(again.outcome, Outcome::Duplicate { .. }), "{again:?}");
+                assert!(
+                    matches!(again.outcome, Outcome::Duplicate { .. }),
+                    "{again:?}"
+                );
                 assert_eq!(probe.runs.load(Ordering::SeqCst), 2);
                 ctx.drop_tables().await;
             }
@@ -237,10 +297,14 @@ macro_rules! backend_suite {
                 let engine = ctx.engine().build().unwrap();
                 let probe = Probe::default();
                 let handler = ctx.handler(&probe);
-                let first = engine.process(&handler, &Delivery::new(pay("T-c", 5))).await;
+                let first = engine
+                    .process(&handler, &Delivery::new(pay("T-c", 5)))
+                    .await;
                 assert!(matches!(first.outcome, Outcome::Processed { .. }));
                 let expected = FingerprintSpec::Auto.compute(&Delivery::new(pay("T-c", 5)));
-                let other = engine.process(&handler, &Delivery::new(pay("T-c", 6))).await;
+                let other = engine
+                    .process(&handler, &Delivery::new(pay("T-c", 6)))
+                    .await;
                 match other.outcome {
                     Outcome::Conflict { stored, received } => {
                         assert_eq!(stored, expected);
@@ -249,8 +313,16 @@ macro_rules! backend_suite {
                     o => panic!("expected a conflict, got {o:?}"),
                 }
                 assert_eq!(other.outcome_reason(), Some("fingerprint_mismatch"));
-                assert_eq!(ctx.rows().await, 1, "business table untouched by the conflict");
-                assert_eq!(ctx.scalar(&format!("SELECT MAX(amount) FROM {}", ctx.business)).await, 5);
+                assert_eq!(
+                    ctx.rows().await,
+                    1,
+                    "business table untouched by the conflict"
+                );
+                assert_eq!(
+                    ctx.scalar(&format!("SELECT MAX(amount) FROM {}", ctx.business))
+                        .await,
+                    5
+                );
                 assert_eq!(probe.runs.load(Ordering::SeqCst), 1);
                 ctx.drop_tables().await;
             }
@@ -268,32 +340,53 @@ macro_rules! backend_suite {
                 let probe = Probe::default();
                 let handler = ctx.handler(&probe);
                 let d = Delivery::new(pay("T-exp", 1));
-                assert!(matches!(engine.process(&handler, &d).await.outcome, Outcome::Processed { .. }));
+                assert!(matches!(
+                    engine.process(&handler, &d).await.outcome,
+                    Outcome::Processed { .. }
+                ));
                 clock.advance_ms(3_599_000);
-                assert!(matches!(engine.process(&handler, &d).await.outcome, Outcome::Duplicate { .. }));
+                assert!(matches!(
+                    engine.process(&handler, &d).await.outcome,
+                    Outcome::Duplicate { .. }
+                ));
                 clock.advance_ms(2_000);
                 let late = engine.process(&handler, &d).await;
-                assert!(matches!(late.outcome, Outcome::Processed { .. }), "expired → reclaimed: {late:?}");
+                assert!(
+                    matches!(late.outcome, Outcome::Processed { .. }),
+                    "expired → reclaimed: {late:?}"
+                );
                 let record = ctx.store.get("payments", "T-exp").await.unwrap().unwrap();
                 assert_eq!(record.created_at_ms, clock_now(&clock));
                 assert_eq!(ctx.rows().await, 2);
 
                 // Purge: 5 expired records go in bounded batches, the live one stays.
                 for i in 0..5 {
-                    engine.process(&handler, &Delivery::new(pay(&format!("T-old-{i}"), 1))).await;
+                    engine
+                        .process(&handler, &Delivery::new(pay(&format!("T-old-{i}"), 1)))
+                        .await;
                 }
                 clock.advance_ms(3_600_000);
-                engine.process(&handler, &Delivery::new(pay("T-live", 1))).await;
+                engine
+                    .process(&handler, &Delivery::new(pay("T-live", 1)))
+                    .await;
                 let now = clock_now(&clock);
                 let mut batches = Vec::new();
                 loop {
-                    let n = ctx.store.purge_expired(Some("payments"), now, 2).await.unwrap();
+                    let n = ctx
+                        .store
+                        .purge_expired(Some("payments"), now, 2)
+                        .await
+                        .unwrap();
                     batches.push(n);
                     if n < 2 {
                         break;
                     }
                 }
-                assert_eq!(batches, vec![2, 2, 2, 0], "6 expired records in batches of 2");
+                assert_eq!(
+                    batches,
+                    vec![2, 2, 2, 0],
+                    "6 expired records in batches of 2"
+                );
                 assert!(ctx.store.get("payments", "T-live").await.unwrap().is_some());
                 assert!(ctx.store.get("payments", "T-exp").await.unwrap().is_none());
                 ctx.drop_tables().await;
@@ -303,7 +396,11 @@ macro_rules! backend_suite {
             async fn bad_keys_are_rejected_with_precise_reasons() {
                 let ctx = ctx().await;
                 let engine = ctx.engine().build().unwrap();
-                let by_header = ctx.engine().key(KeySpec::header("Idempotency-Key")).build().unwrap();
+                let by_header = ctx
+                    .engine()
+                    .key(KeySpec::header("Idempotency-Key"))
+                    .build()
+                    .unwrap();
                 let probe = Probe::default();
                 let handler = ctx.handler(&probe);
                 let reject = |o: Outcome<(String, i64)>| match o {
@@ -313,32 +410,55 @@ macro_rules! backend_suite {
                 let empty = engine.process(&handler, &Delivery::new(pay("", 1))).await;
                 assert_eq!(reject(empty.outcome), KeyError::Empty);
                 let long = "k".repeat(10_240);
-                let long = engine.process(&handler, &Delivery::new(pay(&long, 1))).await;
-                assert_eq!(reject(long.outcome), KeyError::TooLong { len: 10_240, max: 255 });
+                let long = engine
+                    .process(&handler, &Delivery::new(pay(&long, 1)))
+                    .await;
+                assert_eq!(
+                    reject(long.outcome),
+                    KeyError::TooLong {
+                        len: 10_240,
+                        max: 255
+                    }
+                );
                 let missing = engine
                     .process(&handler, &Delivery::new(br#"{"amount":1}"#.to_vec()))
                     .await;
                 assert_eq!(
                     reject(missing.outcome),
-                    KeyError::MissingField { pointer: "/out_trade_no".into() }
+                    KeyError::MissingField {
+                        pointer: "/out_trade_no".into()
+                    }
                 );
                 let not_utf8 = by_header
                     .process(
                         &handler,
-                        &Delivery::new(pay("T-1", 1)).with_metadata("Idempotency-Key", b"\xc3\x28".to_vec()),
+                        &Delivery::new(pay("T-1", 1))
+                            .with_metadata("Idempotency-Key", b"\xc3\x28".to_vec()),
                     )
                     .await;
                 assert_eq!(reject(not_utf8.outcome), KeyError::NotUtf8);
-                let malformed = engine.process(&handler, &Delivery::new(b"{\"out_trade_no\":".to_vec())).await;
+                let malformed = engine
+                    .process(&handler, &Delivery::new(b"{\"out_trade_no\":".to_vec()))
+                    .await;
                 let e = reject(malformed.outcome);
                 assert!(matches!(e, KeyError::NotJson(_)));
                 assert_eq!(e.reason(), "decode_error");
                 let undecodable = engine
-                    .process(&handler, &Delivery::new(br#"{"out_trade_no":"T-x","amount":"ten"}"#.to_vec()))
+                    .process(
+                        &handler,
+                        &Delivery::new(br#"{"out_trade_no":"T-x","amount":"ten"}"#.to_vec()),
+                    )
                     .await;
-                assert!(matches!(undecodable.outcome, Outcome::Rejected(Rejection::Decode(_))));
+                assert!(matches!(
+                    undecodable.outcome,
+                    Outcome::Rejected(Rejection::Decode(_))
+                ));
                 assert_eq!(undecodable.outcome.reason(), Some("decode_error"));
-                assert_eq!(probe.runs.load(Ordering::SeqCst), 0, "the handler never ran");
+                assert_eq!(
+                    probe.runs.load(Ordering::SeqCst),
+                    0,
+                    "the handler never ran"
+                );
                 assert_eq!(ctx.rows().await, 0);
                 assert_eq!(ctx.store.get("payments", "T-x").await.unwrap(), None);
                 ctx.drop_tables().await;
@@ -353,23 +473,41 @@ macro_rules! backend_suite {
                 let handler = ctx.handler(&probe);
                 for key in ["abc", "ABC", "abc ", "ábc"] {
                     let r = engine.process(&handler, &Delivery::new(pay(key, 1))).await;
-                    assert!(matches!(r.outcome, Outcome::Processed { .. }), "{key:?}: {r:?}");
+                    assert!(
+                        matches!(r.outcome, Outcome::Processed { .. }),
+                        "{key:?}: {r:?}"
+                    );
                 }
-                let r = other_scope.process(&handler, &Delivery::new(pay("abc", 1))).await;
-                assert!(matches!(r.outcome, Outcome::Processed { .. }), "another scope processes it once too");
-                let r = other_scope.process(&handler, &Delivery::new(pay("abc", 1))).await;
+                let r = other_scope
+                    .process(&handler, &Delivery::new(pay("abc", 1)))
+                    .await;
+                assert!(
+                    matches!(r.outcome, Outcome::Processed { .. }),
+                    "another scope processes it once too"
+                );
+                let r = other_scope
+                    .process(&handler, &Delivery::new(pay("abc", 1)))
+                    .await;
                 assert!(matches!(r.outcome, Outcome::Duplicate { .. }));
                 assert_eq!(ctx.rows().await, 5);
                 ctx.drop_tables().await;
             }
 
             #[tokio::test]
-            async fn sigkill_between_claim_and_commit_leaves_nothing_and_a_restart_processes_once() {
+            async fn sigkill_between_claim_and_commit_leaves_nothing_and_a_restart_processes_once()
+            {
                 let ctx = ctx().await;
                 let backend = stringify!($name);
                 let table = ctx.store.table().to_string();
                 let args = |mode: &'static str| {
-                    vec![backend.to_owned(), ctx.url.clone(), table.clone(), ctx.business.clone(), "T-crash".to_owned(), mode.to_owned()]
+                    vec![
+                        backend.to_owned(),
+                        ctx.url.clone(),
+                        table.clone(),
+                        ctx.business.clone(),
+                        "T-crash".to_owned(),
+                        mode.to_owned(),
+                    ]
                 };
                 for kill in 1..=2 {
                     let mut child = Command::new(env!("CARGO_BIN_EXE_crash_worker"))
@@ -380,7 +518,8 @@ macro_rules! backend_suite {
                     let stdout = child.stdout.take().unwrap();
                     let line = tokio::task::spawn_blocking(move || {
                         let mut line = String::new();
-                        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+                        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+                            .map(|_| line)
                     });
                     let line = tokio::time::timeout(Duration::from_secs(60), line)
                         .await
@@ -391,11 +530,22 @@ macro_rules! backend_suite {
                     // The worker holds the claim and a business row, uncommitted.
                     child.kill().expect("SIGKILL");
                     child.wait().unwrap();
-                    assert_eq!(ctx.rows().await, 0, "kill #{kill}: the uncommitted business row is gone");
-                    assert_eq!(ctx.store.get("crash-test", "T-crash").await.unwrap(), None, "kill #{kill}: no claim left");
+                    assert_eq!(
+                        ctx.rows().await,
+                        0,
+                        "kill #{kill}: the uncommitted business row is gone"
+                    );
+                    assert_eq!(
+                        ctx.store.get("crash-test", "T-crash").await.unwrap(),
+                        None,
+                        "kill #{kill}: no claim left"
+                    );
                 }
                 let run = || {
-                    let out = Command::new(env!("CARGO_BIN_EXE_crash_worker")).args(args("run")).output().expect("run crash_worker");
+                    let out = Command::new(env!("CARGO_BIN_EXE_crash_worker"))
+                        .args(args("run"))
+                        .output()
+                        .expect("run crash_worker");
                     assert!(out.status.success(), "{out:?}");
                     String::from_utf8(out.stdout).unwrap().trim().to_owned()
                 };
@@ -406,16 +556,81 @@ macro_rules! backend_suite {
             }
 
             #[tokio::test]
+            async fn batches_commit_once_and_a_poison_message_neither_blocks_nor_doubles() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe { poison: Some("P-poison"), ..Probe::default() };
+                let handler = ctx.handler(&probe);
+                engine.process(&handler, &Delivery::new(pay("P-done", 1))).await;
+                engine.process(&handler, &Delivery::new(pay("P-other", 1))).await;
+                let batch: Vec<Delivery> = [
+                    pay("P-a", 1),
+                    pay("P-b", 2),
+                    pay("P-a", 1),
+                    b"{not json".to_vec(),
+                    pay("P-done", 1),
+                    pay("P-other", 5),
+                    pay("P-b", 3),
+                ]
+                .into_iter()
+                .map(Delivery::new)
+                .collect();
+                let reports = engine.process_batch(&handler, &batch).await;
+                let kinds: Vec<&str> = reports.iter().map(|r| r.outcome.kind().as_str()).collect();
+                assert_eq!(
+                    kinds,
+                    ["processed", "processed", "duplicate", "rejected", "duplicate", "conflict", "conflict"]
+                );
+                assert!(
+                    matches!(&reports[2].outcome, Outcome::Duplicate { result: Some((k, 1)) } if k == "P-a"),
+                    "an in-batch repeat gets the first occurrence's result: {:?}",
+                    reports[2]
+                );
+                assert_eq!(ctx.rows().await, 4);
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 4, "one run per new key");
+
+                // A poison message rolls the batch back, then each message goes alone.
+                let batch: Vec<Delivery> =
+                    [pay("P-1", 1), pay("P-poison", 1), pay("P-2", 1)].into_iter().map(Delivery::new).collect();
+                let reports = engine.process_batch(&handler, &batch).await;
+                let kinds: Vec<&str> = reports.iter().map(|r| r.outcome.kind().as_str()).collect();
+                assert_eq!(kinds, ["processed", "failed", "processed"]);
+                assert_eq!(ctx.rows().await, 6, "P-1 and P-2 once each, nothing of the poison");
+                assert_eq!(ctx.store.get("payments", "P-poison").await.unwrap(), None);
+                let again = engine.process_batch(&handler, &batch[..1]).await;
+                assert!(matches!(again[0].outcome, Outcome::Duplicate { .. }));
+                ctx.drop_tables().await;
+            }
+
+            #[tokio::test]
             async fn batch_claim_reports_new_duplicate_conflict_and_in_batch_repeats() {
                 let ctx = ctx().await;
                 let engine = ctx.engine().build().unwrap();
                 let probe = Probe::default();
                 let handler = ctx.handler(&probe);
-                engine.process(&handler, &Delivery::new(pay("B-done", 1))).await;
-                engine.process(&handler, &Delivery::new(pay("B-other", 1))).await;
-                let fp = |no: &str, amount| FingerprintSpec::Auto.compute(&Delivery::new(pay(no, amount))).unwrap();
-                let fps = [fp("B-a", 1), fp("B-b", 1), fp("B-done", 1), fp("B-other", 2), fp("B-b", 9)];
-                let req = |key, i: usize| ClaimRequest { key, fingerprint: Some(&fps[i]), source: Some("t/0@1") };
+                engine
+                    .process(&handler, &Delivery::new(pay("B-done", 1)))
+                    .await;
+                engine
+                    .process(&handler, &Delivery::new(pay("B-other", 1)))
+                    .await;
+                let fp = |no: &str, amount| {
+                    FingerprintSpec::Auto
+                        .compute(&Delivery::new(pay(no, amount)))
+                        .unwrap()
+                };
+                let fps = [
+                    fp("B-a", 1),
+                    fp("B-b", 1),
+                    fp("B-done", 1),
+                    fp("B-other", 2),
+                    fp("B-b", 9),
+                ];
+                let req = |key, i: usize| ClaimRequest {
+                    key,
+                    fingerprint: Some(&fps[i]),
+                    source: Some("t/0@1"),
+                };
                 let reqs = [
                     req("B-a", 0),
                     req("B-b", 1),
@@ -424,17 +639,40 @@ macro_rules! backend_suite {
                     req("B-other", 3),
                     req("B-b", 4),
                 ];
-                let times = ClaimTimes::new(onceonly::Clock::now_ms(&onceonly::SystemClock), Duration::from_secs(60));
+                let times = ClaimTimes::new(
+                    onceonly::Clock::now_ms(&onceonly::SystemClock),
+                    Duration::from_secs(60),
+                );
                 let mut tx = ctx.store.begin().await.unwrap();
-                let claims = ctx.store.claim_batch(&mut tx, "payments", times, &reqs).await.unwrap();
+                let claims = ctx
+                    .store
+                    .claim_batch(&mut tx, "payments", times, &reqs)
+                    .await
+                    .unwrap();
                 assert_eq!(claims[0], Claim::Claimed);
                 assert_eq!(claims[1], Claim::Claimed);
                 assert_eq!(claims[2], Claim::InBatch { first: 0 });
-                assert!(matches!(&claims[3], Claim::Duplicate { result: Some(_) }), "{:?}", claims[3]);
-                assert!(matches!(&claims[4], Claim::Conflict { stored: Some(_) }), "{:?}", claims[4]);
-                assert_eq!(claims[5], Claim::Conflict { stored: Some(fps[1]) });
+                assert!(
+                    matches!(&claims[3], Claim::Duplicate { result: Some(_) }),
+                    "{:?}",
+                    claims[3]
+                );
+                assert!(
+                    matches!(&claims[4], Claim::Conflict { stored: Some(_) }),
+                    "{:?}",
+                    claims[4]
+                );
+                assert_eq!(
+                    claims[5],
+                    Claim::Conflict {
+                        stored: Some(fps[1])
+                    }
+                );
                 for key in ["B-a", "B-b"] {
-                    ctx.store.complete(&mut tx, "payments", key, b"\"ok\"").await.unwrap();
+                    ctx.store
+                        .complete(&mut tx, "payments", key, b"\"ok\"")
+                        .await
+                        .unwrap();
                 }
                 tx.commit().await.unwrap();
                 let a = ctx.store.get("payments", "B-a").await.unwrap().unwrap();
@@ -444,7 +682,13 @@ macro_rules! backend_suite {
                 // A batch that rolls back leaves nothing.
                 let mut tx = ctx.store.begin().await.unwrap();
                 let r = [req("B-gone", 0)];
-                assert_eq!(ctx.store.claim_batch(&mut tx, "payments", times, &r).await.unwrap(), vec![Claim::Claimed]);
+                assert_eq!(
+                    ctx.store
+                        .claim_batch(&mut tx, "payments", times, &r)
+                        .await
+                        .unwrap(),
+                    vec![Claim::Claimed]
+                );
                 tx.rollback().await.unwrap();
                 assert_eq!(ctx.store.get("payments", "B-gone").await.unwrap(), None);
                 ctx.drop_tables().await;
@@ -467,16 +711,34 @@ impl<T> ReasonExt for onceonly::Report<T> {
     }
 }
 
-backend_suite!(postgres, sqlx::PgConnection, BusinessSql::postgres, |_: &std::path::Path| onceonly_integration_tests::pg_url(), |table| |_p: &std::path::Path| {
-    let t = table.clone();
-    async move { onceonly_integration_tests::pg_store(&t).await }
-});
-backend_suite!(mysql, sqlx::MySqlConnection, BusinessSql::mysql, |_: &std::path::Path| onceonly_integration_tests::mysql_url(), |table| |_p: &std::path::Path| {
-    let t = table.clone();
-    async move { onceonly_integration_tests::mysql_store(&t).await }
-});
-backend_suite!(sqlite, sqlx::SqliteConnection, BusinessSql::sqlite, |p: &std::path::Path| p.display().to_string(), |table| |p: &std::path::Path| {
-    let t = table.clone();
-    let p = p.to_owned();
-    async move { onceonly_integration_tests::sqlite_store(&p, &t).await }
-});
+backend_suite!(
+    postgres,
+    sqlx::PgConnection,
+    BusinessSql::postgres,
+    |_: &std::path::Path| onceonly_integration_tests::pg_url(),
+    |table| |_p: &std::path::Path| {
+        let t = table.clone();
+        async move { onceonly_integration_tests::pg_store(&t).await }
+    }
+);
+backend_suite!(
+    mysql,
+    sqlx::MySqlConnection,
+    BusinessSql::mysql,
+    |_: &std::path::Path| onceonly_integration_tests::mysql_url(),
+    |table| |_p: &std::path::Path| {
+        let t = table.clone();
+        async move { onceonly_integration_tests::mysql_store(&t).await }
+    }
+);
+backend_suite!(
+    sqlite,
+    sqlx::SqliteConnection,
+    BusinessSql::sqlite,
+    |p: &std::path::Path| p.display().to_string(),
+    |table| |p: &std::path::Path| {
+        let t = table.clone();
+        let p = p.to_owned();
+        async move { onceonly_integration_tests::sqlite_store(&p, &t).await }
+    }
+);

@@ -177,12 +177,7 @@ where
     type Input = I;
     type Output = O;
 
-    async fn handle(
-        &self,
-        conn: &mut C,
-        input: I,
-        delivery: &Delivery,
-    ) -> Result<O, HandlerError> {
+    async fn handle(&self, conn: &mut C, input: I, delivery: &Delivery) -> Result<O, HandlerError> {
         (self.f)(conn, input, delivery).await
     }
 }

@@ -6,6 +6,7 @@
 //! `Conflict`, `Rejected` and exhausted handler failures, and back off on
 //! store failures.
 
+mod batch;
 mod builder;
 mod handler;
 mod outcome;
@@ -233,7 +234,11 @@ impl<S: SqlStore> Engine<S> {
                 return Outcome::Failed(Failure::Encode(e));
             }
         };
-        if let Err(e) = inner.store.complete(&mut tx, &inner.scope, key.as_str(), &bytes).await {
+        if let Err(e) = inner
+            .store
+            .complete(&mut tx, &inner.scope, key.as_str(), &bytes)
+            .await
+        {
             drop(tx.rollback().await);
             return Outcome::Failed(Failure::Store(e));
         }

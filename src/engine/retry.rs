@@ -136,7 +136,10 @@ mod tests {
         let p = RetryPolicy::default().initial_delay(Duration::from_millis(100));
         for _ in 0..100 {
             let d = p.delay_after(1).unwrap();
-            assert!(d >= Duration::from_millis(100) && d <= Duration::from_millis(200), "{d:?}");
+            assert!(
+                d >= Duration::from_millis(100) && d <= Duration::from_millis(200),
+                "{d:?}"
+            );
         }
     }
 }

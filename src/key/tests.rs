@@ -42,23 +42,33 @@ fn uuid_header_is_validated() {
     let ok = json("{}").with_metadata("Idempotency-Key", "8e629a6e-2b0c-4f1e-9a43-5b0b2a3c1d7e");
     assert!(spec.derive(&ok).is_ok());
     let bad = json("{}").with_metadata("Idempotency-Key", "not-a-uuid");
-    assert_eq!(spec.derive(&bad), Err(KeyError::NotUuid("not-a-uuid".into())));
+    assert_eq!(
+        spec.derive(&bad),
+        Err(KeyError::NotUuid("not-a-uuid".into()))
+    );
 }
 
 #[test]
 fn json_pointer_key_takes_scalars() {
     let spec = KeySpec::parse("json:/out_trade_no").unwrap();
     assert_eq!(
-        spec.derive(&json(r#"{"out_trade_no":"T1"}"#)).unwrap().as_str(),
+        spec.derive(&json(r#"{"out_trade_no":"T1"}"#))
+            .unwrap()
+            .as_str(),
         "T1"
     );
     assert_eq!(
-        spec.derive(&json(r#"{"out_trade_no":42}"#)).unwrap().as_str(),
+        spec.derive(&json(r#"{"out_trade_no":42}"#))
+            .unwrap()
+            .as_str(),
         "42"
     );
     let nested = KeySpec::json_field("/order/id");
     assert_eq!(
-        nested.derive(&json(r#"{"order":{"id":"o-9"}}"#)).unwrap().as_str(),
+        nested
+            .derive(&json(r#"{"order":{"id":"o-9"}}"#))
+            .unwrap()
+            .as_str(),
         "o-9"
     );
 }
@@ -161,7 +171,9 @@ fn custom_keys_are_validated_too() {
             .ok_or_else(|| KeyError::Custom("no source".into()))
     });
     assert_eq!(
-        spec.derive(&json("{}").with_source("t/0@1")).unwrap().as_str(),
+        spec.derive(&json("{}").with_source("t/0@1"))
+            .unwrap()
+            .as_str(),
         "t/0@1"
     );
     assert_eq!(
@@ -181,7 +193,9 @@ fn long_keys_can_be_compacted() {
     assert_eq!(key.as_str().len(), 71);
     let again = spec.derive(&json("{}").with_metadata("K", long)).unwrap();
     assert_eq!(key, again);
-    let short = spec.derive(&json("{}").with_metadata("K", "short")).unwrap();
+    let short = spec
+        .derive(&json("{}").with_metadata("K", "short"))
+        .unwrap();
     assert_eq!(short.as_str(), "short");
 }
 

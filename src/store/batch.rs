@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use super::{Claim, ClaimRequest};
+use super::{Claim, ClaimRequest, StoreError};
 
 /// The first occurrence of each key in a batch, and what the later ones are.
 pub(crate) struct BatchPlan {
@@ -36,4 +36,12 @@ pub(crate) fn plan_batch(reqs: &[ClaimRequest<'_>]) -> BatchPlan {
         }
     }
     BatchPlan { firsts, claims }
+}
+
+/// Unwraps the decided slots of a batch; every slot must have been decided.
+pub(crate) fn finish(claims: Vec<Option<Claim>>) -> Result<Vec<Claim>, StoreError> {
+    claims
+        .into_iter()
+        .map(|c| c.ok_or_else(|| StoreError::Corrupt("a batch entry was left undecided".into())))
+        .collect()
 }

@@ -9,7 +9,9 @@
 
 use async_trait::async_trait;
 
-use super::{CLAIM_ROUNDS, Claim, ClaimRequest, ClaimTimes, StoreError, classify_existing, plan_batch};
+use super::{
+    CLAIM_ROUNDS, Claim, ClaimRequest, ClaimTimes, StoreError, classify_existing, plan_batch,
+};
 use crate::fingerprint::Fingerprint;
 
 /// The parts of a committed record a claim needs.
@@ -107,5 +109,5 @@ pub(crate) async fn claim_each<S: ClaimSteps>(
     for i in plan.firsts {
         claims[i] = Some(claim_one(steps, conn, scope, times, &reqs[i]).await?);
     }
-    Ok(claims.into_iter().map(|c| c.unwrap_or(Claim::Claimed)).collect())
+    super::batch::finish(claims)
 }

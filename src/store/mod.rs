@@ -15,9 +15,9 @@
 
 mod batch;
 mod claim;
+mod error;
 mod numbered;
 mod sql;
-mod error;
 mod table;
 
 #[cfg(feature = "mysql")]

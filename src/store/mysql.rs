@@ -65,7 +65,10 @@ impl MySqlStore {
     /// Connects to `url` with a default pool (10 connections).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Ok(Self::new(
-            MySqlPoolOptions::new().max_connections(10).connect(url).await?,
+            MySqlPoolOptions::new()
+                .max_connections(10)
+                .connect(url)
+                .await?,
         ))
     }
 

@@ -44,7 +44,10 @@ impl PgStore {
     /// Connects to `url` with a default pool (10 connections).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Ok(Self::new(
-            PgPoolOptions::new().max_connections(10).connect(url).await?,
+            PgPoolOptions::new()
+                .max_connections(10)
+                .connect(url)
+                .await?,
         ))
     }
 
@@ -125,7 +128,8 @@ impl SqlStore for PgStore {
             .iter()
             .map(|r| r.fingerprint.map(|f| f.as_bytes().to_vec()))
             .collect();
-        let sources: Vec<Option<&str>> = firsts.iter().map(|r| r.source.map(clamp_source)).collect();
+        let sources: Vec<Option<&str>> =
+            firsts.iter().map(|r| r.source.map(clamp_source)).collect();
         let inserted: Vec<String> = sqlx::query_scalar(&self.sql.insert_many)
             .bind(scope)
             .bind(&keys)
@@ -166,7 +170,7 @@ impl SqlStore for PgStore {
                 }
             });
         }
-        Ok(claims.into_iter().map(|c| c.unwrap_or(Claim::Claimed)).collect())
+        super::batch::finish(claims)
     }
 
     async fn complete(
@@ -192,4 +196,3 @@ impl SqlStore for PgStore {
         self.purge_in(scope, now_ms, limit).await
     }
 }
-

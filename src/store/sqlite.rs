@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::Transaction;
 use sqlx::sqlite::{
     Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
     SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::Transaction;
 
 use super::claim::{claim_each, claim_one};
 use super::sql::Sql;

@@ -29,7 +29,10 @@ impl TableName {
             let first_ok = bytes
                 .next()
                 .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
-            if !first_ok || !bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') || part.len() > 48 {
+            if !first_ok
+                || !bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                || part.len() > 48
+            {
                 return Err(bad());
             }
         }
@@ -93,9 +96,18 @@ mod tests {
 
     #[test]
     fn accepts_identifiers_and_schema_qualified_names() {
-        assert_eq!(TableName::new("onceonly_keys").unwrap().quoted('"'), "\"onceonly_keys\"");
-        assert_eq!(TableName::new("ops.Keys_2").unwrap().quoted('`'), "`ops`.`Keys_2`");
-        assert_eq!(TableName::new("order").unwrap().index("expires", '"'), "\"order_expires\"");
+        assert_eq!(
+            TableName::new("onceonly_keys").unwrap().quoted('"'),
+            "\"onceonly_keys\""
+        );
+        assert_eq!(
+            TableName::new("ops.Keys_2").unwrap().quoted('`'),
+            "`ops`.`Keys_2`"
+        );
+        assert_eq!(
+            TableName::new("order").unwrap().index("expires", '"'),
+            "\"order_expires\""
+        );
     }
 
     #[test]

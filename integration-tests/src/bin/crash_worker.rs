@@ -58,7 +58,13 @@ async fn main() {
                 .expect("connect")
                 .with_table(table)
                 .expect("table");
-            run!(store, sqlx::PgConnection, BusinessSql::postgres(business), key, hang)
+            run!(
+                store,
+                sqlx::PgConnection,
+                BusinessSql::postgres(business),
+                key,
+                hang
+            )
         }
         "mysql" => {
             let store = onceonly::MySqlStore::connect(url)
@@ -66,11 +72,23 @@ async fn main() {
                 .expect("connect")
                 .with_table(table)
                 .expect("table");
-            run!(store, sqlx::MySqlConnection, BusinessSql::mysql(business), key, hang)
+            run!(
+                store,
+                sqlx::MySqlConnection,
+                BusinessSql::mysql(business),
+                key,
+                hang
+            )
         }
         "sqlite" => {
             let store = sqlite_store(std::path::Path::new(url), table).await;
-            run!(store, sqlx::SqliteConnection, BusinessSql::sqlite(business), key, hang)
+            run!(
+                store,
+                sqlx::SqliteConnection,
+                BusinessSql::sqlite(business),
+                key,
+                hang
+            )
         }
         other => {
             eprintln!("unknown backend {other}");

@@ -1,0 +1,173 @@
+//! Batch processing: many deliveries, one transaction, one batch claim.
+//!
+//! The fast path claims every key with [`SqlStore::claim_batch`], runs the
+//! handler for the new ones in delivery order on the same transaction, and
+//! commits once. If anything in the batch fails (a handler error or panic, a
+//! store error), the whole transaction rolls back, so no claim and no write
+//! of it remains, and every delivery is then processed on its own with
+//! [`Engine::process`]: one poison message neither blocks nor doubles the
+//! others.
+
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
+
+use super::{Engine, FromDelivery, Handler, Outcome, Report, decode_stored, report};
+use crate::delivery::Delivery;
+use crate::fingerprint::Fingerprint;
+use crate::key::IdemKey;
+use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore};
+
+/// A delivery that passed key derivation and decoding.
+struct Ready<'d, I> {
+    index: usize,
+    delivery: &'d Delivery,
+    key: IdemKey,
+    fingerprint: Option<Fingerprint>,
+    input: Option<I>,
+}
+
+impl<S: SqlStore> Engine<S> {
+    /// Processes `deliveries` in one transaction where possible; returns one
+    /// report per delivery, in order. See the [module docs](self) for the
+    /// fallback when something fails.
+    pub async fn process_batch<H>(
+        &self,
+        handler: &H,
+        deliveries: &[Delivery],
+    ) -> Vec<Report<H::Output>>
+    where
+        H: Handler<S::Db>,
+    {
+        let mut reports: Vec<Option<Report<H::Output>>> = deliveries.iter().map(|_| None).collect();
+        let mut ready = Vec::with_capacity(deliveries.len());
+        for (index, delivery) in deliveries.iter().enumerate() {
+            let key = match self.inner.key.derive(delivery) {
+                Ok(key) => key,
+                Err(e) => {
+                    reports[index] = Some(report(None, Outcome::Rejected(e.into())));
+                    continue;
+                }
+            };
+            match H::Input::from_delivery(delivery) {
+                Ok(input) => ready.push(Ready {
+                    index,
+                    delivery,
+                    fingerprint: self.inner.fingerprint.compute(delivery),
+                    key,
+                    input: Some(input),
+                }),
+                Err(e) => reports[index] = Some(report(Some(key), Outcome::Rejected(e.into()))),
+            }
+        }
+        if !ready.is_empty() {
+            match self.batch_attempt(handler, &mut ready).await {
+                Some(outcomes) => {
+                    for (item, outcome) in ready.iter().zip(outcomes) {
+                        reports[item.index] = Some(report(Some(item.key.clone()), outcome));
+                    }
+                }
+                None => {
+                    for item in &ready {
+                        reports[item.index] = Some(self.process(handler, item.delivery).await);
+                    }
+                }
+            }
+        }
+        reports.into_iter().flatten().collect()
+    }
+
+    /// The single-transaction path; `None` means "rolled back, go one by one".
+    async fn batch_attempt<H>(
+        &self,
+        handler: &H,
+        ready: &mut [Ready<'_, H::Input>],
+    ) -> Option<Vec<Outcome<H::Output>>>
+    where
+        H: Handler<S::Db>,
+    {
+        let inner = &*self.inner;
+        let mut tx = inner.store.begin().await.ok()?;
+        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
+        let claims = {
+            let reqs: Vec<ClaimRequest<'_>> = ready
+                .iter()
+                .map(|r| ClaimRequest {
+                    key: r.key.as_str(),
+                    fingerprint: r.fingerprint.as_ref(),
+                    source: r.delivery.source(),
+                })
+                .collect();
+            match inner
+                .store
+                .claim_batch(&mut tx, &inner.scope, times, &reqs)
+                .await
+            {
+                Ok(claims) => claims,
+                Err(e) => {
+                    tracing::debug!(error = %e, "batch claim failed, processing one by one");
+                    drop(tx.rollback().await);
+                    return None;
+                }
+            }
+        };
+        let mut outcomes = Vec::with_capacity(ready.len());
+        let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
+        for (i, (item, claim)) in ready.iter_mut().zip(&claims).enumerate() {
+            let outcome = match claim {
+                Claim::Claimed => {
+                    let input = item.input.take()?;
+                    let run = AssertUnwindSafe(handler.handle(&mut tx, input, item.delivery))
+                        .catch_unwind()
+                        .await;
+                    let Ok(Ok(output)) = run else {
+                        tracing::debug!(key = %item.key, "handler failed inside a batch, processing one by one");
+                        drop(tx.rollback().await);
+                        return None;
+                    };
+                    let bytes = serde_json::to_vec(&output).ok()?;
+                    if inner
+                        .store
+                        .complete(&mut tx, &inner.scope, item.key.as_str(), &bytes)
+                        .await
+                        .is_err()
+                    {
+                        drop(tx.rollback().await);
+                        return None;
+                    }
+                    stored[i] = Some(bytes);
+                    Outcome::Processed { result: output }
+                }
+                Claim::Duplicate { result } => {
+                    stored[i].clone_from(result);
+                    Outcome::Duplicate {
+                        result: result.as_deref().and_then(|b| decode_stored(&item.key, b)),
+                    }
+                }
+                Claim::Conflict { stored } => Outcome::Conflict {
+                    stored: *stored,
+                    received: item.fingerprint,
+                },
+                // A repeat inside the batch shares the fate of its first
+                // occurrence: a duplicate of what it stored, or the same conflict.
+                Claim::InBatch { first } => match outcomes.get(*first) {
+                    Some(Outcome::Conflict { stored, .. }) => Outcome::Conflict {
+                        stored: *stored,
+                        received: item.fingerprint,
+                    },
+                    _ => Outcome::Duplicate {
+                        result: stored
+                            .get(*first)
+                            .and_then(Option::as_deref)
+                            .and_then(|b| decode_stored(&item.key, b)),
+                    },
+                },
+            };
+            outcomes.push(outcome);
+        }
+        // A failed commit is ambiguous; processing one by one settles it:
+        // committed keys come back as duplicates, the others are processed.
+        tx.commit().await.ok()?;
+        Some(outcomes)
+    }
+}
