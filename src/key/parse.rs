@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Examples: `header:Idempotency-Key;uuid`, `json:/out_trade_no`,
-//! `json:/user_id+/coupon_id`, `fingerprint`, `json:/ref;max=64;compact`.
+//! `json:/user_id+/coupon_id`, `fingerprint`, `json:/ref;max=100;compact`.
 //! A composite is split on `+/`, so a property name that ends in `+` cannot
 //! be addressed by a composite in string form; use [`KeySpec::json_fields`].
 
