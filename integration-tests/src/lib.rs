@@ -42,24 +42,22 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-/// A PostgreSQL store on dedup table `table` (migrated).
-pub async fn pg_store(table: &str) -> PgStore {
-    let url = pg_url();
-    let store = match PgStore::connect(&url).await {
+/// A PostgreSQL store at `url` on dedup table `table` (migrated).
+pub async fn pg_store(url: &str, table: &str) -> PgStore {
+    let store = match PgStore::connect(url).await {
         Ok(s) => s,
-        Err(e) => unreachable_service("PostgreSQL", &url, e),
+        Err(e) => unreachable_service("PostgreSQL", url, e),
     };
     let store = store.with_table(table).expect("valid table name");
     store.migrate().await.expect("migrate");
     store
 }
 
-/// A MariaDB/MySQL store on dedup table `table` (migrated).
-pub async fn mysql_store(table: &str) -> MySqlStore {
-    let url = mysql_url();
-    let store = match MySqlStore::connect(&url).await {
+/// A MariaDB/MySQL store at `url` on dedup table `table` (migrated).
+pub async fn mysql_store(url: &str, table: &str) -> MySqlStore {
+    let store = match MySqlStore::connect(url).await {
         Ok(s) => s,
-        Err(e) => unreachable_service("MariaDB/MySQL", &url, e),
+        Err(e) => unreachable_service("MariaDB/MySQL", url, e),
     };
     let store = store.with_table(table).expect("valid table name");
     store.migrate().await.expect("migrate");

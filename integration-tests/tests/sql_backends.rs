@@ -3,6 +3,7 @@
 //! The same suite is stamped out per backend by `backend_suite!`. Each test
 //! uses its own dedup and business tables, so tests run in parallel.
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -12,7 +13,10 @@ use onceonly::{
     Claim, ClaimRequest, ClaimTimes, Delivery, Engine, Failure, FingerprintSpec, HandlerError,
     Json, KeyError, KeySpec, ManualClock, Outcome, Rejection, RetryPolicy, SqlStore, handler_fn,
 };
-use onceonly_integration_tests::{BusinessSql, Pay, pay, unique};
+use onceonly::{Clock, MySqlStore, PgStore, SqliteStore};
+use onceonly_integration_tests::{
+    BusinessSql, Pay, mysql_store, mysql_url, pay, pg_store, pg_url, sqlite_store, unique,
+};
 
 /// What a test handler observes: how often it ran, and whether to fail next.
 #[derive(Clone, Default)]
@@ -47,7 +51,7 @@ impl Tally {
 }
 
 macro_rules! backend_suite {
-    ($name:ident, $conn:ty, $business:path, $url:expr, |$table:ident| $setup:expr) => {
+    ($name:ident, $conn:ty, $business:path, $setup:path) => {
         mod $name {
             use super::*;
 
@@ -61,20 +65,13 @@ macro_rules! backend_suite {
 
             async fn ctx() -> Ctx<impl SqlStore<Db = <$conn as sqlx::Connection>::Database>> {
                 let dir = tempfile::tempdir().expect("tempdir");
-                let $table = unique("keys");
-                #[allow(unused_variables)]
-                let path = dir.path().join("db.sqlite");
-                let store = {
-                    let _ = &path;
-                    $setup(&path).await
-                };
+                let (store, url) = $setup(dir.path(), &unique("keys")).await;
                 let business = unique("charges");
                 let sql = $business(&business);
                 sqlx::query(&sql.create)
                     .execute(store.pool())
                     .await
                     .expect("create business table");
-                let url = $url(&path);
                 Ctx {
                     store,
                     sql,
@@ -312,7 +309,7 @@ macro_rules! backend_suite {
                     }
                     o => panic!("expected a conflict, got {o:?}"),
                 }
-                assert_eq!(other.outcome_reason(), Some("fingerprint_mismatch"));
+                assert_eq!(other.outcome.reason(), Some("fingerprint_mismatch"));
                 assert_eq!(
                     ctx.rows().await,
                     1,
@@ -356,7 +353,7 @@ macro_rules! backend_suite {
                     "expired → reclaimed: {late:?}"
                 );
                 let record = ctx.store.get("payments", "T-exp").await.unwrap().unwrap();
-                assert_eq!(record.created_at_ms, clock_now(&clock));
+                assert_eq!(record.created_at_ms, clock.now_ms());
                 assert_eq!(ctx.rows().await, 2);
 
                 // Purge: 5 expired records go in bounded batches, the live one stays.
@@ -369,7 +366,7 @@ macro_rules! backend_suite {
                 engine
                     .process(&handler, &Delivery::new(pay("T-live", 1)))
                     .await;
-                let now = clock_now(&clock);
+                let now = clock.now_ms();
                 let mut batches = Vec::new();
                 loop {
                     let n = ctx
@@ -640,7 +637,7 @@ macro_rules! backend_suite {
                     req("B-b", 4),
                 ];
                 let times = ClaimTimes::new(
-                    onceonly::Clock::now_ms(&onceonly::SystemClock),
+                    onceonly::SystemClock.now_ms(),
                     Duration::from_secs(60),
                 );
                 let mut tx = ctx.store.begin().await.unwrap();
@@ -697,48 +694,38 @@ macro_rules! backend_suite {
     };
 }
 
-fn clock_now(clock: &ManualClock) -> i64 {
-    onceonly::Clock::now_ms(clock)
+/// Each setup returns a migrated store on dedup table `table` and the
+/// address the crash worker connects to (a URL, or the SQLite file).
+async fn postgres_setup(_dir: &Path, table: &str) -> (PgStore, String) {
+    let url = pg_url();
+    (pg_store(&url, table).await, url)
 }
 
-trait ReasonExt {
-    fn outcome_reason(&self) -> Option<&'static str>;
+async fn mysql_setup(_dir: &Path, table: &str) -> (MySqlStore, String) {
+    let url = mysql_url();
+    (mysql_store(&url, table).await, url)
 }
 
-impl<T> ReasonExt for onceonly::Report<T> {
-    fn outcome_reason(&self) -> Option<&'static str> {
-        self.outcome.reason()
-    }
+async fn sqlite_setup(dir: &Path, table: &str) -> (SqliteStore, String) {
+    let path = dir.join("db.sqlite");
+    (sqlite_store(&path, table).await, path.display().to_string())
 }
 
 backend_suite!(
     postgres,
     sqlx::PgConnection,
     BusinessSql::postgres,
-    |_: &std::path::Path| onceonly_integration_tests::pg_url(),
-    |table| |_p: &std::path::Path| {
-        let t = table.clone();
-        async move { onceonly_integration_tests::pg_store(&t).await }
-    }
+    postgres_setup
 );
 backend_suite!(
     mysql,
     sqlx::MySqlConnection,
     BusinessSql::mysql,
-    |_: &std::path::Path| onceonly_integration_tests::mysql_url(),
-    |table| |_p: &std::path::Path| {
-        let t = table.clone();
-        async move { onceonly_integration_tests::mysql_store(&t).await }
-    }
+    mysql_setup
 );
 backend_suite!(
     sqlite,
     sqlx::SqliteConnection,
     BusinessSql::sqlite,
-    |p: &std::path::Path| p.display().to_string(),
-    |table| |p: &std::path::Path| {
-        let t = table.clone();
-        let p = p.to_owned();
-        async move { onceonly_integration_tests::sqlite_store(&p, &t).await }
-    }
+    sqlite_setup
 );

@@ -8,15 +8,13 @@
 //! [`Engine::process`]: one poison message neither blocks nor doubles the
 //! others.
 
-use std::panic::AssertUnwindSafe;
-
-use futures_util::FutureExt;
-
-use super::{Engine, FromDelivery, Handler, Outcome, Report, decode_stored, report};
+use super::{
+    Engine, Failure, FromDelivery, Handler, Outcome, Report, decode_stored, report, settled,
+};
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdemKey;
-use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore};
+use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore, StoreError};
 
 /// A delivery that passed key derivation and decoding.
 struct Ready<'d, I> {
@@ -113,55 +111,51 @@ impl<S: SqlStore> Engine<S> {
         };
         let mut outcomes = Vec::with_capacity(ready.len());
         let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
-        for (i, (item, claim)) in ready.iter_mut().zip(&claims).enumerate() {
+        for (i, (item, claim)) in ready.iter_mut().zip(claims).enumerate() {
             let outcome = match claim {
                 Claim::Claimed => {
-                    let input = item.input.take()?;
-                    let run = AssertUnwindSafe(handler.handle(&mut tx, input, item.delivery))
-                        .catch_unwind()
-                        .await;
-                    let Ok(Ok(output)) = run else {
-                        tracing::debug!(key = %item.key, "handler failed inside a batch, processing one by one");
-                        drop(tx.rollback().await);
-                        return None;
+                    // Each entry is claimed at most once, so its input is there.
+                    let run = match item.input.take() {
+                        Some(input) => {
+                            self.run_claimed(&mut tx, handler, item.delivery, &item.key, input)
+                                .await
+                        }
+                        None => Err(Failure::Store(StoreError::Corrupt(
+                            "batch entry claimed twice".into(),
+                        ))),
                     };
-                    let bytes = serde_json::to_vec(&output).ok()?;
-                    if inner
-                        .store
-                        .complete(&mut tx, &inner.scope, item.key.as_str(), &bytes)
-                        .await
-                        .is_err()
-                    {
-                        drop(tx.rollback().await);
-                        return None;
-                    }
-                    stored[i] = Some(bytes);
-                    Outcome::Processed { result: output }
-                }
-                Claim::Duplicate { result } => {
-                    stored[i].clone_from(result);
-                    Outcome::Duplicate {
-                        result: result.as_deref().and_then(|b| decode_stored(&item.key, b)),
+                    match run {
+                        Ok((output, bytes)) => {
+                            stored[i] = Some(bytes);
+                            Outcome::Processed { result: output }
+                        }
+                        Err(failure) => {
+                            tracing::debug!(key = %item.key, error = %failure, "failure inside a batch, processing one by one");
+                            drop(tx.rollback().await);
+                            return None;
+                        }
                     }
                 }
-                Claim::Conflict { stored } => Outcome::Conflict {
-                    stored: *stored,
-                    received: item.fingerprint,
-                },
                 // A repeat inside the batch shares the fate of its first
                 // occurrence: a duplicate of what it stored, or the same conflict.
-                Claim::InBatch { first } => match outcomes.get(*first) {
+                Claim::InBatch { first } => match outcomes.get(first) {
                     Some(Outcome::Conflict { stored, .. }) => Outcome::Conflict {
                         stored: *stored,
                         received: item.fingerprint,
                     },
                     _ => Outcome::Duplicate {
                         result: stored
-                            .get(*first)
+                            .get(first)
                             .and_then(Option::as_deref)
                             .and_then(|b| decode_stored(&item.key, b)),
                     },
                 },
+                other => {
+                    if let Claim::Duplicate { result } = &other {
+                        stored[i].clone_from(result);
+                    }
+                    settled(&item.key, other, item.fingerprint.as_ref())
+                }
             };
             outcomes.push(outcome);
         }

@@ -57,12 +57,6 @@ struct Inner<S> {
     clock: Arc<dyn Clock>,
 }
 
-/// The first attempt's decoded input, or a fresh decode for later attempts.
-enum Input<I> {
-    Decoded(I),
-    Again,
-}
-
 impl<S: SqlStore> Engine<S> {
     /// Starts configuring an engine over `store`.
     pub fn builder(store: S) -> EngineBuilder<S> {
@@ -106,20 +100,18 @@ impl<S: SqlStore> Engine<S> {
             Ok(key) => key,
             Err(e) => return report(None, Outcome::Rejected(e.into())),
         };
-        let mut input = match H::Input::from_delivery(delivery) {
-            Ok(input) => Input::Decoded(input),
-            Err(e) => return report(Some(key), Outcome::Rejected(e.into())),
-        };
+        let mut decoded = Some(H::Input::from_delivery(delivery));
         let fingerprint = self.inner.fingerprint.compute(delivery);
         let mut transient = 0;
         loop {
-            let this = std::mem::replace(&mut input, Input::Again);
-            let input = match this {
-                Input::Decoded(i) => i,
-                Input::Again => match H::Input::from_delivery(delivery) {
-                    Ok(i) => i,
-                    Err(e) => return report(Some(key), Outcome::Rejected(e.into())),
-                },
+            // Decoded once up front; a transaction retried after a transient
+            // error decodes again (the handler consumed the first input).
+            let decoded = decoded
+                .take()
+                .unwrap_or_else(|| H::Input::from_delivery(delivery));
+            let input = match decoded {
+                Ok(input) => input,
+                Err(e) => return report(Some(key), Outcome::Rejected(e.into())),
             };
             let outcome = self
                 .attempt(handler, delivery, &key, fingerprint.as_ref(), input)
@@ -189,66 +181,77 @@ impl<S: SqlStore> Engine<S> {
             Ok(claim) => claim,
             Err(e) => return Outcome::Failed(Failure::Store(e)),
         };
-        match claim {
-            Claim::Claimed => {}
-            Claim::Duplicate { result } => {
-                // Nothing was written; ending the read-only transaction
-                // either way is fine, and rollback never fails a duplicate.
-                drop(tx.rollback().await);
-                return Outcome::Duplicate {
-                    result: result.and_then(|bytes| decode_stored(key, &bytes)),
-                };
-            }
-            Claim::Conflict { stored } => {
-                drop(tx.rollback().await);
-                return Outcome::Conflict {
-                    stored,
-                    received: fingerprint.copied(),
-                };
-            }
-            Claim::InBatch { .. } => {
-                drop(tx.rollback().await);
-                return Outcome::Failed(Failure::Store(StoreError::Corrupt(
-                    "single claim reported an in-batch duplicate".into(),
-                )));
-            }
+        if claim != Claim::Claimed {
+            // Nothing was written: end the transaction and report what the
+            // claim found.
+            drop(tx.rollback().await);
+            return settled(key, claim, fingerprint);
         }
-        let run = AssertUnwindSafe(handler.handle(&mut tx, input, delivery))
-            .catch_unwind()
-            .await;
-        let output = match run {
-            Ok(Ok(output)) => output,
-            Ok(Err(e)) => {
-                drop(tx.rollback().await);
-                return Outcome::Failed(Failure::Handler(e));
-            }
-            Err(panic) => {
-                drop(tx.rollback().await);
-                return Outcome::Failed(Failure::Panic(panic_message(panic.as_ref())));
-            }
-        };
-        let bytes = match serde_json::to_vec(&output) {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                drop(tx.rollback().await);
-                return Outcome::Failed(Failure::Encode(e));
-            }
-        };
-        if let Err(e) = inner
-            .store
-            .complete(&mut tx, &inner.scope, key.as_str(), &bytes)
+        match self
+            .run_claimed(&mut tx, handler, delivery, key, input)
             .await
         {
-            drop(tx.rollback().await);
-            return Outcome::Failed(Failure::Store(e));
+            // A failed commit is ambiguous (it may have reached the
+            // database); reporting it as a failure leads to a redelivery,
+            // and the claim then tells whether it had committed.
+            Ok((output, _)) => match tx.commit().await {
+                Ok(()) => Outcome::Processed { result: output },
+                Err(e) => Outcome::Failed(Failure::Store(e.into())),
+            },
+            Err(failure) => {
+                drop(tx.rollback().await);
+                Outcome::Failed(failure)
+            }
         }
-        // A failed commit is ambiguous (it may have reached the database);
-        // reporting it as a failure leads to a redelivery, and the claim
-        // then tells whether it had committed.
-        match tx.commit().await {
-            Ok(()) => Outcome::Processed { result: output },
-            Err(e) => Outcome::Failed(Failure::Store(e.into())),
-        }
+    }
+
+    /// Runs the handler for a claimed key on the open transaction and
+    /// records its result there. Returns the output and its stored bytes; on
+    /// error the caller must roll back.
+    async fn run_claimed<H>(
+        &self,
+        conn: &mut <S::Db as sqlx::Database>::Connection,
+        handler: &H,
+        delivery: &Delivery,
+        key: &IdemKey,
+        input: H::Input,
+    ) -> Result<(H::Output, Vec<u8>), Failure>
+    where
+        H: Handler<S::Db>,
+    {
+        let output = AssertUnwindSafe(handler.handle(conn, input, delivery))
+            .catch_unwind()
+            .await
+            .map_err(|panic| Failure::Panic(panic_message(panic.as_ref())))?
+            .map_err(Failure::Handler)?;
+        let bytes = serde_json::to_vec(&output).map_err(Failure::Encode)?;
+        self.inner
+            .store
+            .complete(conn, &self.inner.scope, key.as_str(), &bytes)
+            .await
+            .map_err(Failure::Store)?;
+        Ok((output, bytes))
+    }
+}
+
+/// The outcome of a claim that found the key already taken.
+fn settled<T: serde::de::DeserializeOwned>(
+    key: &IdemKey,
+    claim: Claim,
+    received: Option<&Fingerprint>,
+) -> Outcome<T> {
+    match claim {
+        Claim::Duplicate { result } => Outcome::Duplicate {
+            result: result.and_then(|bytes| decode_stored(key, &bytes)),
+        },
+        Claim::Conflict { stored } => Outcome::Conflict {
+            stored,
+            received: received.copied(),
+        },
+        // Claimed and in-batch repeats are resolved by the callers.
+        other => Outcome::Failed(Failure::Store(StoreError::Corrupt(format!(
+            "unexpected claim {other:?} for key {key:?}"
+        )))),
     }
 }
 

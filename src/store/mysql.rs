@@ -54,12 +54,7 @@ pub struct MySqlStore {
 impl MySqlStore {
     /// A store over `pool`, using the default table `onceonly_keys`.
     pub fn new(pool: MySqlPool) -> Self {
-        let table = TableName::default();
-        Self {
-            sql: Arc::new(Sql::mysql(&table)),
-            pool,
-            table,
-        }
+        Self::on_table(pool, TableName::default())
     }
 
     /// Connects to `url` with a default pool (10 connections).
@@ -74,12 +69,15 @@ impl MySqlStore {
 
     /// Uses table `name` (`table` or `database.table`), validated as an identifier.
     pub fn with_table(self, name: &str) -> Result<Self, StoreError> {
-        let table = TableName::new(name)?;
-        Ok(Self {
+        Ok(Self::on_table(self.pool, TableName::new(name)?))
+    }
+
+    fn on_table(pool: MySqlPool, table: TableName) -> Self {
+        Self {
             sql: Arc::new(Sql::mysql(&table)),
+            pool,
             table,
-            pool: self.pool,
-        })
+        }
     }
 }
 

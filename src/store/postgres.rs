@@ -33,12 +33,7 @@ pub struct PgStore {
 impl PgStore {
     /// A store over `pool`, using the default table `onceonly_keys`.
     pub fn new(pool: PgPool) -> Self {
-        let table = TableName::default();
-        Self {
-            sql: Arc::new(Sql::postgres(&table)),
-            pool,
-            table,
-        }
+        Self::on_table(pool, TableName::default())
     }
 
     /// Connects to `url` with a default pool (10 connections).
@@ -53,12 +48,15 @@ impl PgStore {
 
     /// Uses table `name` (`table` or `schema.table`), validated as an identifier.
     pub fn with_table(self, name: &str) -> Result<Self, StoreError> {
-        let table = TableName::new(name)?;
-        Ok(Self {
+        Ok(Self::on_table(self.pool, TableName::new(name)?))
+    }
+
+    fn on_table(pool: PgPool, table: TableName) -> Self {
+        Self {
             sql: Arc::new(Sql::postgres(&table)),
+            pool,
             table,
-            pool: self.pool,
-        })
+        }
     }
 }
 

@@ -37,12 +37,7 @@ impl SqliteStore {
     /// A store over an existing pool. The pool's pragmas are the caller's
     /// choice; [`SqliteStore::open`] sets the recommended ones.
     pub fn new(pool: SqlitePool) -> Self {
-        let table = TableName::default();
-        Self {
-            sql: Arc::new(Sql::sqlite(&table)),
-            pool,
-            table,
-        }
+        Self::on_table(pool, TableName::default())
     }
 
     /// Opens (creating if needed) the database file at `path` with WAL,
@@ -64,12 +59,15 @@ impl SqliteStore {
 
     /// Uses table `name`, validated as an identifier.
     pub fn with_table(self, name: &str) -> Result<Self, StoreError> {
-        let table = TableName::new(name)?;
-        Ok(Self {
+        Ok(Self::on_table(self.pool, TableName::new(name)?))
+    }
+
+    fn on_table(pool: SqlitePool, table: TableName) -> Self {
+        Self {
             sql: Arc::new(Sql::sqlite(&table)),
+            pool,
             table,
-            pool: self.pool,
-        })
+        }
     }
 }
 

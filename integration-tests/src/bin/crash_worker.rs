@@ -9,7 +9,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use onceonly::{Delivery, Engine, HandlerError, Json, handler_fn};
-use onceonly_integration_tests::{BusinessSql, Pay, pay, sqlite_store};
+use onceonly_integration_tests::{BusinessSql, Pay, mysql_store, pay, pg_store, sqlite_store};
 
 macro_rules! run {
     ($store:expr, $conn:ty, $sql:expr, $key:expr, $hang:expr) => {{
@@ -52,12 +52,7 @@ async fn main() {
     let hang = mode == "hang";
     match backend.as_str() {
         "postgres" => {
-            // The test created and migrated the tables already.
-            let store = onceonly::PgStore::connect(url)
-                .await
-                .expect("connect")
-                .with_table(table)
-                .expect("table");
+            let store = pg_store(url, table).await;
             run!(
                 store,
                 sqlx::PgConnection,
@@ -67,11 +62,7 @@ async fn main() {
             )
         }
         "mysql" => {
-            let store = onceonly::MySqlStore::connect(url)
-                .await
-                .expect("connect")
-                .with_table(table)
-                .expect("table");
+            let store = mysql_store(url, table).await;
             run!(
                 store,
                 sqlx::MySqlConnection,
