@@ -17,6 +17,7 @@ pub struct Delivery {
     method: Option<String>,
     path: Option<String>,
     principal: Option<String>,
+    message_key: Option<Vec<u8>>,
     json: OnceLock<Result<serde_json::Value, String>>,
 }
 
@@ -59,6 +60,19 @@ impl Delivery {
     pub fn with_principal(mut self, principal: impl Into<String>) -> Self {
         self.principal = Some(principal.into());
         self
+    }
+
+    /// Sets the broker's own message key (a Kafka record key, an AMQP
+    /// `message_id`), read by [`KeySpec::message_key`](crate::KeySpec::message_key).
+    #[must_use]
+    pub fn with_message_key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.message_key = Some(key.into());
+        self
+    }
+
+    /// The broker's message key, if the message has one.
+    pub fn message_key(&self) -> Option<&[u8]> {
+        self.message_key.as_deref()
     }
 
     /// The raw payload bytes.

@@ -5,6 +5,9 @@ pub mod clock;
 pub mod delivery;
 pub mod engine;
 pub mod fingerprint;
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka;
 pub mod key;
 pub mod store;
 

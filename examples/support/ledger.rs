@@ -88,3 +88,71 @@ pub mod sqlite {
             .await
     }
 }
+
+/// Postgres flavour of the ledger.
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    use super::{Payment, Receipt};
+    use sqlx::{PgConnection, PgPool};
+
+    /// Creates the ledger tables if missing. Several processes may start at
+    /// once: `CREATE TABLE IF NOT EXISTS` races in Postgres, so creation is
+    /// serialized by a transaction-scoped advisory lock.
+    pub async fn create_tables(pool: &PgPool) -> sqlx::Result<()> {
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('onceonly-example-ledger'))")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS ledger (id BIGSERIAL PRIMARY KEY, \
+             out_trade_no TEXT NOT NULL, account TEXT NOT NULL, amount BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, balance BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
+    }
+
+    /// Records `p` on the open transaction `conn`.
+    pub async fn record(conn: &mut PgConnection, p: &Payment) -> sqlx::Result<Receipt> {
+        let ledger_id: i64 = sqlx::query_scalar(
+            "INSERT INTO ledger (out_trade_no, account, amount) VALUES ($1, $2, $3) RETURNING id",
+        )
+        .bind(&p.out_trade_no)
+        .bind(&p.account)
+        .bind(p.amount)
+        .fetch_one(&mut *conn)
+        .await?;
+        let balance: i64 = sqlx::query_scalar(
+            "INSERT INTO accounts (account, balance) VALUES ($1, $2) \
+             ON CONFLICT (account) DO UPDATE SET balance = accounts.balance + excluded.balance \
+             RETURNING balance",
+        )
+        .bind(&p.account)
+        .bind(p.amount)
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(Receipt { ledger_id, balance })
+    }
+
+    /// `(out_trade_no, times charged, total amount)` for every key, sorted.
+    pub async fn charges(pool: &PgPool) -> sqlx::Result<Vec<(String, i64, i64)>> {
+        sqlx::query_as(
+            "SELECT out_trade_no, COUNT(*), SUM(amount)::BIGINT FROM ledger \
+             GROUP BY out_trade_no ORDER BY out_trade_no",
+        )
+        .fetch_all(pool)
+        .await
+    }
+
+    /// `(account, balance)` for every account, sorted.
+    pub async fn balances(pool: &PgPool) -> sqlx::Result<Vec<(String, i64)>> {
+        sqlx::query_as("SELECT account, balance FROM accounts ORDER BY account")
+            .fetch_all(pool)
+            .await
+    }
+}

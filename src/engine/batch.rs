@@ -66,8 +66,13 @@ impl<S: SqlStore> Engine<S> {
                     }
                 }
                 None => {
-                    for item in &ready {
-                        reports[item.index] = Some(self.process(handler, item.delivery).await);
+                    // Inputs need not be `Sync`: hold no reference to `ready`
+                    // across the awaits.
+                    let pending: Vec<(usize, &Delivery)> =
+                        ready.iter().map(|r| (r.index, r.delivery)).collect();
+                    drop(ready);
+                    for (index, delivery) in pending {
+                        reports[index] = Some(self.process(handler, delivery).await);
                     }
                 }
             }

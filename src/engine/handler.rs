@@ -181,3 +181,24 @@ where
         (self.f)(conn, input, delivery).await
     }
 }
+
+/// A shared handler: lets the caller keep a reference (to read counters,
+/// share caches) while a consumer owns the handler.
+#[async_trait]
+impl<DB, H> Handler<DB> for std::sync::Arc<H>
+where
+    DB: Database,
+    H: Handler<DB> + ?Sized,
+{
+    type Input = H::Input;
+    type Output = H::Output;
+
+    async fn handle(
+        &self,
+        conn: &mut DB::Connection,
+        input: Self::Input,
+        delivery: &Delivery,
+    ) -> Result<Self::Output, HandlerError> {
+        (**self).handle(conn, input, delivery).await
+    }
+}

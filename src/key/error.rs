@@ -14,6 +14,9 @@ pub enum KeyError {
         /// The entry that was looked up.
         name: String,
     },
+    /// The message has no broker message key (Kafka record key, AMQP `message_id`).
+    #[error("message has no message key")]
+    MissingMessageKey,
     /// The JSON pointer matched nothing, or matched `null`.
     #[error("missing JSON field {pointer:?}")]
     MissingField {
@@ -75,7 +78,7 @@ impl KeyError {
 pub enum KeySpecError {
     /// The expression does not start with a known source.
     #[error(
-        "unknown key source in {0:?}: expected `header:NAME`, `meta:NAME`, `json:/POINTER[+/POINTER...]` or `fingerprint`"
+        "unknown key source in {0:?}: expected `header:NAME`, `meta:NAME`, `message-key`, `json:/POINTER[+/POINTER...]` or `fingerprint`"
     )]
     UnknownSource(String),
     /// A header or metadata name is empty or contains characters not allowed in a header name.

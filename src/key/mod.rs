@@ -89,6 +89,8 @@ pub enum KeySource {
         /// Require the value to be a UUID.
         uuid: bool,
     },
+    /// The broker's message key: a Kafka record key, an AMQP `message_id`.
+    MessageKey,
     /// One or more JSON pointers into the payload. One pointer gives the value
     /// itself; several give a JSON array of the values as strings
     /// (`["u1","c9"]`), which is unambiguous even when a value contains a
@@ -109,6 +111,7 @@ impl fmt::Debug for KeySource {
                 .field("name", name)
                 .field("uuid", uuid)
                 .finish(),
+            Self::MessageKey => f.write_str("MessageKey"),
             Self::JsonPointers(p) => f.debug_tuple("JsonPointers").field(p).finish(),
             Self::Fingerprint => f.write_str("Fingerprint"),
             Self::Custom(_) => f.write_str("Custom(..)"),
@@ -136,6 +139,12 @@ impl KeySpec {
     /// Parses the string form, e.g. `json:/out_trade_no` (see the module docs).
     pub fn parse(expr: &str) -> Result<Self, KeySpecError> {
         parse::parse(expr)
+    }
+
+    /// Key from the broker's message key: the Kafka record key, or the AMQP
+    /// `message_id` property. String form: `message-key`.
+    pub fn message_key() -> Self {
+        Self::new(KeySource::MessageKey)
     }
 
     /// Key from a header or metadata entry.
@@ -231,7 +240,7 @@ impl KeySpec {
                     return Err(KeySpecError::InvalidPointer(bad.clone()));
                 }
             }
-            KeySource::Fingerprint | KeySource::Custom(_) => {}
+            KeySource::MessageKey | KeySource::Fingerprint | KeySource::Custom(_) => {}
         }
         Ok(())
     }
@@ -248,6 +257,12 @@ impl KeySpec {
                     return Err(KeyError::NotUuid(truncate_for_error(text)));
                 }
                 text.to_owned()
+            }
+            KeySource::MessageKey => {
+                let bytes = delivery.message_key().ok_or(KeyError::MissingMessageKey)?;
+                std::str::from_utf8(bytes)
+                    .map_err(|_| KeyError::NotUtf8)?
+                    .to_owned()
             }
             KeySource::JsonPointers(pointers) => {
                 let json = delivery

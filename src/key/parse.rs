@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! spec     = source *( ";" option )
-//! source   = "header:" NAME | "meta:" NAME | "json:" POINTER *( "+" POINTER ) | "fingerprint"
+//! source   = "header:" NAME | "meta:" NAME | "message-key" | "json:" POINTER *( "+" POINTER ) | "fingerprint"
 //! option   = "max=" 1..255 | "compact" | "uuid"
 //! ```
 //!
@@ -37,6 +37,8 @@ pub(super) fn parse(expr: &str) -> Result<KeySpec, KeySpecError> {
         }
         list.push(rest.to_owned());
         KeySpec::new(KeySource::JsonPointers(list))
+    } else if source == "message-key" {
+        KeySpec::new(KeySource::MessageKey)
     } else if source == "fingerprint" {
         KeySpec::new(KeySource::Fingerprint)
     } else {

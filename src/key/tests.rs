@@ -223,3 +223,18 @@ fn bad_expressions_fail_at_build_time() {
     let plus = KeySpec::parse("json:/a+b").unwrap();
     assert_eq!(plus.derive(&json(r#"{"a+b":"v"}"#)).unwrap().as_str(), "v");
 }
+
+#[test]
+fn message_key_source() {
+    let spec = KeySpec::parse("message-key").unwrap();
+    let d = Delivery::new(b"{}".to_vec()).with_message_key(b"order-7".to_vec());
+    assert_eq!(spec.derive(&d).unwrap().as_str(), "order-7");
+    assert_eq!(
+        spec.derive(&Delivery::new(b"{}".to_vec())),
+        Err(KeyError::MissingMessageKey)
+    );
+    assert_eq!(
+        spec.derive(&Delivery::new(b"{}".to_vec()).with_message_key(vec![0xff])),
+        Err(KeyError::NotUtf8)
+    );
+}

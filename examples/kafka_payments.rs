@@ -1,0 +1,127 @@
+//! A Kafka consumer that credits a Postgres ledger exactly once per
+//! `out_trade_no`, however often Kafka redelivers.
+//!
+//! Each record is JSON `{"out_trade_no": string, "account": string,
+//! "amount": integer}`. In one transaction per record (or per batch with
+//! `--batch-size`), onceonly claims the `out_trade_no`, the handler inserts a
+//! `ledger` row and adds the amount to `accounts`, and only after the commit
+//! is the offset committed. Records that cannot be processed go to the
+//! dead-letter topic with the reason in `x-onceonly-*` headers.
+//!
+//! ```text
+//! scripts/services                       # Postgres and a Kafka broker (tansu)
+//! scripts/kafka-topic payments 3
+//! scripts/kafka-topic payments.dlt 1
+//! cargo run --example kafka_payments --features kafka,postgres -- --help
+//! cargo run --example kafka_payments --features kafka,postgres -- --exit-when-idle 10
+//! ```
+
+#[path = "support/ledger.rs"]
+mod ledger;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use clap::Parser;
+use ledger::{Payment, Receipt};
+use onceonly::kafka::KafkaConsumer;
+use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlStore};
+use sqlx::{PgConnection, Postgres};
+
+/// Consume payment records from Kafka into a Postgres ledger, exactly once per out_trade_no.
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    after_help = "Example:\n  kafka_payments --topic payments --group payments-ledger --batch-size 100 --exit-when-idle 10"
+)]
+struct Args {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Topic to consume.
+    #[arg(long, env = "KAFKA_TOPIC", default_value = "payments")]
+    topic: String,
+    /// Consumer group; also the dedup scope.
+    #[arg(long, env = "KAFKA_GROUP", default_value = "payments-ledger")]
+    group: String,
+    /// Postgres URL (ledger, accounts and the dedup table live there).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1/test"
+    )]
+    database_url: String,
+    /// Where records that cannot be processed go.
+    #[arg(long, env = "DEAD_LETTER_TOPIC", default_value = "payments.dlt")]
+    dead_letter_topic: String,
+    /// Records per transaction (1 = one transaction per record).
+    #[arg(long, env = "BATCH_SIZE", default_value_t = 1)]
+    batch_size: usize,
+    /// Records of one partition in flight at once, by record key (1 = strict partition order).
+    #[arg(long, env = "KEY_CONCURRENCY", default_value_t = 1)]
+    key_concurrency: usize,
+    /// Consumer session timeout: how long the group waits for a member that died
+    /// before giving its partitions to the others.
+    #[arg(long, env = "KAFKA_SESSION_TIMEOUT_MS", default_value_t = 10_000)]
+    session_timeout_ms: u64,
+    /// Exit 0 once the assignment is drained and nothing arrived for SECS seconds.
+    #[arg(long, env = "EXIT_WHEN_IDLE", value_name = "SECS")]
+    exit_when_idle: Option<u64>,
+}
+
+/// Credits the ledger inside the claim's transaction.
+struct Ledger;
+
+#[async_trait]
+impl Handler<Postgres> for Ledger {
+    type Input = Json<Payment>;
+    type Output = Receipt;
+
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        Json(payment): Json<Payment>,
+        _delivery: &Delivery,
+    ) -> Result<Receipt, HandlerError> {
+        if payment.amount <= 0 {
+            return Err(HandlerError::permanent(format!(
+                "amount must be positive, got {}",
+                payment.amount
+            )));
+        }
+        Ok(ledger::postgres::record(conn, &payment).await?)
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let args = Args::parse();
+
+    let store = PgStore::connect(&args.database_url).await?;
+    store.migrate().await?;
+    ledger::postgres::create_tables(store.pool()).await?;
+
+    let mut builder = KafkaConsumer::builder(store)
+        .brokers(&args.brokers)
+        .group_id(&args.group)
+        .topic(&args.topic)
+        .key_expr("json:/out_trade_no")
+        .dead_letter_topic(&args.dead_letter_topic)
+        .batch_size(args.batch_size)
+        .key_concurrency(args.key_concurrency)
+        .consumer_config("session.timeout.ms", args.session_timeout_ms.to_string())
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(50)),
+        );
+    if let Some(secs) = args.exit_when_idle {
+        builder = builder.exit_when_idle(Duration::from_secs(secs));
+    }
+    builder.build()?.run(Ledger).await?;
+    Ok(())
+}

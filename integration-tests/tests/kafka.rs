@@ -1,0 +1,361 @@
+//! The Kafka consumer against a real broker (tansu from `scripts/services`,
+//! or Apache Kafka) and PostgreSQL. Each test has its own topics, group and
+//! Postgres schema.
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ledger::{Payment, Receipt};
+use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlStore};
+use onceonly_integration_tests::kafka::{
+    Record, committed, create_topic, header, pg_schema, produce, read_all,
+};
+use onceonly_integration_tests::{pg_store, unique};
+use sqlx::{PgConnection, PgPool, Postgres};
+
+/// The example's ledger handler, instrumented: counts calls, records the
+/// order of `(account, seq)` seen, and fails on request.
+#[derive(Default)]
+struct Ledger {
+    calls: AtomicUsize,
+    seen: Mutex<Vec<(String, i64)>>,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Handler<Postgres> for Ledger {
+    type Input = Json<serde_json::Value>;
+    type Output = Receipt;
+
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        Json(v): Json<serde_json::Value>,
+        _d: &Delivery,
+    ) -> Result<Receipt, HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let payment: Payment =
+            serde_json::from_value(v.clone()).map_err(HandlerError::permanent)?;
+        if let Some(seq) = v.get("seq").and_then(serde_json::Value::as_i64) {
+            self.seen
+                .lock()
+                .unwrap()
+                .push((payment.account.clone(), seq));
+        }
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        let receipt = ledger::postgres::record(conn, &payment).await?;
+        // Fail after writing: the rollback must undo the write and the claim.
+        match payment.account.as_str() {
+            "flaky" => Err(HandlerError::retryable("always times out")),
+            "broken" => Err(HandlerError::permanent("account closed")),
+            _ => Ok(receipt),
+        }
+    }
+}
+
+fn payment(no: &str, account: &str, amount: i64) -> Vec<u8> {
+    serde_json::json!({ "out_trade_no": no, "account": account, "amount": amount })
+        .to_string()
+        .into_bytes()
+}
+
+struct Setup {
+    topic: String,
+    dlt: String,
+    group: String,
+    store: PgStore,
+    pool: PgPool,
+    url: String,
+}
+
+async fn setup(name: &str, partitions: i32) -> Setup {
+    // Consumer logs (rebalances, dead letters) in the output of failed tests.
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let topic = unique(name);
+    let dlt = format!("{topic}.dlt");
+    create_topic(&topic, partitions).await;
+    create_topic(&dlt, 1).await;
+    let url = pg_schema(name).await;
+    let store = pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let pool = store.pool().clone();
+    Setup {
+        group: unique("group"),
+        topic,
+        dlt,
+        store,
+        pool,
+        url,
+    }
+}
+
+fn consumer(s: &Setup) -> onceonly::kafka::KafkaConsumerBuilder<PgStore> {
+    KafkaConsumer::builder(s.store.clone())
+        .brokers(onceonly_integration_tests::kafka::brokers())
+        .group_id(&s.group)
+        .topic(&s.topic)
+        .key_expr("json:/out_trade_no")
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(20)),
+        )
+        .consumer_config("session.timeout.ms", "6000")
+        .exit_when_idle(Duration::from_secs(3))
+}
+
+/// Runs the consumer until it is drained and idle, with a hard limit.
+async fn drain(builder: onceonly::kafka::KafkaConsumerBuilder<PgStore>, handler: Arc<Ledger>) {
+    let run = builder.build().expect("consumer").run_until(handler, CancellationToken::new());
+    tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("consumer did not drain within 120 s")
+        .expect("consumer failed");
+}
+
+/// Asserts one ledger row per key with its amount, and the balances.
+async fn assert_exact_ledger(pool: &PgPool, expected: &BTreeMap<String, (String, i64)>) {
+    let charges = ledger::postgres::charges(pool).await.unwrap();
+    let want: Vec<(String, i64, i64)> = expected
+        .iter()
+        .map(|(no, (_, amount))| (no.clone(), 1, *amount))
+        .collect();
+    assert_eq!(charges.len(), want.len(), "ledger rows vs distinct keys");
+    assert_eq!(charges, want, "every key charged exactly once");
+    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
+    for (account, amount) in expected.values() {
+        *balances.entry(account.clone()).or_default() += amount;
+    }
+    let got: BTreeMap<String, i64> = ledger::postgres::balances(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(got, balances, "account balances");
+}
+
+fn assert_no_lag(group: &str, topic: &str, ends: &BTreeMap<i32, i64>, partitions: i32) {
+    let got = committed(group, topic, partitions);
+    for p in 0..partitions {
+        let end = ends.get(&p).copied().unwrap_or(-1);
+        assert_eq!(
+            got.get(&p).copied(),
+            Some(end),
+            "partition {p}: committed offset must be the log end (lag 0); all: {got:?}"
+        );
+    }
+}
+
+/// 300 keys over 3 partitions, each key 1 to 3 times: repeats right behind
+/// each other (same batch) and far apart (other batches).
+fn duplicated_stream(prefix: &str) -> (Vec<Record>, BTreeMap<String, (String, i64)>) {
+    let mut records = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..300 {
+        let no = format!("{prefix}-{i:04}");
+        let account = format!("acct-{}", i % 7);
+        let amount = 100 + i;
+        let body = payment(&no, &account, amount);
+        records.push(Record::new(no.clone(), body.clone()));
+        if i % 3 == 0 {
+            records.push(Record::new(no.clone(), body.clone()));
+        }
+        expected.insert(no, (account, amount));
+    }
+    // Far-apart repeats of every fifth key.
+    for i in (0..300).step_by(5) {
+        let no = format!("{prefix}-{i:04}");
+        let (account, amount) = &expected[&no];
+        records.push(Record::new(no.clone(), payment(&no, account, *amount)));
+    }
+    (records, expected)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_within_and_across_batches_are_charged_once() {
+    let s = setup("kdup", 3).await;
+    let (records, expected) = duplicated_stream("B");
+    assert!(records.len() >= 460, "{} records", records.len());
+    let ends = produce(&s.topic, &records).await;
+    let handler = Arc::new(Ledger::default());
+    drain(
+        consumer(&s).batch_size(50).linger(Duration::from_millis(20)),
+        Arc::clone(&handler),
+    )
+    .await;
+    assert_exact_ledger(&s.pool, &expected).await;
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        expected.len(),
+        "the handler ran once per distinct key"
+    );
+    assert_no_lag(&s.group, &s.topic, &ends, 3);
+    assert!(read_all(&s.dlt, 1, 1, Duration::from_secs(2)).is_empty(), "nothing dead-lettered");
+
+    // A second group is another scope: it charges again, once.
+    let other = Setup {
+        group: unique("group2"),
+        ..s
+    };
+    let handler = Arc::new(Ledger::default());
+    drain(consumer(&other), Arc::clone(&handler)).await;
+    assert_eq!(handler.calls.load(Ordering::SeqCst), expected.len());
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+        .fetch_one(&other.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows as usize, 2 * expected.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn key_concurrency_keeps_each_key_in_order() {
+    let s = setup("kord", 2).await;
+    let mut records = Vec::new();
+    let mut expected = BTreeMap::new();
+    for seq in 0..60 {
+        for a in 0..8 {
+            let account = format!("acct-{a}");
+            let no = format!("O-{a}-{seq}");
+            let body = serde_json::json!({"out_trade_no": no, "account": account, "amount": 1, "seq": seq});
+            records.push(Record::new(account.clone(), body.to_string().into_bytes()));
+            expected.insert(no, (account, 1));
+        }
+    }
+    let ends = produce(&s.topic, &records).await;
+    let handler = Arc::new(Ledger {
+        delay: Duration::from_millis(2),
+        ..Ledger::default()
+    });
+    drain(consumer(&s).key_concurrency(4), Arc::clone(&handler)).await;
+    assert_exact_ledger(&s.pool, &expected).await;
+    let seen = handler.seen.lock().unwrap().clone();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for (account, seq) in &seen {
+        if let Some(prev) = last.insert(account.clone(), *seq) {
+            assert!(prev < *seq, "{account}: seq {seq} ran after {prev}");
+        }
+    }
+    assert_no_lag(&s.group, &s.topic, &ends, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
+    let s = setup("kdlt", 1).await;
+    let records = vec![
+        Record::new("k1", payment("P-1", "alice", 10)).header("trace-id", "t-1"),
+        Record::new("k2", payment("P-2", "flaky", 20)),
+        Record::new("k3", payment("P-3", "bob", 30)),
+        Record::new("k4", b"{\"out_trade_no\":\"P-4\",\"amount\":".to_vec()),
+        Record::new("k5", payment("P-5", "broken", 50)),
+        Record::new("k6", br#"{"account":"bob","amount":60}"#.to_vec()),
+        Record::new("k7", payment("P-1", "alice", 999)),
+        Record::new("k8", payment("P-1", "alice", 10)),
+        Record::new("k9", payment("P-9", "carol", 90)),
+    ];
+    let ends = produce(&s.topic, &records).await;
+    let handler = Arc::new(Ledger::default());
+    drain(consumer(&s).dead_letter_topic(&s.dlt), Arc::clone(&handler)).await;
+
+    let expected: BTreeMap<String, (String, i64)> = [
+        ("P-1", "alice", 10),
+        ("P-3", "bob", 30),
+        ("P-9", "carol", 90),
+    ]
+    .iter()
+    .map(|(n, a, m)| ((*n).to_owned(), ((*a).to_owned(), *m)))
+    .collect();
+    assert_exact_ledger(&s.pool, &expected).await;
+    assert_no_lag(&s.group, &s.topic, &ends, 1);
+
+    let dead = read_all(&s.dlt, 1, 5, Duration::from_secs(20));
+    let by_offset: BTreeMap<&str, &rdkafka::message::OwnedMessage> = dead
+        .iter()
+        .map(|m| (header(m, headers::ORIGINAL_OFFSET).unwrap(), m))
+        .collect();
+    assert_eq!(dead.len(), 5, "five dead letters: {:?}", by_offset.keys());
+    let expect = [
+        ("1", "handler_error", "3", "k2"),
+        ("3", "decode_error", "0", "k4"),
+        ("4", "handler_error", "1", "k5"),
+        ("5", "bad_key", "0", "k6"),
+        ("6", "fingerprint_mismatch", "1", "k7"),
+    ];
+    for (offset, reason, attempts, key) in expect {
+        use rdkafka::Message;
+        let m = by_offset
+            .get(offset)
+            .unwrap_or_else(|| panic!("no dead letter for offset {offset}"));
+        assert_eq!(header(m, headers::REASON), Some(reason), "offset {offset}");
+        assert_eq!(header(m, headers::ATTEMPTS), Some(attempts), "offset {offset}");
+        assert_eq!(header(m, headers::ORIGINAL_TOPIC), Some(s.topic.as_str()));
+        assert_eq!(header(m, headers::ORIGINAL_PARTITION), Some("0"));
+        assert_eq!(header(m, headers::ORIGINAL_KEY), Some(key));
+        assert_eq!(m.key(), Some(key.as_bytes()), "record key kept");
+        assert_eq!(m.payload(), Some(&*records[offset.parse::<usize>().unwrap()].payload));
+        assert!(!header(m, headers::ERROR).unwrap_or_default().is_empty());
+        let first_seen: u64 = header(m, headers::FIRST_SEEN).unwrap().parse().unwrap();
+        assert!(first_seen > 1_700_000_000_000, "first seen is epoch millis");
+        assert_eq!(header(m, headers::SCOPE), Some(s.group.as_str()));
+    }
+    let flaky = by_offset["1"];
+    assert_eq!(header(flaky, headers::IDEMPOTENCY_KEY), Some("P-2"));
+    assert!(header(flaky, headers::ERROR).unwrap().contains("always times out"));
+    assert_eq!(header(by_offset["5"], headers::IDEMPOTENCY_KEY), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
+    let s = setup("kreb", 4).await;
+    let mut records = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..1_500 {
+        let no = format!("R-{i:05}");
+        let account = format!("acct-{}", i % 11);
+        let amount = 1 + i % 97;
+        let body = payment(&no, &account, amount);
+        records.push(Record::new(no.clone(), body.clone()));
+        if i % 4 == 0 {
+            records.push(Record::new(no.clone(), body));
+        }
+        expected.insert(no, (account, amount));
+    }
+    let ends = produce(&s.topic, &records).await;
+    let first = Arc::new(Ledger {
+        delay: Duration::from_millis(10),
+        ..Ledger::default()
+    });
+    let second = Arc::new(Ledger {
+        delay: Duration::from_millis(10),
+        ..Ledger::default()
+    });
+    let a = tokio::spawn(drain(consumer(&s), Arc::clone(&first)));
+    // Join the second member once the first is well into the backlog.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while first.calls.load(Ordering::SeqCst) < 150 {
+        assert!(std::time::Instant::now() < deadline, "first consumer made no progress");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b = tokio::spawn(drain(consumer(&s), Arc::clone(&second)));
+    a.await.unwrap();
+    b.await.unwrap();
+    let (n1, n2) = (
+        first.calls.load(Ordering::SeqCst),
+        second.calls.load(Ordering::SeqCst),
+    );
+    assert!(n2 > 0, "the second member got partitions (first {n1}, second {n2})");
+    assert_exact_ledger(&s.pool, &expected).await;
+    assert_no_lag(&s.group, &s.topic, &ends, 4);
+    // Handler runs: once per key, plus at most the records in flight at the
+    // revoke whose transactions then found a duplicate (none can commit twice).
+    assert!(n1 + n2 >= expected.len());
+}

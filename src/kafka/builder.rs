@@ -1,0 +1,316 @@
+//! Configuration of a [`KafkaConsumer`].
+
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::producer::FutureProducer;
+
+use super::ConsumerError;
+use super::consumer::{KafkaConsumer, Settings};
+use super::dead_letter::DeadLetterer;
+use crate::engine::{Engine, EngineBuilder, RetryPolicy};
+use crate::fingerprint::FingerprintSpec;
+use crate::key::KeySpec;
+use crate::store::SqlStore;
+
+/// Builds a [`KafkaConsumer`]. Required: [`brokers`](Self::brokers),
+/// [`group_id`](Self::group_id), at least one [`topic`](Self::topic) and a
+/// key ([`key`](Self::key) or [`key_expr`](Self::key_expr)).
+pub struct KafkaConsumerBuilder<S> {
+    engine: EngineBuilder<S>,
+    scope: Option<String>,
+    brokers: Option<String>,
+    group_id: Option<String>,
+    topics: Vec<String>,
+    dead_letter_topic: Option<String>,
+    dead_letter_timeout: Duration,
+    key_concurrency: usize,
+    max_in_flight: usize,
+    batch_size: usize,
+    linger: Duration,
+    commit_interval: Duration,
+    exit_when_idle: Option<Duration>,
+    common: Vec<(String, String)>,
+    consumer: Vec<(String, String)>,
+    producer: Vec<(String, String)>,
+}
+
+impl<S: SqlStore> KafkaConsumerBuilder<S> {
+    pub(super) fn new(store: S) -> Self {
+        Self {
+            engine: Engine::builder(store),
+            scope: None,
+            brokers: None,
+            group_id: None,
+            topics: Vec::new(),
+            dead_letter_topic: None,
+            dead_letter_timeout: Duration::from_secs(30),
+            key_concurrency: 1,
+            max_in_flight: 1_000,
+            batch_size: 1,
+            linger: Duration::from_millis(5),
+            commit_interval: Duration::from_millis(500),
+            exit_when_idle: None,
+            common: Vec::new(),
+            consumer: Vec::new(),
+            producer: Vec::new(),
+        }
+    }
+
+    /// Bootstrap servers, e.g. `127.0.0.1:9092` (`bootstrap.servers`).
+    #[must_use]
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = Some(brokers.into());
+        self
+    }
+
+    /// Consumer group (`group.id`); also the default dedup scope.
+    #[must_use]
+    pub fn group_id(mut self, group: impl Into<String>) -> Self {
+        self.group_id = Some(group.into());
+        self
+    }
+
+    /// Subscribes to a topic (call once per topic).
+    #[must_use]
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topics.push(topic.into());
+        self
+    }
+
+    /// How each record's key is derived: any core [`KeySpec`], including
+    /// [`KeySpec::message_key`] (the record key) and [`KeySpec::header`]
+    /// (a Kafka header).
+    #[must_use]
+    pub fn key(mut self, key: KeySpec) -> Self {
+        self.engine = self.engine.key(key);
+        self
+    }
+
+    /// The key in string form: `json:/out_trade_no`, `message-key`,
+    /// `header:Idempotency-Key`, `fingerprint`, ... (see [`KeySpec::parse`]).
+    #[must_use]
+    pub fn key_expr(mut self, expr: &str) -> Self {
+        self.engine = self.engine.key_expr(expr);
+        self
+    }
+
+    /// The dedup scope; defaults to the group id, so two groups reading the
+    /// same topic each process every record once.
+    #[must_use]
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// What is fingerprinted to detect a key reused with another payload.
+    #[must_use]
+    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.engine = self.engine.fingerprint(spec);
+        self
+    }
+
+    /// How long dedup records are kept (default 7 days). Must exceed the
+    /// longest horizon over which a record can come back: retention of the
+    /// topic if offsets may be reset, and of the dead-letter topic if it is
+    /// replayed.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.engine = self.engine.retention(retention);
+        self
+    }
+
+    /// In-process retries of retryable handler failures before the record is
+    /// dead-lettered. The partition lane waits meanwhile (order is kept).
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.engine = self.engine.retry(retry);
+        self
+    }
+
+    /// Any other engine setting (clock, transient retries, ...).
+    #[must_use]
+    pub fn configure_engine(mut self, f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>) -> Self {
+        self.engine = f(self.engine);
+        self
+    }
+
+    /// One dead-letter topic for every source topic; by default a record of
+    /// topic `T` goes to `T.dlt`. The topic must exist unless the broker
+    /// creates topics automatically.
+    #[must_use]
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// How long one dead-letter publish may wait for its acknowledgement
+    /// before it is retried (default 30 s, librdkafka's `message.timeout.ms`).
+    #[must_use]
+    pub fn dead_letter_timeout(mut self, timeout: Duration) -> Self {
+        self.dead_letter_timeout = timeout;
+        self
+    }
+
+    /// Records of one partition processed concurrently, by record key: `1`
+    /// (the default) keeps strict partition order; `n > 1` runs `n` lanes,
+    /// each record going to the lane of its key's hash, so records with the
+    /// same key stay in order while different keys run in parallel. Records
+    /// without a key share one lane. Offsets are still committed only up to
+    /// the first unfinished record.
+    #[must_use]
+    pub fn key_concurrency(mut self, lanes: usize) -> Self {
+        self.key_concurrency = lanes;
+        self
+    }
+
+    /// Records of one partition fetched and not yet final (default 1000).
+    /// Beyond it the partition is paused until its workers catch up, which
+    /// bounds memory whatever the backlog.
+    #[must_use]
+    pub fn max_in_flight(mut self, records: usize) -> Self {
+        self.max_in_flight = records;
+        self
+    }
+
+    /// Records of one lane claimed and handled in one transaction (default 1:
+    /// a transaction per record). A batch that fails is retried record by
+    /// record, so one poison record neither blocks nor doubles the others.
+    #[must_use]
+    pub fn batch_size(mut self, records: usize) -> Self {
+        self.batch_size = records;
+        self
+    }
+
+    /// How long a lane waits for a batch to fill (default 5 ms).
+    #[must_use]
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
+        self
+    }
+
+    /// How often finished offsets are committed (default 500 ms). Offsets
+    /// are also committed on revoke and on shutdown.
+    #[must_use]
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval;
+        self
+    }
+
+    /// Stop once a partition was assigned, every fetched record is final and
+    /// committed, and nothing arrived for `idle`. For batch jobs and tests.
+    #[must_use]
+    pub fn exit_when_idle(mut self, idle: Duration) -> Self {
+        self.exit_when_idle = Some(idle);
+        self
+    }
+
+    /// A librdkafka setting for both the consumer and the dead-letter
+    /// producer (`security.protocol`, `sasl.*`, `client.id`, ...).
+    #[must_use]
+    pub fn config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.common.push((key.into(), value.into()));
+        self
+    }
+
+    /// A librdkafka setting for the consumer only (`session.timeout.ms`,
+    /// `partition.assignment.strategy`, ...). `enable.auto.commit` and
+    /// `enable.auto.offset.store` cannot be turned on: offsets are committed
+    /// by onceonly only.
+    #[must_use]
+    pub fn consumer_config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.consumer.push((key.into(), value.into()));
+        self
+    }
+
+    /// A librdkafka setting for the dead-letter producer only.
+    #[must_use]
+    pub fn producer_config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.producer.push((key.into(), value.into()));
+        self
+    }
+
+    /// Validates the settings and creates the dead-letter producer.
+    pub fn build(self) -> Result<KafkaConsumer<S>, ConsumerError> {
+        let missing = |what: &str| ConsumerError::Config(format!("{what} is required"));
+        let brokers = self.brokers.ok_or_else(|| missing("brokers"))?;
+        let group = self.group_id.ok_or_else(|| missing("group_id"))?;
+        if self.topics.is_empty() {
+            return Err(missing("at least one topic"));
+        }
+        for (name, value) in [
+            ("batch_size", self.batch_size),
+            ("key_concurrency", self.key_concurrency),
+            ("max_in_flight", self.max_in_flight),
+        ] {
+            if value == 0 {
+                return Err(ConsumerError::Config(format!("{name} must be at least 1")));
+            }
+        }
+        for (key, value) in &self.consumer {
+            let forbidden = matches!(
+                key.as_str(),
+                "enable.auto.commit" | "enable.auto.offset.store"
+            ) && value != "false";
+            if forbidden {
+                return Err(ConsumerError::Config(format!(
+                    "{key}={value} would commit offsets of unfinished records"
+                )));
+            }
+        }
+        let scope = self.scope.unwrap_or_else(|| group.clone());
+        let engine = self.engine.scope(scope.clone()).build()?;
+
+        let mut consumer = ClientConfig::new();
+        consumer
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false")
+            // Bounds librdkafka's prefetch per consumer (default 64 MiB).
+            .set("queued.max.messages.kbytes", "16384");
+        let mut producer = ClientConfig::new();
+        producer
+            .set("bootstrap.servers", &brokers)
+            .set("acks", "all")
+            .set(
+                "message.timeout.ms",
+                self.dead_letter_timeout.as_millis().to_string(),
+            );
+        for (key, value) in &self.common {
+            consumer.set(key, value);
+            producer.set(key, value);
+        }
+        for (key, value) in &self.consumer {
+            consumer.set(key, value);
+        }
+        for (key, value) in &self.producer {
+            producer.set(key, value);
+        }
+        // Set last: never overridden.
+        consumer
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false");
+        let producer: FutureProducer = producer.create()?;
+        let dead_letters = DeadLetterer::new(
+            producer,
+            self.dead_letter_topic,
+            scope,
+            self.dead_letter_timeout,
+        );
+        Ok(KafkaConsumer::new(
+            engine,
+            consumer,
+            dead_letters,
+            Settings {
+                topics: self.topics,
+                key_concurrency: self.key_concurrency,
+                max_in_flight: self.max_in_flight.max(self.batch_size),
+                batch_size: self.batch_size,
+                linger: self.linger,
+                commit_interval: self.commit_interval,
+                exit_when_idle: self.exit_when_idle,
+            },
+        ))
+    }
+}

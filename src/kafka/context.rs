@@ -1,0 +1,75 @@
+//! Rebalance handling: librdkafka calls these on the polling thread, inside
+//! `poll`, before and after it changes the assignment.
+
+use std::sync::Arc;
+
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::{Offset, TopicPartitionList};
+
+use super::partition::{Registry, Tp};
+
+/// The consumer's context: owns the partition registry.
+pub(crate) struct DedupContext {
+    pub(crate) registry: Arc<Registry>,
+}
+
+impl ClientContext for DedupContext {}
+
+impl ConsumerContext for DedupContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                let tps = tps_of(tpl);
+                let lost = consumer.assignment_lost();
+                // Finish in-flight work of the revoked partitions; nothing of
+                // theirs starts after this returns.
+                let positions = self.registry.stop(Some(&tps));
+                if lost {
+                    // Another member may own them already: committing now
+                    // could move its position. Redelivery plus dedup covers
+                    // whatever finished here.
+                    tracing::warn!(partitions = ?tps, "assignment lost; not committing");
+                } else if !positions.is_empty() {
+                    match commit(consumer, &positions, CommitMode::Sync) {
+                        Ok(()) => tracing::info!(?positions, "committed revoked partitions"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, ?positions, "commit on revoke failed; the next owner reprocesses (deduplicated)")
+                        }
+                    }
+                }
+                tracing::info!(partitions = ?tps, "partitions revoked");
+            }
+            Rebalance::Assign(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let tps = tps_of(tpl);
+            tracing::info!(partitions = ?tps, "partitions assigned");
+            self.registry.assign(tps);
+        }
+    }
+}
+
+fn tps_of(tpl: &TopicPartitionList) -> Vec<Tp> {
+    tpl.elements()
+        .iter()
+        .map(|e| (e.topic().to_owned(), e.partition()))
+        .collect()
+}
+
+/// Commits the positions (offsets of the next records to consume).
+pub(crate) fn commit<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    positions: &[(Tp, i64)],
+    mode: CommitMode,
+) -> Result<(), rdkafka::error::KafkaError> {
+    let mut tpl = TopicPartitionList::with_capacity(positions.len());
+    for ((topic, partition), position) in positions {
+        tpl.add_partition_offset(topic, *partition, Offset::Offset(*position))?;
+    }
+    consumer.commit(&tpl, mode)
+}

@@ -1,0 +1,30 @@
+//! Errors of the Kafka consumer.
+
+use crate::engine::BuildError;
+
+/// Why a [`KafkaConsumer`](super::KafkaConsumer) could not be built or stopped
+/// with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumerError {
+    /// A required setting is missing or a setting is out of range.
+    #[error("invalid Kafka consumer configuration: {0}")]
+    Config(String),
+    /// The engine settings (key spec, scope, retention) are invalid.
+    #[error(transparent)]
+    Engine(#[from] BuildError),
+    /// librdkafka refused the configuration or a client call failed.
+    #[error("Kafka client error: {0}")]
+    Client(#[from] rdkafka::error::KafkaError),
+    /// A dead letter was not acknowledged by the broker.
+    #[error("publishing a dead letter to {topic} failed: {source}")]
+    DeadLetter {
+        /// The dead-letter topic.
+        topic: String,
+        /// The producer's error.
+        source: rdkafka::error::KafkaError,
+    },
+    /// The polling thread could not be started or died.
+    #[error("the Kafka polling thread failed: {0}")]
+    PollThread(String),
+}

@@ -1,0 +1,77 @@
+//! Kafka transport (feature `kafka`): a consumer-group member whose records
+//! take effect exactly once, over rdkafka's vendored librdkafka.
+//!
+//! # Guarantee
+//!
+//! For every record, the key claim and the handler's writes commit in one SQL
+//! transaction; the record's offset is committed to Kafka only after that
+//! transaction committed, after its key was found already committed (a
+//! duplicate: the handler does not run), or after the dead-letter topic
+//! acknowledged it (`acks=all`). Per partition, the committed offset is the
+//! first record that is not final: a record still running, retrying or
+//! abandoned holds it back, whatever finished after it. A crash at any point
+//! therefore loses nothing (unfinished records are redelivered) and doubles
+//! nothing (redelivered records are duplicates). Auto-commit and auto offset
+//! store are forced off.
+//!
+//! # Flow
+//!
+//! One thread polls librdkafka and dispatches records; each assigned
+//! partition gets one tokio task per lane ([`key_concurrency`], default one:
+//! strict partition order). Partitions run in parallel. A partition with
+//! [`max_in_flight`] unfinished records is paused until its lanes catch up,
+//! which bounds memory whatever the backlog.
+//!
+//! With [`batch_size`] above one, a lane claims up to that many records in one
+//! transaction through the store's batch claim (duplicates, also within the
+//! batch, are skipped); if anything in the batch fails it is rolled back and
+//! redone record by record, so one poison record neither blocks nor doubles
+//! the others.
+//!
+//! # Failures
+//!
+//! | outcome                        | what happens                                         |
+//! |--------------------------------|------------------------------------------------------|
+//! | processed, duplicate           | offset committed                                     |
+//! | retryable handler error        | retried per [`retry`] (the lane waits), then dead-lettered |
+//! | permanent handler error, panic | dead-lettered (`handler_error`)                      |
+//! | key reused, other payload      | dead-lettered (`fingerprint_mismatch`)               |
+//! | no key, undecodable payload    | dead-lettered (`bad_key`, `decode_error`)            |
+//! | database unreachable           | retried with backoff until it is back; never dead-lettered |
+//! | dead-letter publish fails      | retried; the offset is not committed meanwhile        |
+//!
+//! Dead letters go to `<topic>.dlt` (or [`dead_letter_topic`]) with the
+//! original payload, record key and headers, plus the headers in
+//! [`headers`].
+//!
+//! # Rebalances and shutdown
+//!
+//! On revoke, the revoked partitions' lanes stop taking records, records in
+//! progress finish, and their offsets are committed synchronously before the
+//! revoke returns; nothing of theirs runs afterwards. If the assignment was
+//! *lost* (session timeout), nothing is committed: another member may own the
+//! partitions already, and dedup absorbs the redelivery. [`KafkaConsumer::run`]
+//! shuts down the same way on SIGINT/SIGTERM, [`KafkaConsumer::run_until`] on a
+//! cancellation token, then leaves the group.
+//!
+//! [`key_concurrency`]: KafkaConsumerBuilder::key_concurrency
+//! [`max_in_flight`]: KafkaConsumerBuilder::max_in_flight
+//! [`batch_size`]: KafkaConsumerBuilder::batch_size
+//! [`retry`]: KafkaConsumerBuilder::retry
+//! [`dead_letter_topic`]: KafkaConsumerBuilder::dead_letter_topic
+
+mod builder;
+mod consumer;
+mod context;
+mod dead_letter;
+mod error;
+mod message;
+mod offsets;
+mod partition;
+mod worker;
+
+pub use builder::KafkaConsumerBuilder;
+pub use consumer::KafkaConsumer;
+pub use dead_letter::headers;
+pub use error::ConsumerError;
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,294 @@
+//! The partitions this consumer owns: their workers, offset trackers and
+//! backpressure. Shared by the polling loop and the rebalance callback (both
+//! run on the polling thread); workers only touch their own [`Partition`].
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::message::Envelope;
+use super::offsets::OffsetTracker;
+
+/// A topic and partition.
+pub(crate) type Tp = (String, i32);
+
+/// Locks a mutex, taking the data even if a panicking thread poisoned it:
+/// every critical section here leaves its data consistent.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What a worker shares with the registry about its partition.
+pub(crate) struct Partition {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    /// Cancelled when the partition is revoked or the consumer shuts down:
+    /// workers start nothing new and abandon retries (the record stays
+    /// uncommitted and is redelivered to the next owner).
+    pub(crate) stop: CancellationToken,
+    tracker: Mutex<OffsetTracker>,
+}
+
+impl Partition {
+    /// Marks `offset` final (committed, duplicate or dead-lettered).
+    pub(crate) fn finish(&self, offset: i64) {
+        lock(&self.tracker).finish(offset);
+    }
+}
+
+/// Starts the worker of one lane of a partition.
+pub(crate) type Spawner =
+    Arc<dyn Fn(Arc<Partition>, UnboundedReceiver<Envelope>) -> JoinHandle<()> + Send + Sync>;
+
+struct Slot {
+    shared: Arc<Partition>,
+    lanes: Vec<UnboundedSender<Envelope>>,
+    tasks: Vec<JoinHandle<()>>,
+    /// Records fetched while the partition was at its in-flight bound.
+    held: VecDeque<Envelope>,
+    paused: bool,
+}
+
+struct State {
+    assigned: HashSet<Tp>,
+    slots: HashMap<Tp, Slot>,
+    ever_assigned: bool,
+    /// The last assignment change or fetched record.
+    last_activity: Instant,
+}
+
+/// What the polling loop must do after a dispatch.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Dispatched {
+    /// Handed to a worker (or dropped as already in hand / not assigned).
+    Done,
+    /// Held back: pause fetching from this partition.
+    Pause(Tp),
+}
+
+/// The partitions owned by this consumer.
+pub(crate) struct Registry {
+    state: Mutex<State>,
+    spawner: Spawner,
+    lanes: usize,
+    max_in_flight: usize,
+    runtime: Handle,
+}
+
+impl Registry {
+    pub(crate) fn new(spawner: Spawner, lanes: usize, max_in_flight: usize, runtime: Handle) -> Self {
+        Self {
+            state: Mutex::new(State {
+                assigned: HashSet::new(),
+                slots: HashMap::new(),
+                ever_assigned: false,
+                last_activity: Instant::now(),
+            }),
+            spawner,
+            lanes: lanes.max(1),
+            max_in_flight: max_in_flight.max(1),
+            runtime,
+        }
+    }
+
+    /// Records newly assigned partitions.
+    pub(crate) fn assign(&self, tps: impl IntoIterator<Item = Tp>) {
+        let mut state = lock(&self.state);
+        state.ever_assigned = true;
+        state.last_activity = Instant::now();
+        state.assigned.extend(tps);
+    }
+
+    /// Hands a fetched record to the worker of its lane, or holds it back
+    /// when its partition is at the in-flight bound. Records of partitions
+    /// not (or no longer) assigned are dropped: they stay uncommitted.
+    pub(crate) fn dispatch(&self, envelope: Envelope) -> Dispatched {
+        use rdkafka::Message;
+        let tp: Tp = (
+            envelope.message.topic().to_owned(),
+            envelope.message.partition(),
+        );
+        let mut state = lock(&self.state);
+        state.last_activity = Instant::now();
+        if !state.assigned.contains(&tp) {
+            tracing::debug!(topic = %tp.0, partition = tp.1, offset = envelope.offset(), "record of an unassigned partition dropped");
+            return Dispatched::Done;
+        }
+        let slot = state
+            .slots
+            .entry(tp.clone())
+            .or_insert_with(|| self.spawn(&tp));
+        if slot.paused || lock(&slot.shared.tracker).in_flight() >= self.max_in_flight {
+            slot.held.push_back(envelope);
+            if !slot.paused {
+                slot.paused = true;
+                return Dispatched::Pause(tp);
+            }
+            return Dispatched::Done;
+        }
+        self.send(slot, envelope);
+        Dispatched::Done
+    }
+
+    /// Moves held records to their workers as room frees up; returns the
+    /// partitions whose held records are all out, to resume fetching.
+    pub(crate) fn release_held(&self) -> Vec<Tp> {
+        let mut state = lock(&self.state);
+        let mut resume = Vec::new();
+        for (tp, slot) in state.slots.iter_mut().filter(|(_, s)| s.paused) {
+            while lock(&slot.shared.tracker).in_flight() < self.max_in_flight {
+                match slot.held.pop_front() {
+                    Some(envelope) => self.send(slot, envelope),
+                    None => break,
+                }
+            }
+            if slot.held.is_empty() {
+                slot.paused = false;
+                resume.push(tp.clone());
+            }
+        }
+        resume
+    }
+
+    /// Commit positions that moved since the last commit.
+    pub(crate) fn commit_candidates(&self) -> Vec<(Tp, i64)> {
+        let state = lock(&self.state);
+        state
+            .slots
+            .iter()
+            .filter_map(|(tp, slot)| {
+                lock(&slot.shared.tracker)
+                    .commit_candidate()
+                    .map(|p| (tp.clone(), p))
+            })
+            .collect()
+    }
+
+    /// Records that these positions were committed.
+    pub(crate) fn committed(&self, positions: &[(Tp, i64)]) {
+        let state = lock(&self.state);
+        for (tp, position) in positions {
+            if let Some(slot) = state.slots.get(tp) {
+                lock(&slot.shared.tracker).committed(*position);
+            }
+        }
+    }
+
+    /// Whether a partition was assigned at some point, nothing was fetched
+    /// and the assignment did not change for `idle`, and every record handed
+    /// out is final and committed.
+    pub(crate) fn is_drained(&self, idle: Duration) -> bool {
+        let state = lock(&self.state);
+        state.ever_assigned
+            && state.last_activity.elapsed() >= idle
+            && state
+                .slots
+                .values()
+                .all(|s| s.held.is_empty() && lock(&s.shared.tracker).is_settled())
+    }
+
+    /// Stops the workers of `which` (every partition if `None`): nothing new
+    /// starts, work in progress finishes, held and queued records are dropped
+    /// uncommitted. Blocks until the workers have exited, then returns the
+    /// final commit positions. The partitions are forgotten.
+    ///
+    /// Must not be called from inside the tokio runtime (it blocks on it).
+    pub(crate) fn stop(&self, which: Option<&[Tp]>) -> Vec<(Tp, i64)> {
+        let slots: Vec<(Tp, Slot)> = {
+            let mut state = lock(&self.state);
+            state.last_activity = Instant::now();
+            match which {
+                None => {
+                    state.assigned.clear();
+                    state.slots.drain().collect()
+                }
+                Some(tps) => tps
+                    .iter()
+                    .filter_map(|tp| {
+                        state.assigned.remove(tp);
+                        state.slots.remove_entry(tp)
+                    })
+                    .collect(),
+            }
+        };
+        let mut tasks = Vec::new();
+        for (_, slot) in &slots {
+            slot.shared.stop.cancel();
+        }
+        let mut shared = Vec::new();
+        for (tp, slot) in slots {
+            tasks.extend(slot.tasks);
+            shared.push((tp, slot.shared));
+            // Dropping the senders ends the lanes' queues.
+        }
+        self.runtime.block_on(async {
+            for task in tasks {
+                if let Err(e) = task.await {
+                    tracing::error!(error = %e, "a partition worker ended abnormally");
+                }
+            }
+        });
+        shared
+            .into_iter()
+            .filter_map(|(tp, p)| lock(&p.tracker).commit_candidate().map(|pos| (tp, pos)))
+            .collect()
+    }
+
+    fn spawn(&self, tp: &Tp) -> Slot {
+        let shared = Arc::new(Partition {
+            topic: tp.0.clone(),
+            partition: tp.1,
+            stop: CancellationToken::new(),
+            tracker: Mutex::default(),
+        });
+        let (lanes, tasks) = (0..self.lanes)
+            .map(|_| {
+                let (tx, rx) = unbounded_channel();
+                (tx, (self.spawner)(Arc::clone(&shared), rx))
+            })
+            .unzip();
+        Slot {
+            shared,
+            lanes,
+            tasks,
+            held: VecDeque::new(),
+            paused: false,
+        }
+    }
+
+    fn send(&self, slot: &Slot, envelope: Envelope) {
+        if !lock(&slot.shared.tracker).dispatch(envelope.offset()) {
+            return;
+        }
+        let lane = lane_of(&envelope, slot.lanes.len());
+        if slot.lanes[lane].send(envelope).is_err() {
+            // Only after a stop, which removes the slot first: unreachable
+            // in practice, and the record stays uncommitted either way.
+            tracing::warn!(topic = %slot.shared.topic, partition = slot.shared.partition, "worker gone, record left uncommitted");
+        }
+    }
+}
+
+/// Records with the same record key go to the same lane, so they are
+/// processed in order; records without a key all share lane 0.
+fn lane_of(envelope: &Envelope, lanes: usize) -> usize {
+    use rdkafka::Message;
+    if lanes <= 1 {
+        return 0;
+    }
+    match envelope.message.key() {
+        None => 0,
+        Some(key) => {
+            let mut h = DefaultHasher::new();
+            key.hash(&mut h);
+            (h.finish() % lanes as u64) as usize
+        }
+    }
+}

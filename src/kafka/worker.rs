@@ -1,0 +1,217 @@
+//! One lane of one partition: takes records in order, processes them alone
+//! or in batches, retries, dead-letters, and marks each final offset.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::Message;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::time::Instant;
+
+use super::dead_letter::{DeadLetter, DeadLetterer};
+use super::message::Envelope;
+use super::partition::Partition;
+use crate::engine::{Engine, Handler, Outcome, Report};
+use crate::store::SqlStore;
+
+/// What every worker of a consumer shares.
+pub(crate) struct Env<S: SqlStore, H> {
+    pub(crate) engine: Engine<S>,
+    pub(crate) handler: H,
+    pub(crate) dead_letters: DeadLetterer,
+    pub(crate) batch_size: usize,
+    pub(crate) linger: Duration,
+}
+
+/// Backoff while the store or the dead-letter topic is unreachable: these
+/// are never the record's fault, so they are retried until they work or the
+/// partition is taken away.
+const OUTAGE_BACKOFF_START: Duration = Duration::from_millis(100);
+const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// Runs one lane until its queue closes or its partition stops.
+pub(crate) async fn run_lane<S, H>(
+    env: Arc<Env<S, H>>,
+    partition: Arc<Partition>,
+    mut rx: UnboundedReceiver<Envelope>,
+) where
+    S: SqlStore,
+    H: Handler<S::Db>,
+{
+    loop {
+        let first = tokio::select! {
+            biased;
+            () = partition.stop.cancelled() => return,
+            next = rx.recv() => match next {
+                Some(envelope) => envelope,
+                None => return,
+            },
+        };
+        let mut batch = vec![first];
+        if env.batch_size > 1 {
+            let deadline = Instant::now() + env.linger;
+            while batch.len() < env.batch_size {
+                let next = match rx.try_recv() {
+                    Ok(envelope) => Some(envelope),
+                    Err(_) => tokio::select! {
+                        biased;
+                        () = partition.stop.cancelled() => None,
+                        () = tokio::time::sleep_until(deadline) => None,
+                        next = rx.recv() => next,
+                    },
+                };
+                match next {
+                    Some(envelope) => batch.push(envelope),
+                    None => break,
+                }
+            }
+        }
+        if partition.stop.is_cancelled() {
+            // Revoked or shutting down: nothing new starts.
+            return;
+        }
+        process(&env, &partition, batch).await;
+    }
+}
+
+async fn process<S, H>(env: &Env<S, H>, partition: &Partition, batch: Vec<Envelope>)
+where
+    S: SqlStore,
+    H: Handler<S::Db>,
+{
+    let deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
+    let reports = if deliveries.len() == 1 {
+        vec![env.engine.process(&env.handler, &deliveries[0]).await]
+    } else {
+        env.engine.process_batch(&env.handler, &deliveries).await
+    };
+    let mut stopped = false;
+    for ((envelope, delivery), report) in batch.iter().zip(&deliveries).zip(reports) {
+        // Once the partition stops, records already committed in this batch
+        // are still final; the others are abandoned, stay uncommitted and
+        // are redelivered to the next owner.
+        let done = if stopped {
+            report.outcome.is_done()
+        } else {
+            settle(env, partition, envelope, delivery, report).await
+        };
+        if done {
+            partition.finish(envelope.offset());
+        } else {
+            stopped = true;
+        }
+    }
+}
+
+/// Drives one record to a final outcome. `true` once it is final
+/// (processed, duplicate, or dead-letter acknowledged); `false` if the
+/// partition stopped first.
+async fn settle<S, H>(
+    env: &Env<S, H>,
+    partition: &Partition,
+    envelope: &Envelope,
+    delivery: &crate::Delivery,
+    mut report: Report<H::Output>,
+) -> bool
+where
+    S: SqlStore,
+    H: Handler<S::Db>,
+{
+    let mut attempts: u32 = 1;
+    let mut outage = OUTAGE_BACKOFF_START;
+    loop {
+        let letter = match &report.outcome {
+            Outcome::Processed { .. } | Outcome::Duplicate { .. } => return true,
+            Outcome::Failed(f) if f.is_infrastructure() => {
+                tracing::warn!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), error = %f, "store unavailable, retrying the record");
+                if !pause(partition, outage).await {
+                    return false;
+                }
+                outage = (outage * 2).min(OUTAGE_BACKOFF_MAX);
+                report = env.engine.process(&env.handler, delivery).await;
+                continue;
+            }
+            Outcome::Failed(f) if f.is_retryable() => {
+                match env.engine.retry_policy().delay_after(attempts) {
+                    Some(delay) => {
+                        tracing::debug!(key = ?report.key, attempts, ?delay, error = %f, "retrying the record");
+                        if !pause(partition, delay).await {
+                            return false;
+                        }
+                        attempts += 1;
+                        report = env.engine.process(&env.handler, delivery).await;
+                        continue;
+                    }
+                    None => dead_letter_of(&report.outcome, attempts),
+                }
+            }
+            Outcome::Failed(_) => dead_letter_of(&report.outcome, attempts),
+            // Rejected before the handler ran.
+            Outcome::Rejected(_) => dead_letter_of(&report.outcome, 0),
+            Outcome::Conflict { .. } => dead_letter_of(&report.outcome, attempts),
+        };
+        let letter = DeadLetter {
+            key: report.key.as_ref().map(|k| k.as_str()),
+            ..letter
+        };
+        return publish(env, partition, envelope, &letter).await;
+    }
+}
+
+fn dead_letter_of<T>(outcome: &Outcome<T>, attempts: u32) -> DeadLetter<'static> {
+    let error = match outcome {
+        Outcome::Conflict { .. } => {
+            "the key was already used for a different payload (fingerprint mismatch)".to_owned()
+        }
+        Outcome::Rejected(r) => r.to_string(),
+        Outcome::Failed(f) => f.to_string(),
+        _ => String::new(),
+    };
+    DeadLetter {
+        reason: outcome.reason().unwrap_or("handler_error"),
+        error,
+        attempts,
+        key: None,
+    }
+}
+
+/// Publishes until acknowledged; `false` if the partition stopped first.
+async fn publish<S: SqlStore, H>(
+    env: &Env<S, H>,
+    partition: &Partition,
+    envelope: &Envelope,
+    letter: &DeadLetter<'_>,
+) -> bool {
+    let mut backoff = OUTAGE_BACKOFF_START;
+    loop {
+        match env.dead_letters.publish(envelope, letter).await {
+            Ok(()) => {
+                tracing::warn!(
+                    topic = %partition.topic,
+                    partition = partition.partition,
+                    offset = envelope.message.offset(),
+                    reason = letter.reason,
+                    error = %letter.error,
+                    "record dead-lettered"
+                );
+                return true;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "dead-letter publish failed; the record stays uncommitted and is retried");
+                if !pause(partition, backoff).await {
+                    return false;
+                }
+                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+/// Sleeps for `delay`; `false` if the partition stopped meanwhile.
+async fn pause(partition: &Partition, delay: Duration) -> bool {
+    tokio::select! {
+        biased;
+        () = partition.stop.cancelled() => false,
+        () = tokio::time::sleep(delay) => true,
+    }
+}
