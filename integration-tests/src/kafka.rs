@@ -142,7 +142,12 @@ pub async fn produce(topic: &str, records: &[Record]) -> BTreeMap<i32, i64> {
 
 /// Reads every record of `topic` (all partitions, from the beginning) until
 /// `expected` arrived or `timeout` passed.
-pub fn read_all(topic: &str, partitions: i32, expected: usize, timeout: Duration) -> Vec<OwnedMessage> {
+pub fn read_all(
+    topic: &str,
+    partitions: i32,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<OwnedMessage> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", crate::unique("reader"))
@@ -209,9 +214,9 @@ pub fn committed(group: &str, topic: &str, partitions: i32) -> BTreeMap<i32, i64
 pub async fn pg_schema(prefix: &str) -> String {
     let base = crate::pg_url();
     let schema = crate::unique(prefix);
-    let pool = sqlx::PgPool::connect(&base)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {base}: {e}; start it with scripts/services"));
+    let pool = sqlx::PgPool::connect(&base).await.unwrap_or_else(|e| {
+        panic!("PostgreSQL is not reachable at {base}: {e}; start it with scripts/services")
+    });
     sqlx::query(&format!("CREATE SCHEMA {schema}"))
         .execute(&pool)
         .await

@@ -75,7 +75,6 @@ struct Setup {
     group: String,
     store: PgStore,
     pool: PgPool,
-    url: String,
 }
 
 async fn setup(name: &str, partitions: i32) -> Setup {
@@ -95,7 +94,6 @@ async fn setup(name: &str, partitions: i32) -> Setup {
         dlt,
         store,
         pool,
-        url,
     }
 }
 
@@ -116,7 +114,10 @@ fn consumer(s: &Setup) -> onceonly::kafka::KafkaConsumerBuilder<PgStore> {
 
 /// Runs the consumer until it is drained and idle, with a hard limit.
 async fn drain(builder: onceonly::kafka::KafkaConsumerBuilder<PgStore>, handler: Arc<Ledger>) {
-    let run = builder.build().expect("consumer").run_until(handler, CancellationToken::new());
+    let run = builder
+        .build()
+        .expect("consumer")
+        .run_until(handler, CancellationToken::new());
     tokio::time::timeout(Duration::from_secs(120), run)
         .await
         .expect("consumer did not drain within 120 s")
@@ -189,7 +190,9 @@ async fn duplicates_within_and_across_batches_are_charged_once() {
     let ends = produce(&s.topic, &records).await;
     let handler = Arc::new(Ledger::default());
     drain(
-        consumer(&s).batch_size(50).linger(Duration::from_millis(20)),
+        consumer(&s)
+            .batch_size(50)
+            .linger(Duration::from_millis(20)),
         Arc::clone(&handler),
     )
     .await;
@@ -200,7 +203,10 @@ async fn duplicates_within_and_across_batches_are_charged_once() {
         "the handler ran once per distinct key"
     );
     assert_no_lag(&s.group, &s.topic, &ends, 3);
-    assert!(read_all(&s.dlt, 1, 1, Duration::from_secs(2)).is_empty(), "nothing dead-lettered");
+    assert!(
+        read_all(&s.dlt, 1, 1, Duration::from_secs(2)).is_empty(),
+        "nothing dead-lettered"
+    );
 
     // A second group is another scope: it charges again, once.
     let other = Setup {
@@ -296,12 +302,19 @@ async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
             .get(offset)
             .unwrap_or_else(|| panic!("no dead letter for offset {offset}"));
         assert_eq!(header(m, headers::REASON), Some(reason), "offset {offset}");
-        assert_eq!(header(m, headers::ATTEMPTS), Some(attempts), "offset {offset}");
+        assert_eq!(
+            header(m, headers::ATTEMPTS),
+            Some(attempts),
+            "offset {offset}"
+        );
         assert_eq!(header(m, headers::ORIGINAL_TOPIC), Some(s.topic.as_str()));
         assert_eq!(header(m, headers::ORIGINAL_PARTITION), Some("0"));
         assert_eq!(header(m, headers::ORIGINAL_KEY), Some(key));
         assert_eq!(m.key(), Some(key.as_bytes()), "record key kept");
-        assert_eq!(m.payload(), Some(&*records[offset.parse::<usize>().unwrap()].payload));
+        assert_eq!(
+            m.payload(),
+            Some(&*records[offset.parse::<usize>().unwrap()].payload)
+        );
         assert!(!header(m, headers::ERROR).unwrap_or_default().is_empty());
         let first_seen: u64 = header(m, headers::FIRST_SEEN).unwrap().parse().unwrap();
         assert!(first_seen > 1_700_000_000_000, "first seen is epoch millis");
@@ -309,7 +322,11 @@ async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
     }
     let flaky = by_offset["1"];
     assert_eq!(header(flaky, headers::IDEMPOTENCY_KEY), Some("P-2"));
-    assert!(header(flaky, headers::ERROR).unwrap().contains("always times out"));
+    assert!(
+        header(flaky, headers::ERROR)
+            .unwrap()
+            .contains("always times out")
+    );
     assert_eq!(header(by_offset["5"], headers::IDEMPOTENCY_KEY), None);
 }
 
@@ -342,7 +359,10 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
     // Join the second member once the first is well into the backlog.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while first.calls.load(Ordering::SeqCst) < 150 {
-        assert!(std::time::Instant::now() < deadline, "first consumer made no progress");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "first consumer made no progress"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let b = tokio::spawn(drain(consumer(&s), Arc::clone(&second)));
@@ -352,7 +372,10 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
         first.calls.load(Ordering::SeqCst),
         second.calls.load(Ordering::SeqCst),
     );
-    assert!(n2 > 0, "the second member got partitions (first {n1}, second {n2})");
+    assert!(
+        n2 > 0,
+        "the second member got partitions (first {n1}, second {n2})"
+    );
     assert_exact_ledger(&s.pool, &expected).await;
     assert_no_lag(&s.group, &s.topic, &ends, 4);
     // Handler runs: once per key, plus at most the records in flight at the

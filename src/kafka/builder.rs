@@ -130,7 +130,10 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
 
     /// Any other engine setting (clock, transient retries, ...).
     #[must_use]
-    pub fn configure_engine(mut self, f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>) -> Self {
+    pub fn configure_engine(
+        mut self,
+        f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>,
+    ) -> Self {
         self.engine = f(self.engine);
         self
     }

@@ -211,7 +211,9 @@ impl Poller {
         if !positions.is_empty() {
             match commit(&self.consumer, &positions, CommitMode::Sync) {
                 Ok(()) => tracing::info!(?positions, "final offsets committed"),
-                Err(e) => tracing::warn!(error = %e, "final commit failed; the records are redelivered and deduplicated"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "final commit failed; the records are redelivered and deduplicated")
+                }
             }
         }
     }

@@ -83,7 +83,12 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
-    pub(crate) fn new(spawner: Spawner, lanes: usize, max_in_flight: usize, runtime: Handle) -> Self {
+    pub(crate) fn new(
+        spawner: Spawner,
+        lanes: usize,
+        max_in_flight: usize,
+        runtime: Handle,
+    ) -> Self {
         Self {
             state: Mutex::new(State {
                 assigned: HashSet::new(),

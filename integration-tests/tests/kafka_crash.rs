@@ -1,0 +1,277 @@
+//! Crash safety of the Kafka example, `kafka_payments`, run as a child
+//! process and killed with SIGKILL while it works, then restarted until the
+//! topic is drained: every key is charged exactly once and the group has no
+//! lag.
+//!
+//! The example binary is built by `cargo test` (examples are compiled with
+//! the tests); build it alone with
+//! `cargo build --example kafka_payments --features kafka,postgres`.
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use onceonly_integration_tests::kafka::{
+    Record, brokers, committed, create_topic, pg_schema, produce, read_all,
+};
+use onceonly_integration_tests::unique;
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+
+/// Records produced; keys are 4,800 distinct, the rest are duplicates.
+const DISTINCT: usize = 4_800;
+const KILLS: usize = 6;
+
+fn example_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/examples/kafka_payments
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|profile| profile.join("examples").join("kafka_payments"))
+        .expect("target directory layout");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build --example kafka_payments --features kafka,postgres` \
+         (plain `cargo test --workspace --all-features` builds it too)",
+        bin.display()
+    );
+    bin
+}
+
+struct Run {
+    topic: String,
+    dlt: String,
+    group: String,
+    url: String,
+    log: PathBuf,
+}
+
+impl Run {
+    fn spawn(&self, batch_size: usize, exit_when_idle: Option<u64>) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let mut cmd = Command::new(example_binary());
+        cmd.arg("--brokers")
+            .arg(brokers())
+            .arg("--topic")
+            .arg(&self.topic)
+            .arg("--group")
+            .arg(&self.group)
+            .arg("--database-url")
+            .arg(&self.url)
+            .arg("--dead-letter-topic")
+            .arg(&self.dlt)
+            .arg("--batch-size")
+            .arg(batch_size.to_string())
+            .arg("--session-timeout-ms")
+            .arg("6000")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true);
+        if let Some(secs) = exit_when_idle {
+            cmd.arg("--exit-when-idle").arg(secs.to_string());
+        }
+        cmd.spawn().expect("spawn kafka_payments")
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+async fn ledger_rows(pool: &PgPool) -> i64 {
+    // The example creates the table; before that there is nothing.
+    sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
+    let topic = unique("kcrash");
+    let dlt = format!("{topic}.dlt");
+    create_topic(&topic, 3).await;
+    create_topic(&dlt, 1).await;
+    let url = pg_schema("kcrash").await;
+    let pool = PgPool::connect(&url).await.expect("postgres");
+
+    // 4,800 keys; every fourth is sent again right behind itself and every
+    // third again at the end: 2,800 duplicates, 37% of 7,600 records.
+    let mut records = Vec::new();
+    let mut tail = Vec::new();
+    let mut expected: BTreeMap<String, (String, i64)> = BTreeMap::new();
+    for i in 0..DISTINCT {
+        let no = format!("C-{i:06}");
+        let account = format!("acct-{}", i % 23);
+        let amount = 1 + (i as i64 * 7919) % 1000;
+        let body = serde_json::json!({"out_trade_no": no, "account": account, "amount": amount})
+            .to_string();
+        records.push(Record::new(no.clone(), body.clone()));
+        if i % 4 == 0 {
+            records.push(Record::new(no.clone(), body.clone()));
+        }
+        if i % 3 == 0 {
+            tail.push(Record::new(no.clone(), body));
+        }
+        expected.insert(no, (account, amount));
+    }
+    records.extend(tail);
+    let duplicates = records.len() - DISTINCT;
+    assert!(records.len() >= 5_000 && duplicates * 5 >= records.len());
+    let ends = produce(&topic, &records).await;
+
+    let run = Run {
+        topic,
+        dlt,
+        group: unique("kcrash_group"),
+        url,
+        log: std::env::temp_dir().join(format!("{}.log", unique("kafka_payments"))),
+    };
+    let mut rng = fastrand::Rng::new();
+    let mut kills = 0;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while kills < KILLS {
+        assert!(
+            Instant::now() < deadline,
+            "no progress; child log:\n{}",
+            run.log_tail()
+        );
+        let before = ledger_rows(&pool).await;
+        let batch_size = if kills % 2 == 0 { 1 } else { 25 };
+        let mut child = run.spawn(batch_size, None);
+        // Kill while it works: once it has committed something new, after
+        // a random extra moment.
+        loop {
+            if let Some(status) = child.try_wait().expect("child status") {
+                panic!(
+                    "kafka_payments exited early ({status}); log:\n{}",
+                    run.log_tail()
+                );
+            }
+            if ledger_rows(&pool).await > before || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..700))).await;
+        child.start_kill().expect("SIGKILL");
+        child.wait().await.expect("reap");
+        kills += 1;
+        eprintln!(
+            "kill {kills}: ledger rows {} (batch size {batch_size})",
+            ledger_rows(&pool).await
+        );
+    }
+    let before_final = ledger_rows(&pool).await;
+    assert!(
+        (before_final as usize) < DISTINCT,
+        "the kills must land before the backlog is drained ({before_final} rows)"
+    );
+
+    let mut child = run.spawn(10, Some(5));
+    let status = tokio::time::timeout(Duration::from_secs(240), child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("final run did not drain; log:\n{}", run.log_tail()))
+        .expect("wait");
+    assert!(
+        status.success(),
+        "final run failed ({status}); log:\n{}",
+        run.log_tail()
+    );
+
+    let charges = ledger::postgres::charges(&pool).await.unwrap();
+    assert_eq!(charges.len(), DISTINCT, "ledger rows = distinct keys");
+    let doubled: Vec<_> = charges.iter().filter(|(_, n, _)| *n != 1).take(5).collect();
+    assert!(doubled.is_empty(), "charged more than once: {doubled:?}");
+    for (no, _, total) in &charges {
+        assert_eq!(*total, expected[no].1, "{no}");
+    }
+    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
+    for (account, amount) in expected.values() {
+        *balances.entry(account.clone()).or_default() += amount;
+    }
+    let got: BTreeMap<String, i64> = ledger::postgres::balances(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(got, balances, "every balance exact");
+    let positions = committed(&run.group, &run.topic, 3);
+    for (p, end) in &ends {
+        assert_eq!(
+            positions.get(p),
+            Some(end),
+            "partition {p} lag must be 0: {positions:?}"
+        );
+    }
+    assert!(
+        read_all(&run.dlt, 1, 1, Duration::from_secs(2)).is_empty(),
+        "nothing dead-lettered"
+    );
+    let _ = std::fs::remove_file(&run.log);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
+    let topic = unique("kterm");
+    let dlt = format!("{topic}.dlt");
+    create_topic(&topic, 2).await;
+    create_topic(&dlt, 1).await;
+    let url = pg_schema("kterm").await;
+    let pool = PgPool::connect(&url).await.expect("postgres");
+    let records: Vec<Record> = (0..4_000)
+        .map(|i| {
+            let no = format!("T-{i:05}");
+            let body = serde_json::json!({"out_trade_no": no, "account": "a", "amount": 1});
+            Record::new(no, body.to_string())
+        })
+        .collect();
+    produce(&topic, &records).await;
+    let run = Run {
+        topic,
+        dlt,
+        group: unique("kterm_group"),
+        url,
+        log: std::env::temp_dir().join(format!("{}.log", unique("kafka_payments"))),
+    };
+    let mut child = run.spawn(1, None);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ledger_rows(&pool).await < 200 {
+        assert!(Instant::now() < deadline, "no progress; log:\n{}", run.log_tail());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pid = child.id().expect("pid").to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(kill.success());
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("no exit within 30 s of SIGTERM; log:\n{}", run.log_tail()))
+        .expect("wait");
+    assert!(status.success(), "exit status {status}; log:\n{}", run.log_tail());
+
+    // In partition order, what ran is a prefix of each partition, and a
+    // graceful stop commits exactly that prefix: committed = ledger rows.
+    let rows = ledger_rows(&pool).await;
+    let positions = committed(&run.group, &run.topic, 2);
+    let committed_total: i64 = positions.values().map(|p| (*p).max(0)).sum();
+    assert!(rows < 4_000, "stopped mid-stream ({rows} rows)");
+    assert_eq!(
+        committed_total, rows,
+        "committed offsets {positions:?} must cover exactly the {rows} processed records"
+    );
+    let _ = std::fs::remove_file(&run.log);
+}
