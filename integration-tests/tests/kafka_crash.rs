@@ -248,7 +248,11 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
     let mut child = run.spawn(1, None);
     let deadline = Instant::now() + Duration::from_secs(60);
     while ledger_rows(&pool).await < 200 {
-        assert!(Instant::now() < deadline, "no progress; log:\n{}", run.log_tail());
+        assert!(
+            Instant::now() < deadline,
+            "no progress; log:\n{}",
+            run.log_tail()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let pid = child.id().expect("pid").to_string();
@@ -261,7 +265,11 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
         .await
         .unwrap_or_else(|_| panic!("no exit within 30 s of SIGTERM; log:\n{}", run.log_tail()))
         .expect("wait");
-    assert!(status.success(), "exit status {status}; log:\n{}", run.log_tail());
+    assert!(
+        status.success(),
+        "exit status {status}; log:\n{}",
+        run.log_tail()
+    );
 
     // In partition order, what ran is a prefix of each partition, and a
     // graceful stop commits exactly that prefix: committed = ledger rows.
