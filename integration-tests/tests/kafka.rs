@@ -358,7 +358,9 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
         delay: Duration::from_millis(10),
         ..Ledger::default()
     });
-    let a = tokio::spawn(drain(consumer(&s), Arc::clone(&first)));
+    // A small in-flight bound pauses partitions: they must come back
+    // unpaused when the rebalance hands them out again.
+    let a = tokio::spawn(drain(consumer(&s).max_in_flight(20), Arc::clone(&first)));
     // Join the second member once the first is well into the backlog.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while first.calls.load(Ordering::SeqCst) < 150 {
@@ -368,7 +370,7 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let b = tokio::spawn(drain(consumer(&s), Arc::clone(&second)));
+    let b = tokio::spawn(drain(consumer(&s).max_in_flight(20), Arc::clone(&second)));
     a.await.unwrap();
     b.await.unwrap();
     let (n1, n2) = (

@@ -37,6 +37,33 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        match self.try_process_batch(handler, deliveries).await {
+            Some(reports) => reports,
+            None => {
+                let mut reports = Vec::with_capacity(deliveries.len());
+                for delivery in deliveries {
+                    reports.push(self.process(handler, delivery).await);
+                }
+                reports
+            }
+        }
+    }
+
+    /// The single-transaction part of [`Engine::process_batch`], without the
+    /// fallback: `Some` with one report per delivery, in order, when the
+    /// batch transaction committed (deliveries without a valid key or input
+    /// are `Rejected` and took no part in it); `None` when it rolled back, so
+    /// that nothing of the batch took effect and the caller can process the
+    /// deliveries one by one in its own order (a transport that must keep
+    /// order settles each before starting the next).
+    pub async fn try_process_batch<H>(
+        &self,
+        handler: &H,
+        deliveries: &[Delivery],
+    ) -> Option<Vec<Report<H::Output>>>
+    where
+        H: Handler<S::Db>,
+    {
         let mut reports: Vec<Option<Report<H::Output>>> = deliveries.iter().map(|_| None).collect();
         let mut ready = Vec::with_capacity(deliveries.len());
         for (index, delivery) in deliveries.iter().enumerate() {
@@ -59,25 +86,12 @@ impl<S: SqlStore> Engine<S> {
             }
         }
         if !ready.is_empty() {
-            match self.batch_attempt(handler, &mut ready).await {
-                Some(outcomes) => {
-                    for (item, outcome) in ready.iter().zip(outcomes) {
-                        reports[item.index] = Some(report(Some(item.key.clone()), outcome));
-                    }
-                }
-                None => {
-                    // Inputs need not be `Sync`: hold no reference to `ready`
-                    // across the awaits.
-                    let pending: Vec<(usize, &Delivery)> =
-                        ready.iter().map(|r| (r.index, r.delivery)).collect();
-                    drop(ready);
-                    for (index, delivery) in pending {
-                        reports[index] = Some(self.process(handler, delivery).await);
-                    }
-                }
+            let outcomes = self.batch_attempt(handler, &mut ready).await?;
+            for (item, outcome) in ready.iter().zip(outcomes) {
+                reports[item.index] = Some(report(Some(item.key.clone()), outcome));
             }
         }
-        reports.into_iter().flatten().collect()
+        Some(reports.into_iter().flatten().collect())
     }
 
     /// The single-transaction path; `None` means "rolled back, go one by one".

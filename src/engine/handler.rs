@@ -60,6 +60,7 @@ impl FromDelivery for String {
 #[error("{source}")]
 pub struct HandlerError {
     retryable: bool,
+    infrastructure: bool,
     source: BoxError,
 }
 
@@ -68,6 +69,7 @@ impl HandlerError {
     pub fn retryable(error: impl Into<BoxError>) -> Self {
         Self {
             retryable: true,
+            infrastructure: false,
             source: error.into(),
         }
     }
@@ -76,6 +78,7 @@ impl HandlerError {
     pub fn permanent(error: impl Into<BoxError>) -> Self {
         Self {
             retryable: false,
+            infrastructure: false,
             source: error.into(),
         }
     }
@@ -83,6 +86,14 @@ impl HandlerError {
     /// Whether the policy may retry it.
     pub fn is_retryable(&self) -> bool {
         self.retryable
+    }
+
+    /// Whether the error says the database is unreachable (a lost
+    /// connection, a pool timeout) rather than anything about the message.
+    /// Set for `sqlx` errors converted with `?`; transports wait for such
+    /// failures to pass instead of dead-lettering the message.
+    pub fn is_infrastructure(&self) -> bool {
+        self.infrastructure
     }
 }
 
@@ -93,6 +104,7 @@ impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
         Self {
             retryable: crate::store::is_transient(&e),
+            infrastructure: crate::store::is_connection_error(&e),
             source: Box::new(e),
         }
     }

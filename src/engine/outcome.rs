@@ -162,9 +162,15 @@ impl Failure {
         }
     }
 
-    /// Whether the failure is the infrastructure's rather than the message's.
+    /// Whether the failure is the infrastructure's rather than the message's:
+    /// any store failure, or a handler error that
+    /// [is the database being unreachable](HandlerError::is_infrastructure).
     pub fn is_infrastructure(&self) -> bool {
-        matches!(self, Self::Store(_))
+        match self {
+            Self::Store(_) => true,
+            Self::Handler(e) => e.is_infrastructure(),
+            Self::Panic(_) | Self::Encode(_) => false,
+        }
     }
 
     /// `store_error` for store failures, `handler_error` otherwise.

@@ -226,7 +226,8 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    /// A librdkafka setting for the dead-letter producer only.
+    /// A librdkafka setting for the dead-letter producer only (`acks` stays
+    /// `all`: a dead letter must be durable before the offset moves on).
     #[must_use]
     pub fn producer_config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.producer.push((key.into(), value.into()));
@@ -294,6 +295,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         consumer
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false");
+        producer.set("acks", "all");
         let producer: FutureProducer = producer.create()?;
         let dead_letters = DeadLetterer::new(
             producer,

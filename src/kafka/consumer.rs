@@ -1,7 +1,7 @@
 //! The consumer: a polling thread that owns the librdkafka consumer, and a
 //! tokio task per partition lane that processes records.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
@@ -14,7 +14,7 @@ use super::builder::KafkaConsumerBuilder;
 use super::context::{DedupContext, commit};
 use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
-use super::partition::{Dispatched, Registry, Spawner, Tp};
+use super::partition::{Dispatched, Registry, Spawner, Tp, lock};
 use super::worker::{Env, run_lane};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
@@ -96,16 +96,22 @@ impl<S: SqlStore> KafkaConsumer<S> {
         H: Handler<S::Db> + 'static,
     {
         let runtime = Handle::current();
+        // Stops the polling thread if this future is dropped, too.
+        let shutdown = shutdown.child_token();
+        let _stop_on_drop = shutdown.clone().drop_guard();
         let env = Arc::new(Env {
             engine: self.engine,
             handler,
             dead_letters: self.dead_letters,
             batch_size: self.settings.batch_size,
             linger: self.settings.linger,
+            shutdown: shutdown.clone(),
+            failure: Mutex::new(None),
         });
         let spawn_on = runtime.clone();
+        let lanes_env = Arc::clone(&env);
         let spawner: Spawner = Arc::new(move |partition, rx| {
-            spawn_on.spawn(run_lane(Arc::clone(&env), partition, rx))
+            spawn_on.spawn(run_lane(Arc::clone(&lanes_env), partition, rx))
         });
         let registry = Arc::new(Registry::new(
             spawner,
@@ -131,15 +137,19 @@ impl<S: SqlStore> KafkaConsumer<S> {
         std::thread::Builder::new()
             .name("onceonly-kafka-poll".into())
             .spawn(move || {
-                poller.run();
+                let result = poller.run();
                 // The consumer is dropped here: it leaves the group (its
                 // revoke callback has nothing left to commit).
-                let _ = done_tx.send(());
+                let _ = done_tx.send(result);
             })
             .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
         done_rx
             .await
-            .map_err(|_| ConsumerError::PollThread("the polling thread panicked".into()))
+            .map_err(|_| ConsumerError::PollThread("the polling thread panicked".into()))??;
+        match lock(&env.failure).take() {
+            Some(why) => Err(ConsumerError::Worker(why)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -175,8 +185,9 @@ struct Poller {
 }
 
 impl Poller {
-    fn run(self) {
+    fn run(self) -> Result<(), ConsumerError> {
         let mut last_commit = Instant::now();
+        let mut fatal = None;
         while !self.shutdown.is_cancelled() {
             match self.consumer.poll(POLL_TIMEOUT) {
                 Some(Ok(message)) => {
@@ -188,7 +199,14 @@ impl Poller {
                         self.set_paused(&[tp], true);
                     }
                 }
-                Some(Err(e)) => tracing::warn!(error = %e, "Kafka consumer error"),
+                Some(Err(e)) => {
+                    if let Some((code, reason)) = self.consumer.client().fatal_error() {
+                        tracing::error!(?code, %reason, "fatal Kafka client error; stopping");
+                        fatal = Some(ConsumerError::Fatal(format!("{code:?}: {reason}")));
+                        break;
+                    }
+                    tracing::warn!(error = %e, "Kafka consumer error");
+                }
                 None => {}
             }
             let resume = self.registry.release_held();
@@ -196,7 +214,7 @@ impl Poller {
                 self.set_paused(&resume, false);
             }
             if last_commit.elapsed() >= self.commit_interval {
-                self.commit_finished(CommitMode::Sync);
+                self.commit_finished();
                 last_commit = Instant::now();
             }
             if let Some(idle) = self.exit_when_idle {
@@ -216,14 +234,15 @@ impl Poller {
                 }
             }
         }
+        fatal.map_or(Ok(()), Err)
     }
 
-    fn commit_finished(&self, mode: CommitMode) {
+    fn commit_finished(&self) {
         let positions = self.registry.commit_candidates();
         if positions.is_empty() {
             return;
         }
-        match commit(&self.consumer, &positions, mode) {
+        match commit(&self.consumer, &positions, CommitMode::Sync) {
             Ok(()) => self.registry.committed(&positions),
             // Kept as candidates: retried at the next interval.
             Err(e) => tracing::warn!(error = %e, "offset commit failed; will retry"),

@@ -25,6 +25,10 @@ impl ConsumerContext for DedupContext {
                 // Finish in-flight work of the revoked partitions; nothing of
                 // theirs starts after this returns.
                 let positions = self.registry.stop(Some(&tps));
+                // librdkafka keeps a partition paused by the application
+                // across unassign/assign: resume it, or it would stay paused
+                // when it comes back to this member.
+                set_resumed(consumer, tpl);
                 if lost {
                     // Another member may own them already: committing now
                     // could move its position. Redelivery plus dedup covers
@@ -45,12 +49,19 @@ impl ConsumerContext for DedupContext {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
+            set_resumed(consumer, tpl);
             let tps = tps_of(tpl);
             tracing::info!(partitions = ?tps, "partitions assigned");
             self.registry.assign(tps);
         }
+    }
+}
+
+fn set_resumed(consumer: &BaseConsumer<DedupContext>, tpl: &TopicPartitionList) {
+    if let Err(e) = consumer.resume(tpl) {
+        tracing::debug!(error = %e, "resume of (re)assigned partitions failed");
     }
 }
 

@@ -24,6 +24,13 @@ pub enum ConsumerError {
         /// The producer's error.
         source: rdkafka::error::KafkaError,
     },
+    /// librdkafka reported a fatal error (e.g. a fenced static member).
+    #[error("fatal Kafka client error: {0}")]
+    Fatal(String),
+    /// A partition worker panicked outside the handler (the handler's own
+    /// panics are caught and dead-lettered); the consumer stopped.
+    #[error("{0}")]
+    Worker(String),
     /// The polling thread could not be started or died.
     #[error("the Kafka polling thread failed: {0}")]
     PollThread(String),

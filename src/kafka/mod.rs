@@ -25,19 +25,25 @@
 //! With [`batch_size`] above one, a lane claims up to that many records in one
 //! transaction through the store's batch claim (duplicates, also within the
 //! batch, are skipped); if anything in the batch fails it is rolled back and
-//! redone record by record, so one poison record neither blocks nor doubles
-//! the others.
+//! redone record by record, each settled (retried, dead-lettered) before the
+//! next starts, so one poison record neither blocks nor doubles the others
+//! and order is kept.
+//!
+//! A dead letter is published before its offset is committed: a crash in
+//! between publishes it again on redelivery (dead letters are at least once;
+//! effects stay exactly once, and replaying both copies dedupes).
 //!
 //! # Failures
 //!
 //! | outcome                        | what happens                                         |
 //! |--------------------------------|------------------------------------------------------|
 //! | processed, duplicate           | offset committed                                     |
-//! | retryable handler error        | retried per [`retry`] (the lane waits), then dead-lettered |
+//! | retryable handler error        | retried per [`retry`] (the lane waits: order is kept), then dead-lettered |
 //! | permanent handler error, panic | dead-lettered (`handler_error`)                      |
 //! | key reused, other payload      | dead-lettered (`fingerprint_mismatch`)               |
 //! | no key, undecodable payload    | dead-lettered (`bad_key`, `decode_error`)            |
 //! | database unreachable           | retried with backoff until it is back; never dead-lettered |
+//! | other store error (corrupt record) | retried per [`retry`] if transient, then dead-lettered (`store_error`) |
 //! | dead-letter publish fails      | retried; the offset is not committed meanwhile        |
 //!
 //! Dead letters go to `<topic>.dlt` (or [`dead_letter_topic`]) with the

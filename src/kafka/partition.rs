@@ -186,12 +186,13 @@ impl Registry {
         }
     }
 
-    /// Whether a partition was assigned at some point, nothing was fetched
+    /// Whether partitions are assigned, nothing was fetched
     /// and the assignment did not change for `idle`, and every record handed
     /// out is final and committed.
     pub(crate) fn is_drained(&self, idle: Duration) -> bool {
         let state = lock(&self.state);
         state.ever_assigned
+            && !state.assigned.is_empty()
             && state.last_activity.elapsed() >= idle
             && state
                 .slots

@@ -1,8 +1,12 @@
 //! One lane of one partition: takes records in order, processes them alone
 //! or in batches, retries, dead-letters, and marks each final offset.
 
-use std::sync::Arc;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio_util::sync::CancellationToken;
 
 use rdkafka::Message;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -10,7 +14,7 @@ use tokio::time::Instant;
 
 use super::dead_letter::{DeadLetter, DeadLetterer};
 use super::message::Envelope;
-use super::partition::Partition;
+use super::partition::{Partition, lock};
 use crate::engine::{Engine, Handler, Outcome, Report};
 use crate::store::SqlStore;
 
@@ -21,6 +25,18 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) dead_letters: DeadLetterer,
     pub(crate) batch_size: usize,
     pub(crate) linger: Duration,
+    /// Cancelled to stop the whole consumer.
+    pub(crate) shutdown: CancellationToken,
+    /// Why the consumer stopped on its own, if it did.
+    pub(crate) failure: Mutex<Option<String>>,
+}
+
+impl<S: SqlStore, H> Env<S, H> {
+    /// Stops the consumer with an error.
+    pub(crate) fn fatal(&self, why: String) {
+        lock(&self.failure).get_or_insert(why);
+        self.shutdown.cancel();
+    }
 }
 
 /// Backoff while the store or the dead-letter topic is unreachable: these
@@ -49,7 +65,8 @@ pub(crate) async fn run_lane<S, H>(
         };
         let mut batch = vec![first];
         if env.batch_size > 1 {
-            let deadline = Instant::now() + env.linger;
+            let now = Instant::now();
+            let deadline = now.checked_add(env.linger).unwrap_or(now);
             while batch.len() < env.batch_size {
                 let next = match rx.try_recv() {
                     Ok(envelope) => Some(envelope),
@@ -70,8 +87,28 @@ pub(crate) async fn run_lane<S, H>(
             // Revoked or shutting down: nothing new starts.
             return;
         }
-        process(&env, &partition, batch).await;
+        // Handler panics are caught by the engine; anything else panicking
+        // here (a user `FromDelivery`, a key function) would leave records
+        // in flight forever. Fail the whole consumer loudly instead.
+        let work = AssertUnwindSafe(process(&env, &partition, batch)).catch_unwind();
+        if let Err(panic) = work.await {
+            let what = panic_text(panic.as_ref());
+            tracing::error!(topic = %partition.topic, partition = partition.partition, panic = %what, "partition worker panicked; stopping the consumer");
+            env.fatal(format!(
+                "worker of {}/{} panicked: {what}",
+                partition.topic, partition.partition
+            ));
+            return;
+        }
     }
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
 }
 
 async fn process<S, H>(env: &Env<S, H>, partition: &Partition, batch: Vec<Envelope>)
@@ -80,13 +117,24 @@ where
     H: Handler<S::Db>,
 {
     let deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
-    let reports = if deliveries.len() == 1 {
-        vec![env.engine.process(&env.handler, &deliveries[0]).await]
+    let batched = if deliveries.len() > 1 {
+        env.engine
+            .try_process_batch(&env.handler, &deliveries)
+            .await
     } else {
-        env.engine.process_batch(&env.handler, &deliveries).await
+        None
     };
+    let mut reports = batched.map(Vec::into_iter);
     let mut stopped = false;
-    for ((envelope, delivery), report) in batch.iter().zip(&deliveries).zip(reports) {
+    for (envelope, delivery) in batch.iter().zip(&deliveries) {
+        // Without a committed batch, each record is processed and settled
+        // before the next one starts: partition (or key) order holds even
+        // when a record is retried.
+        let report = match reports.as_mut().and_then(Iterator::next) {
+            Some(report) => report,
+            None if stopped => return,
+            None => env.engine.process(&env.handler, delivery).await,
+        };
         // Once the partition stops, records already committed in this batch
         // are still final; the others are abandoned, stay uncommitted and
         // are redelivered to the next owner.
@@ -122,8 +170,8 @@ where
     loop {
         let letter = match &report.outcome {
             Outcome::Processed { .. } | Outcome::Duplicate { .. } => return true,
-            Outcome::Failed(f) if f.is_infrastructure() => {
-                tracing::warn!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), error = %f, "store unavailable, retrying the record");
+            Outcome::Failed(f) if f.is_infrastructure() && f.is_retryable() => {
+                tracing::warn!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), error = %f, "database unavailable, retrying the record");
                 if !pause(partition, outage).await {
                     return false;
                 }

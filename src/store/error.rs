@@ -36,6 +36,25 @@ impl StoreError {
     }
 }
 
+/// Whether a sqlx error means the database is unreachable rather than that
+/// this transaction failed: I/O and TLS errors, pool timeouts or closure, a
+/// crashed connection worker, and the Postgres connection-exception class
+/// `08xxx` and shutdown codes `57P01`-`57P03`. Transports wait for such
+/// errors to pass instead of dead-lettering the message.
+pub fn is_connection_error(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03")),
+        _ => false,
+    }
+}
+
 /// Whether a sqlx error is worth retrying: I/O and pool timeouts, and the
 /// database errors that mean "try again" on each backend (Postgres
 /// serialization failure `40001`, deadlock `40P01`, lock not available `55P03`,

@@ -34,7 +34,7 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::fingerprint::Fingerprint;
 
-pub use error::{StoreError, is_transient};
+pub use error::{StoreError, is_connection_error, is_transient};
 pub use table::TableName;
 
 /// The default dedup table name.
