@@ -21,12 +21,9 @@ mod ledger;
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use clap::Parser;
-use ledger::{Payment, Receipt};
 use onceonly::kafka::KafkaConsumer;
-use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlStore};
-use sqlx::{PgConnection, Postgres};
+use onceonly::{PgStore, RetryPolicy, SqlStore};
 
 /// Consume payment records from Kafka into a Postgres ledger, exactly once per out_trade_no.
 #[derive(Parser, Debug)]
@@ -69,30 +66,6 @@ struct Args {
     exit_when_idle: Option<u64>,
 }
 
-/// Credits the ledger inside the claim's transaction.
-struct Ledger;
-
-#[async_trait]
-impl Handler<Postgres> for Ledger {
-    type Input = Json<Payment>;
-    type Output = Receipt;
-
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        Json(payment): Json<Payment>,
-        _delivery: &Delivery,
-    ) -> Result<Receipt, HandlerError> {
-        if payment.amount <= 0 {
-            return Err(HandlerError::permanent(format!(
-                "amount must be positive, got {}",
-                payment.amount
-            )));
-        }
-        Ok(ledger::postgres::record(conn, &payment).await?)
-    }
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
@@ -122,6 +95,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(secs) = args.exit_when_idle {
         builder = builder.exit_when_idle(Duration::from_secs(secs));
     }
-    builder.build()?.run(Ledger).await?;
+    builder.build()?.run(ledger::postgres::Ledger).await?;
     Ok(())
 }

@@ -1,6 +1,9 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub mod amqp;
 pub mod clock;
 pub mod delivery;
 pub mod engine;
@@ -9,6 +12,8 @@ pub mod fingerprint;
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;
 pub mod key;
+#[cfg(any(feature = "kafka", feature = "amqp"))]
+mod signal;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -93,7 +93,34 @@ pub mod sqlite {
 #[cfg(feature = "postgres")]
 pub mod postgres {
     use super::{Payment, Receipt};
-    use sqlx::{PgConnection, PgPool};
+    use onceonly::{Delivery, Handler, HandlerError, Json};
+    use sqlx::{PgConnection, PgPool, Postgres};
+
+    /// The handler the Kafka and AMQP examples run: credits the ledger
+    /// inside the claim's transaction. A non-positive amount is a permanent
+    /// error (dead-lettered); database errors are retryable when transient.
+    pub struct Ledger;
+
+    #[async_trait::async_trait]
+    impl Handler<Postgres> for Ledger {
+        type Input = Json<Payment>;
+        type Output = Receipt;
+
+        async fn handle(
+            &self,
+            conn: &mut PgConnection,
+            Json(payment): Json<Payment>,
+            _delivery: &Delivery,
+        ) -> Result<Receipt, HandlerError> {
+            if payment.amount <= 0 {
+                return Err(HandlerError::permanent(format!(
+                    "amount must be positive, got {}",
+                    payment.amount
+                )));
+            }
+            Ok(record(conn, &payment).await?)
+        }
+    }
 
     /// Creates the ledger tables if missing. Several processes may start at
     /// once: `CREATE TABLE IF NOT EXISTS` races in Postgres, so creation is

@@ -20,6 +20,9 @@ pub enum ConsumerError {
     /// A client call failed.
     #[error("AMQP error: {0}")]
     Client(#[from] lapin::Error),
+    /// The broker closed the connection or cancelled the consumer.
+    #[error("AMQP connection lost: {0}")]
+    ConnectionLost(String),
     /// A publish was not confirmed by the broker.
     #[error("publish to exchange {exchange:?} with routing key {routing_key:?} not confirmed: {reason}")]
     NotConfirmed {

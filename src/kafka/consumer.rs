@@ -77,7 +77,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
         H: Handler<S::Db> + 'static,
     {
         let shutdown = CancellationToken::new();
-        let signals = tokio::spawn(cancel_on_signal(shutdown.clone()));
+        let signals = tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
         let result = self.run_until(handler, shutdown).await;
         signals.abort();
         result
@@ -151,29 +151,6 @@ impl<S: SqlStore> KafkaConsumer<S> {
             None => Ok(()),
         }
     }
-}
-
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the consumer");
-                drop(tokio::signal::ctrl_c().await);
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    drop(tokio::signal::ctrl_c().await);
-    tracing::info!("shutdown signal received");
-    shutdown.cancel();
 }
 
 struct Poller {

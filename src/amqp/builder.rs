@@ -1,0 +1,237 @@
+//! Configuration of an [`AmqpConsumer`].
+
+use std::time::Duration;
+
+use super::ConsumerError;
+use super::consumer::{AmqpConsumer, Settings};
+use super::topology::{DeadLetterTarget, QueueKind, Topology};
+use crate::engine::{Engine, EngineBuilder, RetryPolicy};
+use crate::fingerprint::FingerprintSpec;
+use crate::key::KeySpec;
+use crate::store::SqlStore;
+
+/// Builds an [`AmqpConsumer`]. Required: [`url`](Self::url),
+/// [`queue`](Self::queue) and a key ([`key`](Self::key) or
+/// [`key_expr`](Self::key_expr)).
+pub struct AmqpConsumerBuilder<S> {
+    engine: EngineBuilder<S>,
+    retry: RetryPolicy,
+    scope: Option<String>,
+    url: Option<String>,
+    queue: Option<String>,
+    kind: QueueKind,
+    delivery_limit: Option<i64>,
+    dead_letter: Option<DeadLetterTarget>,
+    prefetch: u16,
+    concurrency: usize,
+    exit_when_idle: Option<Duration>,
+    reconnect_min: Duration,
+    reconnect_max: Duration,
+}
+
+impl<S: SqlStore> AmqpConsumerBuilder<S> {
+    pub(super) fn new(store: S) -> Self {
+        Self {
+            engine: Engine::builder(store),
+            retry: RetryPolicy::default(),
+            scope: None,
+            url: None,
+            queue: None,
+            kind: QueueKind::Classic,
+            delivery_limit: None,
+            dead_letter: None,
+            prefetch: 32,
+            concurrency: 8,
+            exit_when_idle: None,
+            reconnect_min: Duration::from_millis(200),
+            reconnect_max: Duration::from_secs(10),
+        }
+    }
+
+    /// Broker URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    #[must_use]
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = Some(url.into());
+        self
+    }
+
+    /// The work queue; also the default dedup scope.
+    #[must_use]
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = Some(queue.into());
+        self
+    }
+
+    /// Declare the work queue as classic (default) or quorum, or use an
+    /// existing one as it is.
+    #[must_use]
+    pub fn queue_kind(mut self, kind: QueueKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// `x-delivery-limit` of a declared quorum queue. RabbitMQ 4 defaults it
+    /// to 20 (3.x: unlimited). It counts redeliveries of the *same* message
+    /// (after a crash, a connection loss); onceonly's retries publish a new
+    /// message to a retry queue and do not count. Past the limit the broker
+    /// dead-letters the message to the dead-letter target (reason
+    /// `delivery_limit` in `x-death`).
+    #[must_use]
+    pub fn delivery_limit(mut self, limit: i64) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// How each message's key is derived: any core [`KeySpec`], including
+    /// [`KeySpec::message_key`] (the `message_id` property) and
+    /// [`KeySpec::header`] (a header such as `Idempotency-Key`).
+    #[must_use]
+    pub fn key(mut self, key: KeySpec) -> Self {
+        self.engine = self.engine.key(key);
+        self
+    }
+
+    /// The key in string form: `json:/out_trade_no`, `message-key`,
+    /// `header:Idempotency-Key`, `fingerprint`, ... (see [`KeySpec::parse`]).
+    #[must_use]
+    pub fn key_expr(mut self, expr: &str) -> Self {
+        self.engine = self.engine.key_expr(expr);
+        self
+    }
+
+    /// The dedup scope; defaults to the queue name.
+    #[must_use]
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// What is fingerprinted to detect a key reused with another payload.
+    #[must_use]
+    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.engine = self.engine.fingerprint(spec);
+        self
+    }
+
+    /// How long dedup records are kept (default 7 days); must outlast the
+    /// oldest message that can come back (dead letters you may replay).
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.engine = self.engine.retention(retention);
+        self
+    }
+
+    /// Retries of retryable handler failures. Each retry is a delayed
+    /// message: attempt `n` failing sends the message to the retry queue
+    /// `<queue>.retry.<ms>ms` whose TTL is the policy's `n`-th delay
+    /// (without jitter); on expiry it returns to the work queue with
+    /// `x-onceonly-attempts: n`. The queue never waits on a retry.
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Any other engine setting (clock, transient retries, ...).
+    #[must_use]
+    pub fn configure_engine(mut self, f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>) -> Self {
+        self.engine = f(self.engine);
+        self
+    }
+
+    /// Dead-letter to this queue (declared durable) through the default
+    /// exchange. Default: `<queue>.dlq`.
+    #[must_use]
+    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
+        self.dead_letter = Some(DeadLetterTarget {
+            exchange: String::new(),
+            routing_key: queue.into(),
+            declare: true,
+        });
+        self
+    }
+
+    /// Dead-letter to an existing exchange with a routing key (nothing is
+    /// declared; an unroutable dead letter is a failed publish and the
+    /// message stays unacked).
+    #[must_use]
+    pub fn dead_letter_exchange(
+        mut self,
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+    ) -> Self {
+        self.dead_letter = Some(DeadLetterTarget {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            declare: false,
+        });
+        self
+    }
+
+    /// Unacked messages the broker sends ahead (`basic.qos`, default 32).
+    #[must_use]
+    pub fn prefetch(mut self, messages: u16) -> Self {
+        self.prefetch = messages;
+        self
+    }
+
+    /// Messages handled at once (default 8). AMQP gives no order across
+    /// concurrent handlers; use 1 (and one consumer) for strict order.
+    #[must_use]
+    pub fn concurrency(mut self, handlers: usize) -> Self {
+        self.concurrency = handlers;
+        self
+    }
+
+    /// Stop once nothing arrived and nothing ran for `idle`.
+    #[must_use]
+    pub fn exit_when_idle(mut self, idle: Duration) -> Self {
+        self.exit_when_idle = Some(idle);
+        self
+    }
+
+    /// Reconnect backoff bounds (default 200 ms doubling up to 10 s).
+    #[must_use]
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max.max(min);
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<AmqpConsumer<S>, ConsumerError> {
+        let missing = |what: &str| ConsumerError::Config(format!("{what} is required"));
+        let url = self.url.ok_or_else(|| missing("url"))?;
+        let queue = self.queue.ok_or_else(|| missing("queue"))?;
+        if queue.is_empty() || queue.len() > 200 {
+            return Err(ConsumerError::Config(
+                "queue names are 1 to 200 bytes (room for the retry and dead-letter suffixes)".into(),
+            ));
+        }
+        if self.prefetch == 0 || self.concurrency == 0 {
+            return Err(ConsumerError::Config(
+                "prefetch and concurrency must be at least 1".into(),
+            ));
+        }
+        let scope = self.scope.unwrap_or_else(|| queue.clone());
+        let engine = self.engine.scope(scope).retry(self.retry).build()?;
+        let dead_letter = self.dead_letter.unwrap_or_else(|| DeadLetterTarget {
+            exchange: String::new(),
+            routing_key: format!("{queue}.dlq"),
+            declare: true,
+        });
+        let topology = Topology::new(queue, self.kind, self.delivery_limit, &self.retry, dead_letter);
+        Ok(AmqpConsumer::new(
+            engine,
+            topology,
+            Settings {
+                url,
+                prefetch: self.prefetch,
+                concurrency: self.concurrency,
+                exit_when_idle: self.exit_when_idle,
+                reconnect_min: self.reconnect_min,
+                reconnect_max: self.reconnect_max,
+            },
+        ))
+    }
+}

@@ -1,0 +1,248 @@
+//! The consumer: a session per connection (consume, process concurrently,
+//! ack), and a loop that reconnects with backoff when the connection drops.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::builder::AmqpConsumerBuilder;
+use super::stats::{AmqpStats, Counters, bump};
+use super::topology::{Topology, is_connection_level};
+use super::worker::{Env, handle};
+use super::ConsumerError;
+use crate::engine::{Engine, Handler};
+use crate::store::SqlStore;
+
+pub(super) struct Settings {
+    pub(super) url: String,
+    pub(super) prefetch: u16,
+    pub(super) concurrency: usize,
+    pub(super) exit_when_idle: Option<Duration>,
+    pub(super) reconnect_min: Duration,
+    pub(super) reconnect_max: Duration,
+}
+
+/// An AMQP 0-9-1 (RabbitMQ) consumer that processes each message's effect
+/// exactly once and acks only after the commit.
+///
+/// See the [module documentation](super) for the guarantee and each knob.
+pub struct AmqpConsumer<S: SqlStore> {
+    engine: Engine<S>,
+    topology: Topology,
+    settings: Settings,
+}
+
+/// Why a session ended.
+enum End {
+    Stopped,
+    Idle,
+}
+
+impl<S: SqlStore> AmqpConsumer<S> {
+    /// Starts configuring a consumer whose claims go to `store`.
+    pub fn builder(store: S) -> AmqpConsumerBuilder<S> {
+        AmqpConsumerBuilder::new(store)
+    }
+
+    pub(super) fn new(engine: Engine<S>, topology: Topology, settings: Settings) -> Self {
+        Self {
+            engine,
+            topology,
+            settings,
+        }
+    }
+
+    /// The engine (store, scope, key spec) this consumer runs.
+    pub fn engine(&self) -> &Engine<S> {
+        &self.engine
+    }
+
+    /// Runs until SIGINT or SIGTERM (or until idle, if
+    /// [`exit_when_idle`](AmqpConsumerBuilder::exit_when_idle) is set), then
+    /// shuts down gracefully (see [`run_until`](Self::run_until)).
+    pub async fn run<H>(self, handler: H) -> Result<AmqpStats, ConsumerError>
+    where
+        H: Handler<S::Db> + 'static,
+    {
+        let shutdown = CancellationToken::new();
+        let signals = tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
+        let result = self.run_until(handler, shutdown).await;
+        signals.abort();
+        result
+    }
+
+    /// Runs until `shutdown` is cancelled (or until idle, if configured),
+    /// reconnecting with backoff whenever the connection drops. Shutdown
+    /// cancels the consumer (no new deliveries), lets messages being handled
+    /// finish and ack (retry waits are cut short: those stay unacked and the
+    /// broker redelivers them), then closes the channel and the connection.
+    ///
+    /// Fails only on what reconnecting cannot fix: a topology the broker
+    /// refuses (e.g. the queue exists with other arguments, or is missing
+    /// with [`QueueKind::Existing`](super::QueueKind::Existing)).
+    pub async fn run_until<H>(
+        self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<AmqpStats, ConsumerError>
+    where
+        H: Handler<S::Db> + 'static,
+    {
+        let env = Arc::new(Env {
+            engine: self.engine,
+            handler,
+            topology: self.topology,
+            counters: Counters::default(),
+        });
+        let settings = self.settings;
+        let mut backoff = settings.reconnect_min;
+        let mut idle_since = Instant::now();
+        let mut seen = 0;
+        while !shutdown.is_cancelled() {
+            match session(&env, &settings, &shutdown, &mut idle_since).await {
+                Ok(End::Stopped | End::Idle) => break,
+                Err(e) if !is_reconnectable(&e) => return Err(e),
+                Err(e) => {
+                    if env.counters.connections_since(&mut seen) {
+                        // It had connected: start the backoff over.
+                        backoff = settings.reconnect_min;
+                    }
+                    tracing::warn!(error = %e, ?backoff, "AMQP connection lost or refused; reconnecting");
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(settings.reconnect_max);
+                }
+            }
+        }
+        Ok(env.counters.snapshot())
+    }
+}
+
+/// One connection's life. `Err` means: reconnect (unless it is a topology error).
+async fn session<S, H>(
+    env: &Arc<Env<S, H>>,
+    settings: &Settings,
+    shutdown: &CancellationToken,
+    idle_since: &mut Instant,
+) -> Result<End, ConsumerError>
+where
+    S: SqlStore,
+    H: Handler<S::Db> + 'static,
+{
+    let conn = Connection::connect(&settings.url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    channel
+        .basic_qos(settings.prefetch, BasicQosOptions::default())
+        .await?;
+    env.topology.declare(&channel).await?;
+    let mut consumer = channel
+        .basic_consume(
+            env.topology.queue.as_str().into(),
+            // The broker generates a unique consumer tag.
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let tag = consumer.tag();
+    bump(&env.counters.connections);
+    // Time spent reconnecting is not idleness.
+    *idle_since = Instant::now();
+    tracing::info!(queue = %env.topology.queue, prefetch = settings.prefetch, "consuming");
+
+    // Stops the tasks of this session: on shutdown, and when the connection
+    // is gone (their acks could not reach the broker anyway).
+    let stop = shutdown.child_token();
+    let permits = Arc::new(Semaphore::new(settings.concurrency));
+    let mut tasks = JoinSet::new();
+    let idle_check = settings.exit_when_idle.unwrap_or(Duration::from_secs(3600));
+    let mut tick = tokio::time::interval(Duration::from_millis(200).min(idle_check));
+    let end: Result<End, ConsumerError> = loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break Ok(End::Stopped),
+            next = consumer.next() => match next {
+                Some(Ok(message)) => {
+                    *idle_since = Instant::now();
+                    let env = Arc::clone(env);
+                    let channel = channel.clone();
+                    let permits = Arc::clone(&permits);
+                    let stop = stop.clone();
+                    tasks.spawn(async move {
+                        // Closed only if the session is over: then leave the
+                        // message unacked for redelivery.
+                        if let Ok(_permit) = permits.acquire_owned().await {
+                            handle(&env, &channel, message, &stop).await;
+                        }
+                    });
+                }
+                Some(Err(e)) => break Err(e.into()),
+                None => break Err(ConsumerError::ConnectionLost(
+                    "the broker ended the consumer (connection closed or consumer cancelled)".into(),
+                )),
+            },
+            Some(done) = tasks.join_next() => {
+                if let Err(e) = done {
+                    if e.is_panic() {
+                        tracing::error!(error = %e, "a delivery task panicked; its message stays unacked and is redelivered");
+                    }
+                }
+                *idle_since = Instant::now();
+            }
+            _ = tick.tick() => {
+                if let Some(idle) = settings.exit_when_idle {
+                    if tasks.is_empty() && idle_since.elapsed() >= idle {
+                        tracing::info!(?idle, "queue idle; stopping");
+                        break Ok(End::Idle);
+                    }
+                }
+            }
+        }
+    };
+    if end.is_ok() {
+        // No new deliveries; prefetched ones not yet started are requeued
+        // when the channel closes.
+        if let Err(e) = channel
+            .basic_cancel(tag.clone(), BasicCancelOptions::default())
+            .await
+        {
+            tracing::debug!(error = %e, "basic.cancel failed");
+        }
+    }
+    // Outage waits and publish retries end now; handlers in progress finish
+    // and ack if the channel is still there.
+    stop.cancel();
+    while let Some(done) = tasks.join_next().await {
+        if let Err(e) = done {
+            if e.is_panic() {
+                tracing::error!(error = %e, "a delivery task panicked");
+            }
+        }
+    }
+    if let Err(e) = channel.close(200, "onceonly consumer stopping".into()).await {
+        tracing::debug!(error = %e, "channel close failed");
+    }
+    if let Err(e) = conn.close(200, "onceonly consumer stopping".into()).await {
+        tracing::debug!(error = %e, "connection close failed");
+    }
+    end
+}
+
+/// Whether reconnecting may help.
+fn is_reconnectable(e: &ConsumerError) -> bool {
+    match e {
+        ConsumerError::Client(e) => is_connection_level(e),
+        ConsumerError::ConnectionLost(_) | ConsumerError::NotConfirmed { .. } => true,
+        _ => false,
+    }
+}

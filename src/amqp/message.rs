@@ -1,0 +1,65 @@
+//! Converting an AMQP delivery into the engine's [`Delivery`], and header
+//! values back and forth.
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+use crate::delivery::Delivery;
+
+/// The engine's view of a message: body, headers with text or binary
+/// values as metadata, `message_id` as the message key, and
+/// `queue/exchange/routing-key` as the source stored with the claim.
+pub(crate) fn to_delivery(queue: &str, message: &lapin::message::Delivery) -> Delivery {
+    let props = &message.properties;
+    let mut d = Delivery::new(message.data.clone()).with_source(format!(
+        "{queue}/{}/{}",
+        message.exchange.as_str(),
+        message.routing_key.as_str()
+    ));
+    if let Some(id) = props.message_id() {
+        d = d.with_message_key(id.as_str().as_bytes());
+    }
+    if let Some(headers) = props.headers() {
+        for (name, value) in headers.inner() {
+            if let Some(bytes) = value_bytes(value) {
+                d = d.with_metadata(name.as_str(), bytes);
+            }
+        }
+    }
+    d
+}
+
+/// Text and binary header values as bytes; integers in decimal.
+pub(crate) fn value_bytes(value: &AMQPValue) -> Option<Vec<u8>> {
+    match value {
+        AMQPValue::LongString(s) => Some(s.as_bytes().to_vec()),
+        AMQPValue::ShortString(s) => Some(s.as_str().as_bytes().to_vec()),
+        AMQPValue::ByteArray(b) => Some(b.as_slice().to_vec()),
+        AMQPValue::ShortShortInt(n) => Some(n.to_string().into_bytes()),
+        AMQPValue::ShortShortUInt(n) => Some(n.to_string().into_bytes()),
+        AMQPValue::ShortInt(n) => Some(n.to_string().into_bytes()),
+        AMQPValue::ShortUInt(n) => Some(n.to_string().into_bytes()),
+        AMQPValue::LongInt(n) => Some(n.to_string().into_bytes()),
+        AMQPValue::LongUInt(n) => Some(n.to_string().into_bytes()),
+        AMQPValue::LongLongInt(n) => Some(n.to_string().into_bytes()),
+        _ => None,
+    }
+}
+
+/// A header as text, if present and textual or numeric.
+pub(crate) fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    let value = headers?.inner().get(name)?;
+    value_bytes(value).and_then(|b| String::from_utf8(b).ok())
+}
+
+/// Inserts a text header.
+pub(crate) fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
+    headers.insert(
+        ShortString::from(name),
+        AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
+    );
+}
+
+/// Inserts an integer header.
+pub(crate) fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
+    headers.insert(ShortString::from(name), AMQPValue::LongLongInt(value));
+}

@@ -1,0 +1,78 @@
+//! AMQP 0-9-1 transport (feature `amqp`): a RabbitMQ consumer whose messages
+//! take effect exactly once, over [lapin](https://docs.rs/lapin).
+//!
+//! # Guarantee
+//!
+//! For every message, the key claim and the handler's writes commit in one SQL
+//! transaction, and the message is acked only after that transaction
+//! committed, after its key was found already committed (a duplicate: the
+//! handler does not run), or after its retry copy or dead letter was
+//! confirmed by the broker (publisher confirms, `mandatory`). A crash or a
+//! lost connection at any point leaves the message unacked, the broker
+//! redelivers it, and dedup turns the redelivery into a duplicate if it had
+//! committed. Acks are never sent twice; an ack that cannot reach the broker
+//! (lapin's `Ok(false)`: the channel is gone) is counted in
+//! [`AmqpStats::acks_lost`] and logged.
+//!
+//! # Topology
+//!
+//! With the default [`QueueKind::Classic`] (or [`QueueKind::Quorum`]) the
+//! consumer declares, durable and idempotently:
+//! - the work queue `Q` (a quorum queue gets `x-dead-letter-exchange` /
+//!   `-routing-key` pointing at the dead-letter target, so messages over its
+//!   delivery limit are dead-lettered rather than dropped);
+//! - one retry queue per retry delay, `Q.retry.<ms>ms`, with that TTL and
+//!   dead-lettering back to `Q`: a retry waits there and never blocks `Q`;
+//! - the dead-letter queue `Q.dlq` (or [`dead_letter_queue`] /
+//!   [`dead_letter_exchange`]).
+//!
+//! # Outcomes
+//!
+//! | outcome                         | what happens                                  |
+//! |---------------------------------|-----------------------------------------------|
+//! | processed, duplicate            | RPC reply if `reply_to` is set, then ack       |
+//! | retryable handler error         | copy to the retry queue with `x-onceonly-attempts`, confirmed, then ack; once the policy is exhausted: dead letter |
+//! | permanent error, panic          | dead letter (`handler_error`)                  |
+//! | key reused with another payload | dead letter (`fingerprint_mismatch`)           |
+//! | no key, undecodable body        | dead letter (`bad_key`, `decode_error`)        |
+//! | database unreachable            | retried in place with backoff until it is back; never dead-lettered, never acked meanwhile |
+//!
+//! Dead letters keep body and properties and add the [`headers`]:
+//! `x-onceonly-reason`, `-error`, `-attempts`, `-original-exchange`,
+//! `-original-routing-key`, `-queue`, `-scope`, `-first-seen` and
+//! `-idempotency-key` (when a key was derived).
+//!
+//! # RPC
+//!
+//! When a message has `reply_to`, the handler's result (for a duplicate: the
+//! stored result of the first run) is published there as JSON with the same
+//! `correlation_id` and `x-onceonly-replayed: true|false`, before the ack.
+//!
+//! # Recovery and shutdown
+//!
+//! When the connection drops or RabbitMQ restarts, the consumer reconnects
+//! with backoff ([`reconnect_backoff`]) and carries on; messages that were
+//! unacked come back and dedupe. [`AmqpConsumer::run`] stops on SIGINT or
+//! SIGTERM, [`AmqpConsumer::run_until`] on a cancellation token: cancel the
+//! consumer, finish the messages in progress and ack them, close.
+//!
+//! [`dead_letter_queue`]: AmqpConsumerBuilder::dead_letter_queue
+//! [`dead_letter_exchange`]: AmqpConsumerBuilder::dead_letter_exchange
+//! [`reconnect_backoff`]: AmqpConsumerBuilder::reconnect_backoff
+
+mod builder;
+mod consumer;
+mod error;
+pub mod headers;
+mod message;
+mod publish;
+mod stats;
+mod topology;
+mod worker;
+
+pub use builder::AmqpConsumerBuilder;
+pub use consumer::AmqpConsumer;
+pub use error::ConsumerError;
+pub use stats::AmqpStats;
+pub use tokio_util::sync::CancellationToken;
+pub use topology::QueueKind;

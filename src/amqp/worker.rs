@@ -1,0 +1,256 @@
+//! One delivery, start to finish: process, then reply, retry later or
+//! dead-letter (each publish confirmed), and only then ack.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::options::BasicAckOptions;
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel};
+use tokio_util::sync::CancellationToken;
+
+use super::headers;
+use super::message::{header_text, set_int, set_text, to_delivery};
+use super::publish::publish_confirmed;
+use super::stats::{Counters, bump};
+use super::topology::Topology;
+use crate::engine::{Engine, Handler, Outcome};
+use crate::store::SqlStore;
+
+/// What every delivery task of a consumer shares.
+pub(crate) struct Env<S: SqlStore, H> {
+    pub(crate) engine: Engine<S>,
+    pub(crate) handler: H,
+    pub(crate) topology: Topology,
+    pub(crate) counters: Counters,
+}
+
+const OUTAGE_BACKOFF_START: Duration = Duration::from_millis(100);
+const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// What to publish before the ack.
+enum Next {
+    Reply(Option<Vec<u8>>, bool),
+    Retry(String),
+    DeadLetter {
+        reason: &'static str,
+        error: String,
+        attempts: u32,
+    },
+}
+
+/// Handles one delivery. Returns without acking when the consumer stops
+/// or the channel dies first: the broker then redelivers the message.
+pub(crate) async fn handle<S, H>(
+    env: &Env<S, H>,
+    channel: &Channel,
+    message: lapin::message::Delivery,
+    stop: &CancellationToken,
+) where
+    S: SqlStore,
+    H: Handler<S::Db>,
+{
+    let first_seen = now_ms();
+    let props = &message.properties;
+    let prior: u32 = header_text(props.headers().as_ref(), headers::ATTEMPTS)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let attempt = prior.saturating_add(1);
+    let delivery = to_delivery(&env.topology.queue, &message);
+    let mut report = env.engine.process(&env.handler, &delivery).await;
+    let mut outage = OUTAGE_BACKOFF_START;
+    while matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure() && f.is_retryable())
+    {
+        tracing::warn!(queue = %env.topology.queue, error = ?report.outcome.reason(), "database unavailable, retrying the message");
+        if !pause(stop, outage).await || !channel.status().connected() {
+            return;
+        }
+        outage = (outage * 2).min(OUTAGE_BACKOFF_MAX);
+        report = env.engine.process(&env.handler, &delivery).await;
+    }
+    let next = match &report.outcome {
+        Outcome::Processed { result } => {
+            bump(&env.counters.processed);
+            Next::Reply(serde_json::to_vec(result).ok(), false)
+        }
+        Outcome::Duplicate { result } => {
+            bump(&env.counters.duplicates);
+            tracing::debug!(key = ?report.key, "duplicate acknowledged without running the handler");
+            Next::Reply(
+                result.as_ref().and_then(|r| serde_json::to_vec(r).ok()),
+                true,
+            )
+        }
+        Outcome::Failed(f) if f.is_retryable() => match env.topology.retry_queue(attempt) {
+            Some(queue) => Next::Retry(queue.name.clone()),
+            None => dead_letter(&report.outcome, attempt),
+        },
+        Outcome::Rejected(_) => dead_letter(&report.outcome, 0),
+        other => dead_letter(other, attempt),
+    };
+    let key = report.key.as_ref().map(|k| k.as_str());
+    let published = match next {
+        Next::Reply(body, replayed) => {
+            if let (Some(reply_to), Some(body)) = (props.reply_to(), body) {
+                reply(env, channel, reply_to.as_str(), props, &body, replayed).await;
+            }
+            true
+        }
+        Next::Retry(queue) => {
+            let mut h = carried_headers(props.headers().as_ref(), &message);
+            set_int(&mut h, headers::ATTEMPTS, i64::from(attempt));
+            let ok = publish_until_confirmed(
+                env,
+                channel,
+                stop,
+                "",
+                &queue,
+                &message.data,
+                props.clone().with_headers(h),
+            )
+            .await;
+            if ok {
+                bump(&env.counters.retried);
+                tracing::debug!(key = ?key, attempt, queue = %queue, "retry scheduled");
+            }
+            ok
+        }
+        Next::DeadLetter {
+            reason,
+            error,
+            attempts,
+        } => {
+            let mut h = carried_headers(props.headers().as_ref(), &message);
+            set_text(&mut h, headers::REASON, reason);
+            set_text(&mut h, headers::ERROR, &error);
+            set_int(&mut h, headers::ATTEMPTS, i64::from(attempts));
+            set_text(&mut h, headers::QUEUE, &env.topology.queue);
+            set_text(&mut h, headers::SCOPE, env.engine.scope());
+            set_int(&mut h, headers::FIRST_SEEN, i64::try_from(first_seen).unwrap_or(i64::MAX));
+            if let Some(key) = key {
+                set_text(&mut h, headers::IDEMPOTENCY_KEY, key);
+            }
+            let target = &env.topology.dead_letter;
+            let ok = publish_until_confirmed(
+                env,
+                channel,
+                stop,
+                &target.exchange,
+                &target.routing_key,
+                &message.data,
+                props.clone().with_headers(h),
+            )
+            .await;
+            if ok {
+                bump(&env.counters.dead_lettered);
+                tracing::warn!(queue = %env.topology.queue, key = ?key, reason, error = %error, "message dead-lettered");
+            }
+            ok
+        }
+    };
+    if !published {
+        return;
+    }
+    match message.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => bump(&env.counters.acked),
+        Ok(false) => {
+            bump(&env.counters.acks_lost);
+            tracing::warn!(queue = %env.topology.queue, key = ?key, "ack not sent: the channel is gone; the broker redelivers and dedup absorbs it");
+        }
+        Err(e) => {
+            bump(&env.counters.acks_lost);
+            tracing::warn!(queue = %env.topology.queue, key = ?key, error = %e, "ack failed; the broker redelivers and dedup absorbs it");
+        }
+    }
+}
+
+fn dead_letter<T>(outcome: &Outcome<T>, attempts: u32) -> Next {
+    let error = match outcome {
+        Outcome::Conflict { .. } => {
+            "the key was already used for a different payload (fingerprint mismatch)".to_owned()
+        }
+        Outcome::Rejected(r) => r.to_string(),
+        Outcome::Failed(f) => f.to_string(),
+        _ => String::new(),
+    };
+    Next::DeadLetter {
+        reason: outcome.reason().unwrap_or("handler_error"),
+        error,
+        attempts,
+    }
+}
+
+/// The message's headers, plus where it was first published to (kept from
+/// an earlier retry if there was one).
+fn carried_headers(original: Option<&FieldTable>, message: &lapin::message::Delivery) -> FieldTable {
+    let mut h = original.cloned().unwrap_or_default();
+    if header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).is_none() {
+        set_text(&mut h, headers::ORIGINAL_EXCHANGE, message.exchange.as_str());
+        set_text(&mut h, headers::ORIGINAL_ROUTING_KEY, message.routing_key.as_str());
+    }
+    h
+}
+
+/// Publishes the RPC reply. Best effort: the effect is committed either
+/// way, and a client that missed the reply can ask again and gets the
+/// stored result.
+async fn reply<S: SqlStore, H>(
+    env: &Env<S, H>,
+    channel: &Channel,
+    reply_to: &str,
+    request: &BasicProperties,
+    body: &[u8],
+    replayed: bool,
+) {
+    let mut props = BasicProperties::default().with_content_type("application/json".into());
+    if let Some(id) = request.correlation_id() {
+        props = props.with_correlation_id(id.clone());
+    }
+    let mut h = FieldTable::default();
+    set_text(&mut h, "x-onceonly-replayed", if replayed { "true" } else { "false" });
+    props = props.with_headers(h);
+    match publish_confirmed(channel, "", reply_to, body, props).await {
+        Ok(()) => bump(&env.counters.replies),
+        Err(e) => tracing::warn!(reply_to, error = %e, "RPC reply not delivered"),
+    }
+}
+
+/// Publishes until confirmed; `false` if the consumer stopped or the
+/// channel died first (the message stays unacked and is redelivered).
+async fn publish_until_confirmed<S: SqlStore, H>(
+    env: &Env<S, H>,
+    channel: &Channel,
+    stop: &CancellationToken,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> bool {
+    let mut backoff = OUTAGE_BACKOFF_START;
+    loop {
+        match publish_confirmed(channel, exchange, routing_key, body, props.clone()).await {
+            Ok(()) => return true,
+            Err(e) => {
+                tracing::error!(queue = %env.topology.queue, error = %e, "publish failed; the message stays unacked");
+                if !channel.status().connected() || !pause(stop, backoff).await {
+                    return false;
+                }
+                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+async fn pause(stop: &CancellationToken, delay: Duration) -> bool {
+    tokio::select! {
+        biased;
+        () = stop.cancelled() => false,
+        () = tokio::time::sleep(delay) => true,
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
