@@ -75,6 +75,8 @@ pub async fn sqlite_store(path: &std::path::Path, table: &str) -> SqliteStore {
     store
 }
 
+pub mod amqp;
+pub mod child;
 pub mod kafka;
 
 /// SQL of the business table `charges(id, out_trade_no, amount)` per backend.

@@ -11,81 +11,57 @@
 mod ledger;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, pg_schema, produce, read_all,
 };
 use onceonly_integration_tests::unique;
 use sqlx::PgPool;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 /// Records produced; keys are 4,800 distinct, the rest are duplicates.
 const DISTINCT: usize = 4_800;
 const KILLS: usize = 6;
-
-fn example_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/examples/kafka_payments
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(|profile| profile.join("examples").join("kafka_payments"))
-        .expect("target directory layout");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build --example kafka_payments --features kafka,postgres` \
-         (plain `cargo test --workspace --all-features` builds it too)",
-        bin.display()
-    );
-    bin
-}
 
 struct Run {
     topic: String,
     dlt: String,
     group: String,
     url: String,
-    log: PathBuf,
+    child: Logged,
 }
 
 impl Run {
     fn spawn(&self, batch_size: usize, exit_when_idle: Option<u64>) -> Child {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .expect("log file");
-        let mut cmd = Command::new(example_binary());
-        cmd.arg("--brokers")
-            .arg(brokers())
-            .arg("--topic")
-            .arg(&self.topic)
-            .arg("--group")
-            .arg(&self.group)
-            .arg("--database-url")
-            .arg(&self.url)
-            .arg("--dead-letter-topic")
-            .arg(&self.dlt)
-            .arg("--batch-size")
-            .arg(batch_size.to_string())
-            .arg("--session-timeout-ms")
-            .arg("6000")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .kill_on_drop(true);
+        let mut args: Vec<String> = [
+            "--brokers",
+            &brokers(),
+            "--topic",
+            &self.topic,
+            "--group",
+            &self.group,
+            "--database-url",
+            &self.url,
+            "--dead-letter-topic",
+            &self.dlt,
+            "--batch-size",
+            &batch_size.to_string(),
+            "--session-timeout-ms",
+            "6000",
+        ]
+        .iter()
+        .map(|a| (*a).to_owned())
+        .collect();
         if let Some(secs) = exit_when_idle {
-            cmd.arg("--exit-when-idle").arg(secs.to_string());
+            args.extend(["--exit-when-idle".to_owned(), secs.to_string()]);
         }
-        cmd.spawn().expect("spawn kafka_payments")
+        self.child.spawn("kafka_payments", &args)
     }
 
     fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
+        self.child.tail()
     }
 }
 
@@ -136,7 +112,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         dlt,
         group: unique("kcrash_group"),
         url,
-        log: std::env::temp_dir().join(format!("{}.log", unique("kafka_payments"))),
+        child: Logged::new("kafka_payments"),
     };
     let mut rng = fastrand::Rng::new();
     let mut kills = 0;
@@ -219,7 +195,6 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         read_all(&run.dlt, 1, 1, Duration::from_secs(2)).is_empty(),
         "nothing dead-lettered"
     );
-    let _ = std::fs::remove_file(&run.log);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,7 +218,7 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
         dlt,
         group: unique("kterm_group"),
         url,
-        log: std::env::temp_dir().join(format!("{}.log", unique("kafka_payments"))),
+        child: Logged::new("kafka_payments"),
     };
     let mut child = run.spawn(1, None);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -281,5 +256,4 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
         committed_total, rows,
         "committed offsets {positions:?} must cover exactly the {rows} processed records"
     );
-    let _ = std::fs::remove_file(&run.log);
 }

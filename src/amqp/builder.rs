@@ -134,7 +134,10 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
 
     /// Any other engine setting (clock, transient retries, ...).
     #[must_use]
-    pub fn configure_engine(mut self, f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>) -> Self {
+    pub fn configure_engine(
+        mut self,
+        f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>,
+    ) -> Self {
         self.engine = f(self.engine);
         self
     }
@@ -205,7 +208,8 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
         let queue = self.queue.ok_or_else(|| missing("queue"))?;
         if queue.is_empty() || queue.len() > 200 {
             return Err(ConsumerError::Config(
-                "queue names are 1 to 200 bytes (room for the retry and dead-letter suffixes)".into(),
+                "queue names are 1 to 200 bytes (room for the retry and dead-letter suffixes)"
+                    .into(),
             ));
         }
         if self.prefetch == 0 || self.concurrency == 0 {
@@ -220,7 +224,13 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             routing_key: format!("{queue}.dlq"),
             declare: true,
         });
-        let topology = Topology::new(queue, self.kind, self.delivery_limit, &self.retry, dead_letter);
+        let topology = Topology::new(
+            queue,
+            self.kind,
+            self.delivery_limit,
+            &self.retry,
+            dead_letter,
+        );
         Ok(AmqpConsumer::new(
             engine,
             topology,

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio::sync::Semaphore;
@@ -13,11 +15,11 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::ConsumerError;
 use super::builder::AmqpConsumerBuilder;
 use super::stats::{AmqpStats, Counters, bump};
 use super::topology::{Topology, is_connection_level};
 use super::worker::{Env, handle};
-use super::ConsumerError;
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
@@ -141,7 +143,9 @@ where
 {
     let conn = Connection::connect(&settings.url, ConnectionProperties::default()).await?;
     let channel = conn.create_channel().await?;
-    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
     channel
         .basic_qos(settings.prefetch, BasicQosOptions::default())
         .await?;
@@ -229,7 +233,10 @@ where
             }
         }
     }
-    if let Err(e) = channel.close(200, "onceonly consumer stopping".into()).await {
+    if let Err(e) = channel
+        .close(200, "onceonly consumer stopping".into())
+        .await
+    {
         tracing::debug!(error = %e, "channel close failed");
     }
     if let Err(e) = conn.close(200, "onceonly consumer stopping".into()).await {

@@ -24,7 +24,9 @@ pub enum ConsumerError {
     #[error("AMQP connection lost: {0}")]
     ConnectionLost(String),
     /// A publish was not confirmed by the broker.
-    #[error("publish to exchange {exchange:?} with routing key {routing_key:?} not confirmed: {reason}")]
+    #[error(
+        "publish to exchange {exchange:?} with routing key {routing_key:?} not confirmed: {reason}"
+    )]
     NotConfirmed {
         /// Target exchange (`""` is the default exchange).
         exchange: String,

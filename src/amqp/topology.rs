@@ -107,8 +107,16 @@ impl Topology {
                 let mut args = FieldTable::default();
                 if kind == QueueKind::Quorum {
                     text(&mut args, "x-queue-type", "quorum");
-                    text(&mut args, "x-dead-letter-exchange", &self.dead_letter.exchange);
-                    text(&mut args, "x-dead-letter-routing-key", &self.dead_letter.routing_key);
+                    text(
+                        &mut args,
+                        "x-dead-letter-exchange",
+                        &self.dead_letter.exchange,
+                    );
+                    text(
+                        &mut args,
+                        "x-dead-letter-routing-key",
+                        &self.dead_letter.routing_key,
+                    );
                     if let Some(limit) = self.delivery_limit {
                         args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
                     }
@@ -192,7 +200,11 @@ mod tests {
             declare: true,
         };
         let t = Topology::new("orders".into(), QueueKind::Classic, None, &policy, dl);
-        let names: Vec<_> = t.retry.iter().map(|r| (r.name.as_str(), r.ttl_ms)).collect();
+        let names: Vec<_> = t
+            .retry
+            .iter()
+            .map(|r| (r.name.as_str(), r.ttl_ms))
+            .collect();
         assert_eq!(
             names,
             [

@@ -125,7 +125,11 @@ pub(crate) async fn handle<S, H>(
             set_int(&mut h, headers::ATTEMPTS, i64::from(attempts));
             set_text(&mut h, headers::QUEUE, &env.topology.queue);
             set_text(&mut h, headers::SCOPE, env.engine.scope());
-            set_int(&mut h, headers::FIRST_SEEN, i64::try_from(first_seen).unwrap_or(i64::MAX));
+            set_int(
+                &mut h,
+                headers::FIRST_SEEN,
+                i64::try_from(first_seen).unwrap_or(i64::MAX),
+            );
             if let Some(key) = key {
                 set_text(&mut h, headers::IDEMPOTENCY_KEY, key);
             }
@@ -181,11 +185,22 @@ fn dead_letter<T>(outcome: &Outcome<T>, attempts: u32) -> Next {
 
 /// The message's headers, plus where it was first published to (kept from
 /// an earlier retry if there was one).
-fn carried_headers(original: Option<&FieldTable>, message: &lapin::message::Delivery) -> FieldTable {
+fn carried_headers(
+    original: Option<&FieldTable>,
+    message: &lapin::message::Delivery,
+) -> FieldTable {
     let mut h = original.cloned().unwrap_or_default();
     if header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).is_none() {
-        set_text(&mut h, headers::ORIGINAL_EXCHANGE, message.exchange.as_str());
-        set_text(&mut h, headers::ORIGINAL_ROUTING_KEY, message.routing_key.as_str());
+        set_text(
+            &mut h,
+            headers::ORIGINAL_EXCHANGE,
+            message.exchange.as_str(),
+        );
+        set_text(
+            &mut h,
+            headers::ORIGINAL_ROUTING_KEY,
+            message.routing_key.as_str(),
+        );
     }
     h
 }
@@ -206,7 +221,11 @@ async fn reply<S: SqlStore, H>(
         props = props.with_correlation_id(id.clone());
     }
     let mut h = FieldTable::default();
-    set_text(&mut h, "x-onceonly-replayed", if replayed { "true" } else { "false" });
+    set_text(
+        &mut h,
+        "x-onceonly-replayed",
+        if replayed { "true" } else { "false" },
+    );
     props = props.with_headers(h);
     match publish_confirmed(channel, "", reply_to, body, props).await {
         Ok(()) => bump(&env.counters.replies),

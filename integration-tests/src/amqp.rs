@@ -1,0 +1,180 @@
+//! RabbitMQ helpers for the tests: connections, confirmed persistent
+//! publishing, queue depth, reading a queue.
+
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+/// Broker URL: `ONCEONLY_AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+pub fn url() -> String {
+    std::env::var("ONCEONLY_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A connection and a channel in confirm mode.
+pub async fn connect() -> (Connection, Channel) {
+    let conn = Connection::connect(&url(), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "RabbitMQ is not reachable at {}: {e}\nStart it with `scripts/services` \
+                 (or `rabbitmq-server -detached`), or point ONCEONLY_AMQP_URL at a running broker. \
+                 These tests never skip.",
+                url()
+            )
+        });
+    let channel = conn.create_channel().await.expect("channel");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm mode");
+    (conn, channel)
+}
+
+/// Declares a durable classic queue with no arguments (what the consumer
+/// declares by default), so messages can be published before it starts.
+pub async fn declare_queue(channel: &Channel, queue: &str) {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue declare");
+}
+
+/// One message to publish.
+#[derive(Clone, Debug, Default)]
+pub struct Msg {
+    /// Body.
+    pub body: Vec<u8>,
+    /// `message_id`.
+    pub message_id: Option<String>,
+    /// `reply_to`.
+    pub reply_to: Option<String>,
+    /// `correlation_id`.
+    pub correlation_id: Option<String>,
+    /// Text headers.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Msg {
+    /// A message with this body.
+    pub fn new(body: impl Into<Vec<u8>>) -> Self {
+        Self {
+            body: body.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// Publishes persistent messages to `queue` through the default exchange,
+/// each confirmed by the broker.
+pub async fn publish(channel: &Channel, queue: &str, messages: &[Msg]) {
+    for chunk in messages.chunks(500) {
+        let mut confirms = Vec::with_capacity(chunk.len());
+        for m in chunk {
+            let mut props = BasicProperties::default().with_delivery_mode(2);
+            if let Some(id) = &m.message_id {
+                props = props.with_message_id(id.as_str().into());
+            }
+            if let Some(r) = &m.reply_to {
+                props = props.with_reply_to(r.as_str().into());
+            }
+            if let Some(c) = &m.correlation_id {
+                props = props.with_correlation_id(c.as_str().into());
+            }
+            if !m.headers.is_empty() {
+                let mut h = FieldTable::default();
+                for (k, v) in &m.headers {
+                    h.insert(
+                        ShortString::from(k.as_str()),
+                        AMQPValue::LongString(LongString::from(v.as_bytes())),
+                    );
+                }
+                props = props.with_headers(h);
+            }
+            let confirm = channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    &m.body,
+                    props,
+                )
+                .await
+                .expect("publish");
+            confirms.push(confirm);
+        }
+        for c in confirms {
+            assert!(c.await.expect("confirm").is_ack(), "publish not confirmed");
+        }
+    }
+}
+
+/// Messages ready in `queue` (not counting unacked ones).
+pub async fn depth(channel: &Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("passive declare")
+        .message_count()
+}
+
+/// Takes (and acks) up to `expected` messages from `queue`, waiting up to
+/// `timeout` for them to arrive.
+pub async fn take(
+    channel: &Channel,
+    queue: &str,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<lapin::message::BasicGetMessage> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < expected && Instant::now() < deadline {
+        match channel
+            .basic_get(queue.into(), BasicGetOptions::default())
+            .await
+            .expect("basic.get")
+        {
+            Some(m) => {
+                m.delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .expect("ack");
+                out.push(m);
+            }
+            None => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    out
+}
+
+/// A header of a message as text.
+pub fn header(props: &BasicProperties, name: &str) -> Option<String> {
+    let value = props.headers().as_ref()?.inner().get(name)?;
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        AMQPValue::LongLongInt(n) => Some(n.to_string()),
+        AMQPValue::LongInt(n) => Some(n.to_string()),
+        _ => None,
+    }
+}

@@ -1,0 +1,344 @@
+//! The AMQP consumer against the real RabbitMQ and PostgreSQL. Each test has
+//! its own queues and Postgres schema.
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ledger::{Payment, Receipt};
+use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken, headers};
+use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlStore};
+use onceonly_integration_tests::amqp::{
+    Msg, connect, declare_queue, depth, header, publish, take, url,
+};
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::{pg_store, unique};
+use sqlx::{PgConnection, PgPool, Postgres};
+
+/// The examples' ledger handler, counting calls and failing on request.
+#[derive(Default)]
+struct Ledger {
+    calls: AtomicUsize,
+}
+
+#[async_trait]
+impl Handler<Postgres> for Ledger {
+    type Input = Json<Payment>;
+    type Output = Receipt;
+
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        Json(payment): Json<Payment>,
+        _d: &Delivery,
+    ) -> Result<Receipt, HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let receipt = ledger::postgres::record(conn, &payment).await?;
+        match payment.account.as_str() {
+            "flaky" => Err(HandlerError::retryable("always times out")),
+            "broken" => Err(HandlerError::permanent("account closed")),
+            _ => Ok(receipt),
+        }
+    }
+}
+
+fn payment(no: &str, account: &str, amount: i64) -> Vec<u8> {
+    serde_json::json!({ "out_trade_no": no, "account": account, "amount": amount })
+        .to_string()
+        .into_bytes()
+}
+
+struct Setup {
+    queue: String,
+    store: PgStore,
+    pool: PgPool,
+}
+
+async fn setup(name: &str) -> Setup {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let queue = unique(name);
+    let url = pg_schema(name).await;
+    let store = pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    Setup {
+        queue,
+        pool: store.pool().clone(),
+        store,
+    }
+}
+
+fn consumer(s: &Setup) -> AmqpConsumerBuilder<PgStore> {
+    AmqpConsumer::builder(s.store.clone())
+        .url(url())
+        .queue(&s.queue)
+        .key_expr("json:/out_trade_no")
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(300)),
+        )
+        .exit_when_idle(Duration::from_secs(3))
+}
+
+async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> AmqpStats {
+    let run = builder
+        .build()
+        .expect("consumer")
+        .run_until(handler, CancellationToken::new());
+    tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("consumer did not drain within 120 s")
+        .expect("consumer failed")
+}
+
+async fn assert_exact_ledger(pool: &PgPool, expected: &BTreeMap<String, (String, i64)>) {
+    let charges = ledger::postgres::charges(pool).await.unwrap();
+    let want: Vec<(String, i64, i64)> = expected
+        .iter()
+        .map(|(no, (_, amount))| (no.clone(), 1, *amount))
+        .collect();
+    assert_eq!(charges.len(), want.len(), "ledger rows vs distinct keys");
+    assert_eq!(charges, want, "every key charged exactly once");
+    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
+    for (account, amount) in expected.values() {
+        *balances.entry(account.clone()).or_default() += amount;
+    }
+    let got: BTreeMap<String, i64> = ledger::postgres::balances(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(got, balances, "account balances");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_and_redeliveries_are_acked_without_running_twice() {
+    let s = setup("adup").await;
+    let mut messages = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..300 {
+        let no = format!("A-{i:04}");
+        let account = format!("acct-{}", i % 9);
+        let body = payment(&no, &account, 10 + i);
+        messages.push(Msg::new(body.clone()));
+        if i % 3 == 0 {
+            messages.push(Msg::new(body));
+        }
+        expected.insert(no, (account, 10 + i));
+    }
+    // Twenty keys were committed by a consumer that crashed before its acks:
+    // the broker redelivers them; they must be duplicates.
+    let engine = Engine::builder(s.store.clone())
+        .scope(s.queue.as_str())
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let earlier = Ledger::default();
+    for i in 0..20 {
+        let no = format!("A-{i:04}");
+        let (account, amount) = &expected[&no];
+        let d = Delivery::new(payment(&no, account, *amount));
+        assert!(engine.process(&earlier, &d).await.outcome.is_done());
+    }
+    let (_conn, channel) = connect().await;
+    publish(&channel, &s.queue, &messages).await;
+
+    let handler = Arc::new(Ledger::default());
+    let stats = drain(consumer(&s), Arc::clone(&handler)).await;
+    assert_exact_ledger(&s.pool, &expected).await;
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        280,
+        "handler ran once per new key"
+    );
+    assert_eq!(stats.processed, 280);
+    assert_eq!(stats.duplicates as usize, messages.len() - 280);
+    assert_eq!(
+        stats.acked as usize,
+        messages.len(),
+        "every message acked once"
+    );
+    assert_eq!(stats.acks_lost, 0);
+    assert_eq!(depth(&channel, &s.queue).await, 0, "queue drained");
+    assert_eq!(depth(&channel, &format!("{}.dlq", s.queue)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed() {
+    let s = setup("apoison").await;
+    let dlq = format!("{}.dlq", s.queue);
+    let (_conn, channel) = connect().await;
+    let handler = Arc::new(Ledger::default());
+    let run = tokio::spawn(drain(
+        consumer(&s).retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(1_000)),
+        ),
+        Arc::clone(&handler),
+    ));
+    let mut flaky = Msg::new(payment("P-2", "flaky", 20));
+    flaky.headers.push(("trace-id".into(), "t-2".into()));
+    publish(&channel, &s.queue, &[flaky]).await;
+    publish(
+        &channel,
+        &s.queue,
+        &[
+            Msg::new(payment("P-1", "alice", 10)),
+            Msg::new(b"{\"out_trade_no\":\"P-4\",\"amount\":".to_vec()),
+            Msg::new(payment("P-5", "broken", 50)),
+            Msg::new(br#"{"account":"bob","amount":60}"#.to_vec()),
+            Msg::new(payment("P-1", "alice", 999)),
+            Msg::new(payment("P-9", "carol", 90)),
+        ],
+    )
+    .await;
+    // The good messages are done while the flaky one still waits in the
+    // retry queues (1 s, then 2 s): a retry never blocks the queue.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM ledger WHERE account IN ('alice', 'carol')")
+                .fetch_one(&s.pool)
+                .await
+                .unwrap();
+        if rows == 2 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "good messages stuck");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dead_now = take(&channel, &dlq, 10, Duration::from_millis(500)).await;
+    assert!(
+        dead_now.iter().all(
+            |m| header(&m.delivery.properties, headers::REASON).as_deref() != Some("handler_error")
+                || header(&m.delivery.properties, headers::ATTEMPTS).as_deref() == Some("1")
+        ),
+        "the flaky message must still be retrying"
+    );
+    let stats = run.await.unwrap();
+    let mut dead = dead_now;
+    dead.extend(take(&channel, &dlq, 5, Duration::from_secs(10)).await);
+
+    let expected: BTreeMap<String, (String, i64)> = [("P-1", "alice", 10), ("P-9", "carol", 90)]
+        .iter()
+        .map(|(n, a, m)| ((*n).to_owned(), ((*a).to_owned(), *m)))
+        .collect();
+    assert_exact_ledger(&s.pool, &expected).await;
+    let summary: BTreeMap<String, (String, String)> = dead
+        .iter()
+        .map(|m| {
+            let p = &m.delivery.properties;
+            let body = String::from_utf8_lossy(&m.delivery.data).into_owned();
+            (
+                body,
+                (
+                    header(p, headers::REASON).unwrap_or_default(),
+                    header(p, headers::ATTEMPTS).unwrap_or_default(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(dead.len(), 5, "five dead letters: {summary:?}");
+    let reason_of = |body: &[u8]| summary[&String::from_utf8_lossy(body).into_owned()].clone();
+    assert_eq!(
+        reason_of(&payment("P-2", "flaky", 20)),
+        ("handler_error".into(), "3".into())
+    );
+    assert_eq!(
+        reason_of(&payment("P-5", "broken", 50)),
+        ("handler_error".into(), "1".into())
+    );
+    assert_eq!(
+        reason_of(&payment("P-1", "alice", 999)),
+        ("fingerprint_mismatch".into(), "1".into())
+    );
+    assert_eq!(
+        reason_of(b"{\"out_trade_no\":\"P-4\",\"amount\":"),
+        ("decode_error".into(), "0".into())
+    );
+    assert_eq!(
+        reason_of(br#"{"account":"bob","amount":60}"#),
+        ("bad_key".into(), "0".into())
+    );
+    for m in &dead {
+        let p = &m.delivery.properties;
+        assert_eq!(header(p, headers::ORIGINAL_EXCHANGE).as_deref(), Some(""));
+        assert_eq!(
+            header(p, headers::ORIGINAL_ROUTING_KEY).as_deref(),
+            Some(s.queue.as_str())
+        );
+        assert_eq!(header(p, headers::QUEUE).as_deref(), Some(s.queue.as_str()));
+        assert!(!header(p, headers::ERROR).unwrap_or_default().is_empty());
+    }
+    let flaky = dead
+        .iter()
+        .find(|m| m.delivery.data == payment("P-2", "flaky", 20))
+        .unwrap();
+    assert_eq!(
+        header(&flaky.delivery.properties, "trace-id").as_deref(),
+        Some("t-2"),
+        "headers kept"
+    );
+    assert_eq!(
+        header(&flaky.delivery.properties, headers::IDEMPOTENCY_KEY).as_deref(),
+        Some("P-2")
+    );
+    assert_eq!(stats.retried, 2, "two delayed retries of the flaky message");
+    assert_eq!(stats.dead_lettered, 5);
+    assert_eq!(depth(&channel, &s.queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rpc_reply_for_a_duplicate_carries_the_original_result() {
+    use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let s = setup("arpc").await;
+    let (_conn, channel) = connect().await;
+    let reply_queue = unique("arpc_reply");
+    channel
+        .queue_declare(
+            reply_queue.as_str().into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let request = |corr: &str| Msg {
+        body: payment("R-1", "dora", 77),
+        reply_to: Some(reply_queue.clone()),
+        correlation_id: Some(corr.into()),
+        ..Msg::default()
+    };
+    publish(&channel, &s.queue, &[request("c-1"), request("c-2")]).await;
+    let handler = Arc::new(Ledger::default());
+    let stats = drain(consumer(&s).concurrency(1), Arc::clone(&handler)).await;
+    assert_eq!(handler.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.replies, 2);
+    let _ = BasicConsumeOptions::default();
+    let replies = take(&channel, &reply_queue, 2, Duration::from_secs(10)).await;
+    assert_eq!(replies.len(), 2);
+    let mut by_corr = BTreeMap::new();
+    for r in &replies {
+        let p = &r.delivery.properties;
+        let corr = p.correlation_id().as_ref().unwrap().as_str().to_owned();
+        let receipt: Receipt = serde_json::from_slice(&r.delivery.data).unwrap();
+        by_corr.insert(corr, (receipt, header(p, "x-onceonly-replayed").unwrap()));
+    }
+    let (first, replayed1) = &by_corr["c-1"];
+    let (second, replayed2) = &by_corr["c-2"];
+    assert_eq!(first, second, "the duplicate gets the stored receipt");
+    assert_eq!(first.balance, 77);
+    assert_eq!((replayed1.as_str(), replayed2.as_str()), ("false", "true"));
+}

@@ -1,0 +1,165 @@
+//! Crash safety of the AMQP example, `amqp_orders`, run as a child process
+//! and killed with SIGKILL while it works, then restarted until the queue is
+//! drained: every key charged exactly once, nothing left in the queue,
+//! nothing unacked.
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
+use onceonly_integration_tests::child::Logged;
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::unique;
+use sqlx::PgPool;
+use tokio::process::Child;
+
+const DISTINCT: usize = 4_800;
+const KILLS: usize = 6;
+
+struct Run {
+    queue: String,
+    url: String,
+    child: Logged,
+}
+
+impl Run {
+    fn spawn(&self, prefetch: u16, exit_when_idle: Option<u64>) -> Child {
+        let mut args: Vec<String> = vec![
+            "--amqp-url".into(),
+            url(),
+            "--queue".into(),
+            self.queue.clone(),
+            "--database-url".into(),
+            self.url.clone(),
+            "--prefetch".into(),
+            prefetch.to_string(),
+        ];
+        if let Some(secs) = exit_when_idle {
+            args.extend(["--exit-when-idle".to_owned(), secs.to_string()]);
+        }
+        self.child.spawn("amqp_orders", &args)
+    }
+}
+
+async fn ledger_rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
+    let queue = unique("acrash");
+    let url = pg_schema("acrash").await;
+    let pool = PgPool::connect(&url).await.expect("postgres");
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+
+    // 4,800 keys; every fourth again right behind itself, every third again
+    // at the end: 2,800 duplicates, 37% of 7,600 messages.
+    let mut messages = Vec::new();
+    let mut tail = Vec::new();
+    let mut expected: BTreeMap<String, (String, i64)> = BTreeMap::new();
+    for i in 0..DISTINCT {
+        let no = format!("M-{i:06}");
+        let account = format!("acct-{}", i % 23);
+        let amount = 1 + (i as i64 * 7919) % 1000;
+        let body = serde_json::json!({"out_trade_no": no, "account": account, "amount": amount})
+            .to_string()
+            .into_bytes();
+        messages.push(Msg::new(body.clone()));
+        if i % 4 == 0 {
+            messages.push(Msg::new(body.clone()));
+        }
+        if i % 3 == 0 {
+            tail.push(Msg::new(body));
+        }
+        expected.insert(no, (account, amount));
+    }
+    messages.extend(tail);
+    assert!(messages.len() >= 5_000 && (messages.len() - DISTINCT) * 5 >= messages.len());
+    publish(&channel, &queue, &messages).await;
+
+    let run = Run {
+        queue,
+        url,
+        child: Logged::new("amqp_orders"),
+    };
+    let mut rng = fastrand::Rng::new();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    for kill in 1..=KILLS {
+        let before = ledger_rows(&pool).await;
+        let prefetch = if kill % 2 == 0 { 8 } else { 64 };
+        let mut child = run.spawn(prefetch, None);
+        loop {
+            if let Some(status) = child.try_wait().expect("child status") {
+                panic!(
+                    "amqp_orders exited early ({status}); log:\n{}",
+                    run.child.tail()
+                );
+            }
+            if ledger_rows(&pool).await > before {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no progress; log:\n{}",
+                run.child.tail()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..400))).await;
+        child.start_kill().expect("SIGKILL");
+        child.wait().await.expect("reap");
+        eprintln!(
+            "kill {kill}: ledger rows {} (prefetch {prefetch})",
+            ledger_rows(&pool).await
+        );
+    }
+    let before_final = ledger_rows(&pool).await;
+    assert!(
+        (before_final as usize) < DISTINCT,
+        "the kills must land before the backlog is drained ({before_final} rows)"
+    );
+
+    let mut child = run.spawn(32, Some(3));
+    let status = tokio::time::timeout(Duration::from_secs(240), child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("final run did not drain; log:\n{}", run.child.tail()))
+        .expect("wait");
+    assert!(
+        status.success(),
+        "final run failed ({status}); log:\n{}",
+        run.child.tail()
+    );
+
+    let charges = ledger::postgres::charges(&pool).await.unwrap();
+    assert_eq!(charges.len(), DISTINCT, "ledger rows = distinct keys");
+    let doubled: Vec<_> = charges.iter().filter(|(_, n, _)| *n != 1).take(5).collect();
+    assert!(doubled.is_empty(), "charged more than once: {doubled:?}");
+    for (no, _, total) in &charges {
+        assert_eq!(*total, expected[no].1, "{no}");
+    }
+    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
+    for (account, amount) in expected.values() {
+        *balances.entry(account.clone()).or_default() += amount;
+    }
+    let got: BTreeMap<String, i64> = ledger::postgres::balances(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(got, balances, "every balance exact");
+    // The final consumer closed its channel, so anything unacked would be
+    // back in the queue: empty means nothing is left and nothing unacked.
+    assert_eq!(depth(&channel, &run.queue).await, 0, "queue empty");
+    assert_eq!(
+        depth(&channel, &format!("{}.dlq", run.queue)).await,
+        0,
+        "nothing dead-lettered"
+    );
+}

@@ -1,0 +1,137 @@
+//! RabbitMQ restarted under a running consumer (`rabbitmqctl stop_app`, then
+//! `start_app`): the consumer reconnects and drains the queue with an exact
+//! ledger. In its own test binary so that no other test sees the restart.
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use onceonly::amqp::{AmqpConsumer, CancellationToken};
+use onceonly::{RetryPolicy, SqlStore};
+use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::{pg_store, unique};
+
+fn rabbitmqctl(args: &[&str]) {
+    let status = Command::new("rabbitmqctl")
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| {
+            panic!("rabbitmqctl {args:?}: {e} (is RabbitMQ installed? scripts/services)")
+        });
+    assert!(status.success(), "rabbitmqctl {args:?} failed");
+}
+
+/// Starts the broker app again however the test ends.
+struct Restart;
+
+impl Drop for Restart {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl").arg("start_app").status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let queue = unique("arestart");
+    let db = pg_schema("arestart").await;
+    let store = pg_store(&db, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let pool = store.pool().clone();
+    let (conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    let mut messages = Vec::new();
+    let mut expected: BTreeMap<String, (String, i64)> = BTreeMap::new();
+    for i in 0..3_000 {
+        let no = format!("X-{i:05}");
+        let account = format!("acct-{}", i % 13);
+        let body =
+            serde_json::json!({"out_trade_no": no, "account": account, "amount": 1 + i % 50})
+                .to_string()
+                .into_bytes();
+        messages.push(Msg::new(body.clone()));
+        if i % 5 == 0 {
+            messages.push(Msg::new(body));
+        }
+        expected.insert(no, (account, 1 + i % 50));
+    }
+    publish(&channel, &queue, &messages).await;
+    drop(channel);
+    drop(conn);
+
+    let consumer = AmqpConsumer::builder(store)
+        .url(url())
+        .queue(&queue)
+        .key_expr("json:/out_trade_no")
+        .prefetch(16)
+        .retry(RetryPolicy::default().max_attempts(3))
+        .reconnect_backoff(Duration::from_millis(200), Duration::from_secs(2))
+        .exit_when_idle(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
+
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM ledger")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while rows().await < 300 {
+        assert!(Instant::now() < deadline, "no progress before the restart");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let guard = Restart;
+    rabbitmqctl(&["stop_app"]);
+    let at_stop = rows().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    rabbitmqctl(&["start_app"]);
+    std::mem::forget(guard);
+    eprintln!(
+        "restarted RabbitMQ with {at_stop} of {} rows done",
+        expected.len()
+    );
+
+    let stats = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("consumer did not drain after the restart")
+        .unwrap()
+        .expect("consumer failed");
+    assert!(
+        stats.connections >= 2,
+        "the consumer reconnected: {stats:?}"
+    );
+    assert!(
+        (at_stop as usize) < expected.len(),
+        "the restart happened mid-stream"
+    );
+
+    let charges = ledger::postgres::charges(&pool).await.unwrap();
+    assert_eq!(charges.len(), expected.len(), "ledger rows = distinct keys");
+    assert!(
+        charges.iter().all(|(_, n, _)| *n == 1),
+        "nothing charged twice"
+    );
+    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
+    for (account, amount) in expected.values() {
+        *balances.entry(account.clone()).or_default() += amount;
+    }
+    let got: BTreeMap<String, i64> = ledger::postgres::balances(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(got, balances);
+    let (_conn, channel) = connect().await;
+    assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
+    assert_eq!(
+        depth(&channel, &format!("{queue}.dlq")).await,
+        0,
+        "nothing dead-lettered"
+    );
+}
