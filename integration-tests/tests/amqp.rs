@@ -342,3 +342,69 @@ async fn rpc_reply_for_a_duplicate_carries_the_original_result() {
     assert_eq!(first.balance, 77);
     assert_eq!((replayed1.as_str(), replayed2.as_str()), ("false", "true"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_declared_quorum_queue_works_the_same() {
+    use onceonly::amqp::QueueKind;
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let queue = unique("aquorum");
+    let db = pg_schema("aquorum").await;
+    let store = pg_store(&db, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let s = Setup {
+        queue,
+        pool: store.pool().clone(),
+        store,
+    };
+    let handler = Arc::new(Ledger::default());
+    let run = tokio::spawn(drain(
+        consumer(&s)
+            .queue_kind(QueueKind::Quorum)
+            .delivery_limit(50),
+        Arc::clone(&handler),
+    ));
+    // The consumer declares the quorum queue (and its quorum dead-letter
+    // queue); publish once it exists.
+    let (_conn, channel) = connect().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_c, probe) = connect().await;
+        let exists = probe
+            .queue_declare(
+                s.queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        if exists {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "quorum queue never declared"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut expected = BTreeMap::new();
+    let mut messages = Vec::new();
+    for i in 0..50 {
+        let no = format!("Q-{i}");
+        messages.push(Msg::new(payment(&no, "quinn", 2)));
+        messages.push(Msg::new(payment(&no, "quinn", 2)));
+        expected.insert(no, ("quinn".to_owned(), 2));
+    }
+    messages.push(Msg::new(payment("Q-bad", "broken", 2)));
+    publish(&channel, &s.queue, &messages).await;
+    let stats = run.await.unwrap();
+    assert_exact_ledger(&s.pool, &expected).await;
+    assert_eq!(
+        (stats.processed, stats.duplicates, stats.dead_lettered),
+        (50, 50, 1)
+    );
+    assert_eq!(depth(&channel, &s.queue).await, 0);
+    assert_eq!(depth(&channel, &format!("{}.dlq", s.queue)).await, 1);
+}
