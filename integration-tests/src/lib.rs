@@ -78,6 +78,7 @@ pub async fn sqlite_store(path: &std::path::Path, table: &str) -> SqliteStore {
 pub mod amqp;
 pub mod child;
 pub mod kafka;
+pub mod ledger;
 
 /// SQL of the business table `charges(id, out_trade_no, amount)` per backend.
 /// `out_trade_no` has no unique constraint: dedup must come from onceonly.

@@ -17,6 +17,7 @@ use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, header, publish, take, url,
 };
 use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::ledger::{assert_exact, payment};
 use onceonly_integration_tests::{pg_store, unique};
 use sqlx::{PgConnection, PgPool, Postgres};
 
@@ -45,12 +46,6 @@ impl Handler<Postgres> for Ledger {
             _ => Ok(receipt),
         }
     }
-}
-
-fn payment(no: &str, account: &str, amount: i64) -> Vec<u8> {
-    serde_json::json!({ "out_trade_no": no, "account": account, "amount": amount })
-        .to_string()
-        .into_bytes()
 }
 
 struct Setup {
@@ -98,26 +93,6 @@ async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> A
         .expect("consumer failed")
 }
 
-async fn assert_exact_ledger(pool: &PgPool, expected: &BTreeMap<String, (String, i64)>) {
-    let charges = ledger::postgres::charges(pool).await.unwrap();
-    let want: Vec<(String, i64, i64)> = expected
-        .iter()
-        .map(|(no, (_, amount))| (no.clone(), 1, *amount))
-        .collect();
-    assert_eq!(charges.len(), want.len(), "ledger rows vs distinct keys");
-    assert_eq!(charges, want, "every key charged exactly once");
-    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
-    for (account, amount) in expected.values() {
-        *balances.entry(account.clone()).or_default() += amount;
-    }
-    let got: BTreeMap<String, i64> = ledger::postgres::balances(pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
-    assert_eq!(got, balances, "account balances");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_and_redeliveries_are_acked_without_running_twice() {
     let s = setup("adup").await;
@@ -152,7 +127,7 @@ async fn duplicates_and_redeliveries_are_acked_without_running_twice() {
 
     let handler = Arc::new(Ledger::default());
     let stats = drain(consumer(&s), Arc::clone(&handler)).await;
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     assert_eq!(
         handler.calls.load(Ordering::SeqCst),
         280,
@@ -176,8 +151,10 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     let dlq = format!("{}.dlq", s.queue);
     let (_conn, channel) = connect().await;
     let handler = Arc::new(Ledger::default());
+    // One handler at a time: the two `P-1` messages must be processed in
+    // publishing order for the second to be the conflict.
     let run = tokio::spawn(drain(
-        consumer(&s).retry(
+        consumer(&s).concurrency(1).retry(
             RetryPolicy::default()
                 .max_attempts(3)
                 .initial_delay(Duration::from_millis(1_000)),
@@ -231,7 +208,7 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
         .iter()
         .map(|(n, a, m)| ((*n).to_owned(), ((*a).to_owned(), *m)))
         .collect();
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     let summary: BTreeMap<String, (String, String)> = dead
         .iter()
         .map(|m| {
@@ -400,7 +377,7 @@ async fn a_declared_quorum_queue_works_the_same() {
     messages.push(Msg::new(payment("Q-bad", "broken", 2)));
     publish(&channel, &s.queue, &messages).await;
     let stats = run.await.unwrap();
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     assert_eq!(
         (stats.processed, stats.duplicates, stats.dead_lettered),
         (50, 50, 1)

@@ -3,15 +3,12 @@
 //! drained: every key charged exactly once, nothing left in the queue,
 //! nothing unacked.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
-
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
 use onceonly_integration_tests::unique;
 use sqlx::PgPool;
 use tokio::process::Child;
@@ -44,13 +41,6 @@ impl Run {
     }
 }
 
-async fn ledger_rows(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
-        .fetch_one(pool)
-        .await
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
     let queue = unique("acrash");
@@ -59,29 +49,13 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
 
-    // 4,800 keys; every fourth again right behind itself, every third again
-    // at the end: 2,800 duplicates, 37% of 7,600 messages.
-    let mut messages = Vec::new();
-    let mut tail = Vec::new();
-    let mut expected: BTreeMap<String, (String, i64)> = BTreeMap::new();
-    for i in 0..DISTINCT {
-        let no = format!("M-{i:06}");
-        let account = format!("acct-{}", i % 23);
-        let amount = 1 + (i as i64 * 7919) % 1000;
-        let body = serde_json::json!({"out_trade_no": no, "account": account, "amount": amount})
-            .to_string()
-            .into_bytes();
-        messages.push(Msg::new(body.clone()));
-        if i % 4 == 0 {
-            messages.push(Msg::new(body.clone()));
-        }
-        if i % 3 == 0 {
-            tail.push(Msg::new(body));
-        }
-        expected.insert(no, (account, amount));
-    }
-    messages.extend(tail);
-    assert!(messages.len() >= 5_000 && (messages.len() - DISTINCT) * 5 >= messages.len());
+    let stream = crash_stream("M", DISTINCT);
+    assert!(stream.messages.len() >= 5_000 && stream.duplicates() * 5 >= stream.messages.len());
+    let messages: Vec<Msg> = stream
+        .messages
+        .iter()
+        .map(|(_, body)| Msg::new(body.clone()))
+        .collect();
     publish(&channel, &queue, &messages).await;
 
     let run = Run {
@@ -92,7 +66,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
     let mut rng = fastrand::Rng::new();
     let deadline = Instant::now() + Duration::from_secs(300);
     for kill in 1..=KILLS {
-        let before = ledger_rows(&pool).await;
+        let before = rows(&pool).await;
         let prefetch = if kill % 2 == 0 { 8 } else { 64 };
         let mut child = run.spawn(prefetch, None);
         loop {
@@ -102,7 +76,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
                     run.child.tail()
                 );
             }
-            if ledger_rows(&pool).await > before {
+            if rows(&pool).await > before {
                 break;
             }
             assert!(
@@ -117,10 +91,10 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         child.wait().await.expect("reap");
         eprintln!(
             "kill {kill}: ledger rows {} (prefetch {prefetch})",
-            ledger_rows(&pool).await
+            rows(&pool).await
         );
     }
-    let before_final = ledger_rows(&pool).await;
+    let before_final = rows(&pool).await;
     assert!(
         (before_final as usize) < DISTINCT,
         "the kills must land before the backlog is drained ({before_final} rows)"
@@ -137,23 +111,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         run.child.tail()
     );
 
-    let charges = ledger::postgres::charges(&pool).await.unwrap();
-    assert_eq!(charges.len(), DISTINCT, "ledger rows = distinct keys");
-    let doubled: Vec<_> = charges.iter().filter(|(_, n, _)| *n != 1).take(5).collect();
-    assert!(doubled.is_empty(), "charged more than once: {doubled:?}");
-    for (no, _, total) in &charges {
-        assert_eq!(*total, expected[no].1, "{no}");
-    }
-    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
-    for (account, amount) in expected.values() {
-        *balances.entry(account.clone()).or_default() += amount;
-    }
-    let got: BTreeMap<String, i64> = ledger::postgres::balances(&pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
-    assert_eq!(got, balances, "every balance exact");
+    assert_exact(&pool, &stream.expected).await;
     // The final consumer closed its channel, so anything unacked would be
     // back in the queue: empty means nothing is left and nothing unacked.
     assert_eq!(depth(&channel, &run.queue).await, 0, "queue empty");

@@ -5,7 +5,6 @@
 #[path = "../../examples/support/ledger.rs"]
 mod ledger;
 
-use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -13,6 +12,7 @@ use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::{RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::ledger::{Expected, assert_exact, rows};
 use onceonly_integration_tests::{pg_store, unique};
 
 fn rabbitmqctl(args: &[&str]) {
@@ -45,7 +45,7 @@ async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
     let (conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let mut messages = Vec::new();
-    let mut expected: BTreeMap<String, (String, i64)> = BTreeMap::new();
+    let mut expected = Expected::new();
     for i in 0..3_000 {
         let no = format!("X-{i:05}");
         let account = format!("acct-{}", i % 13);
@@ -75,20 +75,14 @@ async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
         .unwrap();
     let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
 
-    let rows = || async {
-        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM ledger")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while rows().await < 300 {
+    while rows(&pool).await < 300 {
         assert!(Instant::now() < deadline, "no progress before the restart");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let guard = Restart;
     rabbitmqctl(&["stop_app"]);
-    let at_stop = rows().await;
+    let at_stop = rows(&pool).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     rabbitmqctl(&["start_app"]);
     std::mem::forget(guard);
@@ -111,22 +105,7 @@ async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
         "the restart happened mid-stream"
     );
 
-    let charges = ledger::postgres::charges(&pool).await.unwrap();
-    assert_eq!(charges.len(), expected.len(), "ledger rows = distinct keys");
-    assert!(
-        charges.iter().all(|(_, n, _)| *n == 1),
-        "nothing charged twice"
-    );
-    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
-    for (account, amount) in expected.values() {
-        *balances.entry(account.clone()).or_default() += amount;
-    }
-    let got: BTreeMap<String, i64> = ledger::postgres::balances(&pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
-    assert_eq!(got, balances);
+    assert_exact(&pool, &expected).await;
     let (_conn, channel) = connect().await;
     assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
     assert_eq!(

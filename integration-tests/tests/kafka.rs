@@ -18,6 +18,7 @@ use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlS
 use onceonly_integration_tests::kafka::{
     Record, committed, create_topic, header, pg_schema, produce, read_all,
 };
+use onceonly_integration_tests::ledger::{assert_exact, payment};
 use onceonly_integration_tests::{pg_store, unique};
 use sqlx::{PgConnection, PgPool, Postgres};
 
@@ -61,12 +62,6 @@ impl Handler<Postgres> for Ledger {
             _ => Ok(receipt),
         }
     }
-}
-
-fn payment(no: &str, account: &str, amount: i64) -> Vec<u8> {
-    serde_json::json!({ "out_trade_no": no, "account": account, "amount": amount })
-        .to_string()
-        .into_bytes()
 }
 
 struct Setup {
@@ -124,27 +119,6 @@ async fn drain(builder: onceonly::kafka::KafkaConsumerBuilder<PgStore>, handler:
         .expect("consumer failed");
 }
 
-/// Asserts one ledger row per key with its amount, and the balances.
-async fn assert_exact_ledger(pool: &PgPool, expected: &BTreeMap<String, (String, i64)>) {
-    let charges = ledger::postgres::charges(pool).await.unwrap();
-    let want: Vec<(String, i64, i64)> = expected
-        .iter()
-        .map(|(no, (_, amount))| (no.clone(), 1, *amount))
-        .collect();
-    assert_eq!(charges.len(), want.len(), "ledger rows vs distinct keys");
-    assert_eq!(charges, want, "every key charged exactly once");
-    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
-    for (account, amount) in expected.values() {
-        *balances.entry(account.clone()).or_default() += amount;
-    }
-    let got: BTreeMap<String, i64> = ledger::postgres::balances(pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
-    assert_eq!(got, balances, "account balances");
-}
-
 fn assert_no_lag(group: &str, topic: &str, ends: &BTreeMap<i32, i64>, partitions: i32) {
     let got = committed(group, topic, partitions);
     for p in 0..partitions {
@@ -199,7 +173,7 @@ async fn duplicates_within_and_across_batches_are_charged_once() {
         Arc::clone(&handler),
     )
     .await;
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     assert_eq!(
         handler.calls.load(Ordering::SeqCst),
         expected.len(),
@@ -246,7 +220,7 @@ async fn key_concurrency_keeps_each_key_in_order() {
         ..Ledger::default()
     });
     drain(consumer(&s).key_concurrency(4), Arc::clone(&handler)).await;
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     let seen = handler.seen.lock().unwrap().clone();
     let mut last: HashMap<String, i64> = HashMap::new();
     for (account, seq) in &seen {
@@ -283,7 +257,7 @@ async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
     .iter()
     .map(|(n, a, m)| ((*n).to_owned(), ((*a).to_owned(), *m)))
     .collect();
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     assert_no_lag(&s.group, &s.topic, &ends, 1);
 
     let dead = read_all(&s.dlt, 1, 5, Duration::from_secs(20));
@@ -381,7 +355,7 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
         n2 > 0,
         "the second member got partitions (first {n1}, second {n2})"
     );
-    assert_exact_ledger(&s.pool, &expected).await;
+    assert_exact(&s.pool, &expected).await;
     assert_no_lag(&s.group, &s.topic, &ends, 4);
     // Handler runs: once per key, plus at most the records in flight at the
     // revoke whose transactions then found a duplicate (none can commit twice).

@@ -7,16 +7,13 @@
 //! the tests); build it alone with
 //! `cargo build --example kafka_payments --features kafka,postgres`.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
-
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, pg_schema, produce, read_all,
 };
+use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
 use onceonly_integration_tests::unique;
 use sqlx::PgPool;
 use tokio::process::Child;
@@ -65,14 +62,6 @@ impl Run {
     }
 }
 
-async fn ledger_rows(pool: &PgPool) -> i64 {
-    // The example creates the table; before that there is nothing.
-    sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
-        .fetch_one(pool)
-        .await
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
     let topic = unique("kcrash");
@@ -82,29 +71,13 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
     let url = pg_schema("kcrash").await;
     let pool = PgPool::connect(&url).await.expect("postgres");
 
-    // 4,800 keys; every fourth is sent again right behind itself and every
-    // third again at the end: 2,800 duplicates, 37% of 7,600 records.
-    let mut records = Vec::new();
-    let mut tail = Vec::new();
-    let mut expected: BTreeMap<String, (String, i64)> = BTreeMap::new();
-    for i in 0..DISTINCT {
-        let no = format!("C-{i:06}");
-        let account = format!("acct-{}", i % 23);
-        let amount = 1 + (i as i64 * 7919) % 1000;
-        let body = serde_json::json!({"out_trade_no": no, "account": account, "amount": amount})
-            .to_string();
-        records.push(Record::new(no.clone(), body.clone()));
-        if i % 4 == 0 {
-            records.push(Record::new(no.clone(), body.clone()));
-        }
-        if i % 3 == 0 {
-            tail.push(Record::new(no.clone(), body));
-        }
-        expected.insert(no, (account, amount));
-    }
-    records.extend(tail);
-    let duplicates = records.len() - DISTINCT;
-    assert!(records.len() >= 5_000 && duplicates * 5 >= records.len());
+    let stream = crash_stream("C", DISTINCT);
+    assert!(stream.messages.len() >= 5_000 && stream.duplicates() * 5 >= stream.messages.len());
+    let records: Vec<Record> = stream
+        .messages
+        .iter()
+        .map(|(key, body)| Record::new(key.clone(), body.clone()))
+        .collect();
     let ends = produce(&topic, &records).await;
 
     let run = Run {
@@ -123,7 +96,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
             "no progress; child log:\n{}",
             run.log_tail()
         );
-        let before = ledger_rows(&pool).await;
+        let before = rows(&pool).await;
         let batch_size = if kills % 2 == 0 { 1 } else { 25 };
         let mut child = run.spawn(batch_size, None);
         // Kill while it works: once it has committed something new, after
@@ -135,7 +108,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
                     run.log_tail()
                 );
             }
-            if ledger_rows(&pool).await > before || Instant::now() > deadline {
+            if rows(&pool).await > before || Instant::now() > deadline {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -146,10 +119,10 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         kills += 1;
         eprintln!(
             "kill {kills}: ledger rows {} (batch size {batch_size})",
-            ledger_rows(&pool).await
+            rows(&pool).await
         );
     }
-    let before_final = ledger_rows(&pool).await;
+    let before_final = rows(&pool).await;
     assert!(
         (before_final as usize) < DISTINCT,
         "the kills must land before the backlog is drained ({before_final} rows)"
@@ -166,23 +139,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         run.log_tail()
     );
 
-    let charges = ledger::postgres::charges(&pool).await.unwrap();
-    assert_eq!(charges.len(), DISTINCT, "ledger rows = distinct keys");
-    let doubled: Vec<_> = charges.iter().filter(|(_, n, _)| *n != 1).take(5).collect();
-    assert!(doubled.is_empty(), "charged more than once: {doubled:?}");
-    for (no, _, total) in &charges {
-        assert_eq!(*total, expected[no].1, "{no}");
-    }
-    let mut balances: BTreeMap<String, i64> = BTreeMap::new();
-    for (account, amount) in expected.values() {
-        *balances.entry(account.clone()).or_default() += amount;
-    }
-    let got: BTreeMap<String, i64> = ledger::postgres::balances(&pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
-    assert_eq!(got, balances, "every balance exact");
+    assert_exact(&pool, &stream.expected).await;
     let positions = committed(&run.group, &run.topic, 3);
     for (p, end) in &ends {
         assert_eq!(
@@ -222,7 +179,7 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
     };
     let mut child = run.spawn(1, None);
     let deadline = Instant::now() + Duration::from_secs(60);
-    while ledger_rows(&pool).await < 200 {
+    while rows(&pool).await < 200 {
         assert!(
             Instant::now() < deadline,
             "no progress; log:\n{}",
@@ -248,7 +205,7 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
 
     // In partition order, what ran is a prefix of each partition, and a
     // graceful stop commits exactly that prefix: committed = ledger rows.
-    let rows = ledger_rows(&pool).await;
+    let rows = rows(&pool).await;
     let positions = committed(&run.group, &run.topic, 2);
     let committed_total: i64 = positions.values().map(|p| (*p).max(0)).sum();
     assert!(rows < 4_000, "stopped mid-stream ({rows} rows)");

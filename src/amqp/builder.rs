@@ -48,6 +48,8 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
         }
     }
 
+    crate::engine::forward_engine_settings!();
+
     /// Broker URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`.
     #[must_use]
     pub fn url(mut self, url: impl Into<String>) -> Self {
@@ -82,42 +84,10 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
         self
     }
 
-    /// How each message's key is derived: any core [`KeySpec`], including
-    /// [`KeySpec::message_key`] (the `message_id` property) and
-    /// [`KeySpec::header`] (a header such as `Idempotency-Key`).
-    #[must_use]
-    pub fn key(mut self, key: KeySpec) -> Self {
-        self.engine = self.engine.key(key);
-        self
-    }
-
-    /// The key in string form: `json:/out_trade_no`, `message-key`,
-    /// `header:Idempotency-Key`, `fingerprint`, ... (see [`KeySpec::parse`]).
-    #[must_use]
-    pub fn key_expr(mut self, expr: &str) -> Self {
-        self.engine = self.engine.key_expr(expr);
-        self
-    }
-
     /// The dedup scope; defaults to the queue name.
     #[must_use]
     pub fn scope(mut self, scope: impl Into<String>) -> Self {
         self.scope = Some(scope.into());
-        self
-    }
-
-    /// What is fingerprinted to detect a key reused with another payload.
-    #[must_use]
-    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-        self.engine = self.engine.fingerprint(spec);
-        self
-    }
-
-    /// How long dedup records are kept (default 7 days); must outlast the
-    /// oldest message that can come back (dead letters you may replay).
-    #[must_use]
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.engine = self.engine.retention(retention);
         self
     }
 
@@ -129,16 +99,6 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     #[must_use]
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
-        self
-    }
-
-    /// Any other engine setting (clock, transient retries, ...).
-    #[must_use]
-    pub fn configure_engine(
-        mut self,
-        f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>,
-    ) -> Self {
-        self.engine = f(self.engine);
         self
     }
 
@@ -205,6 +165,9 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     pub fn build(self) -> Result<AmqpConsumer<S>, ConsumerError> {
         let missing = |what: &str| ConsumerError::Config(format!("{what} is required"));
         let url = self.url.ok_or_else(|| missing("url"))?;
+        if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
+            return Err(ConsumerError::Config(format!("invalid AMQP URL: {e}")));
+        }
         let queue = self.queue.ok_or_else(|| missing("queue"))?;
         if queue.is_empty() || queue.len() > 200 {
             return Err(ConsumerError::Config(

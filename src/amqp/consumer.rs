@@ -103,6 +103,7 @@ impl<S: SqlStore> AmqpConsumer<S> {
             handler,
             topology: self.topology,
             counters: Counters::default(),
+            publishing: tokio::sync::Mutex::new(()),
         });
         let settings = self.settings;
         let mut backoff = settings.reconnect_min;
@@ -171,7 +172,11 @@ where
     let permits = Arc::new(Semaphore::new(settings.concurrency));
     let mut tasks = JoinSet::new();
     let idle_check = settings.exit_when_idle.unwrap_or(Duration::from_secs(3600));
-    let mut tick = tokio::time::interval(Duration::from_millis(200).min(idle_check));
+    let mut tick = tokio::time::interval(
+        Duration::from_millis(200)
+            .min(idle_check)
+            .max(Duration::from_millis(1)),
+    );
     let end: Result<End, ConsumerError> = loop {
         tokio::select! {
             () = shutdown.cancelled() => break Ok(End::Stopped),
@@ -190,7 +195,10 @@ where
                         }
                     });
                 }
-                Some(Err(e)) => break Err(e.into()),
+                // The broker closed the channel (an ack timeout, a refused
+                // publish) or the connection: reconnect either way; only a
+                // topology refused at setup is fatal.
+                Some(Err(e)) => break Err(ConsumerError::ConnectionLost(e.to_string())),
                 None => break Err(ConsumerError::ConnectionLost(
                     "the broker ended the consumer (connection closed or consumer cancelled)".into(),
                 )),
@@ -214,8 +222,7 @@ where
         }
     };
     if end.is_ok() {
-        // No new deliveries; prefetched ones not yet started are requeued
-        // when the channel closes.
+        // No new deliveries.
         if let Err(e) = channel
             .basic_cancel(tag.clone(), BasicCancelOptions::default())
             .await
@@ -223,8 +230,10 @@ where
             tracing::debug!(error = %e, "basic.cancel failed");
         }
     }
-    // Outage waits and publish retries end now; handlers in progress finish
-    // and ack if the channel is still there.
+    // Deliveries not started yet stay unacked (requeued when the channel
+    // closes); outage waits and publish retries end now; handlers in
+    // progress finish and ack if the channel is still there.
+    permits.close();
     stop.cancel();
     while let Some(done) = tasks.join_next().await {
         if let Err(e) = done {

@@ -2,6 +2,8 @@
 //! delay (messages wait there, then dead-letter back to the work queue), and
 //! the dead-letter target.
 
+use std::time::Duration;
+
 use lapin::Channel;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -62,8 +64,10 @@ impl Topology {
         // jitter; queues are named after their delay, so changing the policy
         // declares new queues instead of clashing with the old arguments.
         let nominal = policy.without_jitter();
+        // Longest TTL RabbitMQ accepts: 2^32 - 1 ms.
         let retry = (1..policy.attempts())
             .filter_map(|n| nominal.delay_after(n))
+            .map(|d| d.min(Duration::from_millis(u64::from(u32::MAX))))
             .map(|d| {
                 let ttl_ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
                 RetryQueue {
@@ -124,7 +128,13 @@ impl Topology {
                 declare(channel, &self.queue, durable, args).await?;
             }
         }
-        for retry in &self.retry {
+        let mut declared = std::collections::HashSet::new();
+        // Attempts past the delay cap share a queue: declare it once.
+        for retry in self
+            .retry
+            .iter()
+            .filter(|r| declared.insert(r.name.as_str()))
+        {
             let mut args = FieldTable::default();
             args.insert(
                 "x-message-ttl".into(),
@@ -184,12 +194,11 @@ pub(crate) fn is_connection_level(e: &lapin::Error) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
     fn one_retry_queue_per_delay_named_after_it() {
+        use std::time::Duration;
         let policy = RetryPolicy::default()
             .max_attempts(4)
             .initial_delay(Duration::from_millis(100))

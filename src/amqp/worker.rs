@@ -8,6 +8,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 
+use super::ConsumerError;
 use super::headers;
 use super::message::{header_text, set_int, set_text, to_delivery};
 use super::publish::publish_confirmed;
@@ -22,10 +23,16 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) handler: H,
     pub(crate) topology: Topology,
     pub(crate) counters: Counters,
+    /// One publish at a time on the channel: lapin matches a returned
+    /// (unroutable) message to the next confirm, not to its own publish.
+    pub(crate) publishing: tokio::sync::Mutex<()>,
 }
 
 const OUTAGE_BACKOFF_START: Duration = Duration::from_millis(100);
 const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// How long one publish may wait for its confirm (a broker under a memory
+/// or disk alarm blocks publishers) before it counts as failed.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What to publish before the ack.
 enum Next {
@@ -58,8 +65,7 @@ pub(crate) async fn handle<S, H>(
     let delivery = to_delivery(&env.topology.queue, &message);
     let mut report = env.engine.process(&env.handler, &delivery).await;
     let mut outage = OUTAGE_BACKOFF_START;
-    while matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure() && f.is_retryable())
-    {
+    while matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure()) {
         tracing::warn!(queue = %env.topology.queue, error = ?report.outcome.reason(), "database unavailable, retrying the message");
         if !pause(stop, outage).await || !channel.status().connected() {
             return;
@@ -96,7 +102,7 @@ pub(crate) async fn handle<S, H>(
             true
         }
         Next::Retry(queue) => {
-            let mut h = carried_headers(props.headers().as_ref(), &message);
+            let mut h = carried_headers(props.headers().as_ref(), &message, first_seen);
             set_int(&mut h, headers::ATTEMPTS, i64::from(attempt));
             let ok = publish_until_confirmed(
                 env,
@@ -105,7 +111,7 @@ pub(crate) async fn handle<S, H>(
                 "",
                 &queue,
                 &message.data,
-                props.clone().with_headers(h),
+                copy_properties(props, h),
             )
             .await;
             if ok {
@@ -119,17 +125,12 @@ pub(crate) async fn handle<S, H>(
             error,
             attempts,
         } => {
-            let mut h = carried_headers(props.headers().as_ref(), &message);
+            let mut h = carried_headers(props.headers().as_ref(), &message, first_seen);
             set_text(&mut h, headers::REASON, reason);
             set_text(&mut h, headers::ERROR, &error);
             set_int(&mut h, headers::ATTEMPTS, i64::from(attempts));
             set_text(&mut h, headers::QUEUE, &env.topology.queue);
             set_text(&mut h, headers::SCOPE, env.engine.scope());
-            set_int(
-                &mut h,
-                headers::FIRST_SEEN,
-                i64::try_from(first_seen).unwrap_or(i64::MAX),
-            );
             if let Some(key) = key {
                 set_text(&mut h, headers::IDEMPOTENCY_KEY, key);
             }
@@ -141,7 +142,7 @@ pub(crate) async fn handle<S, H>(
                 &target.exchange,
                 &target.routing_key,
                 &message.data,
-                props.clone().with_headers(h),
+                copy_properties(props, h),
             )
             .await;
             if ok {
@@ -183,11 +184,12 @@ fn dead_letter<T>(outcome: &Outcome<T>, attempts: u32) -> Next {
     }
 }
 
-/// The message's headers, plus where it was first published to (kept from
-/// an earlier retry if there was one).
+/// The message's headers, plus where it was first published to and when it
+/// was first seen (both kept from an earlier retry if there was one).
 fn carried_headers(
     original: Option<&FieldTable>,
     message: &lapin::message::Delivery,
+    first_seen: u64,
 ) -> FieldTable {
     let mut h = original.cloned().unwrap_or_default();
     if header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).is_none() {
@@ -202,7 +204,60 @@ fn carried_headers(
             message.routing_key.as_str(),
         );
     }
+    if header_text(Some(&h), headers::FIRST_SEEN).is_none() {
+        set_int(
+            &mut h,
+            headers::FIRST_SEEN,
+            i64::try_from(first_seen).unwrap_or(i64::MAX),
+        );
+    }
     h
+}
+
+/// Properties of a retry copy or dead letter: the original's, made
+/// persistent, without `expiration` (a dead letter must not expire out of
+/// the dead-letter queue; the original TTL is kept in a header) and without
+/// `user_id` (the broker refuses a publish whose `user_id` is not the
+/// connection's user).
+fn copy_properties(original: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
+    if let Some(expiration) = original.expiration() {
+        set_text(
+            &mut headers,
+            "x-onceonly-original-expiration",
+            expiration.as_str(),
+        );
+    }
+    let mut p = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    if let Some(v) = original.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = original.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = original.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = original.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = original.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = original.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = original.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = original.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    p
 }
 
 /// Publishes the RPC reply. Best effort: the effect is committed either
@@ -227,7 +282,15 @@ async fn reply<S: SqlStore, H>(
         if replayed { "true" } else { "false" },
     );
     props = props.with_headers(h);
-    match publish_confirmed(channel, "", reply_to, body, props).await {
+    let sent = {
+        let _one_at_a_time = env.publishing.lock().await;
+        tokio::time::timeout(
+            CONFIRM_TIMEOUT,
+            publish_confirmed(channel, "", reply_to, body, props),
+        )
+        .await
+    };
+    match sent.unwrap_or_else(|_| Err(timed_out("", reply_to))) {
         Ok(()) => bump(&env.counters.replies),
         Err(e) => tracing::warn!(reply_to, error = %e, "RPC reply not delivered"),
     }
@@ -246,7 +309,19 @@ async fn publish_until_confirmed<S: SqlStore, H>(
 ) -> bool {
     let mut backoff = OUTAGE_BACKOFF_START;
     loop {
-        match publish_confirmed(channel, exchange, routing_key, body, props.clone()).await {
+        let sent = tokio::select! {
+            biased;
+            () = stop.cancelled() => return false,
+            sent = async {
+                let _one_at_a_time = env.publishing.lock().await;
+                tokio::time::timeout(
+                    CONFIRM_TIMEOUT,
+                    publish_confirmed(channel, exchange, routing_key, body, props.clone()),
+                )
+                .await
+            } => sent.unwrap_or_else(|_| Err(timed_out(exchange, routing_key))),
+        };
+        match sent {
             Ok(()) => return true,
             Err(e) => {
                 tracing::error!(queue = %env.topology.queue, error = %e, "publish failed; the message stays unacked");
@@ -256,6 +331,14 @@ async fn publish_until_confirmed<S: SqlStore, H>(
                 backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
             }
         }
+    }
+}
+
+fn timed_out(exchange: &str, routing_key: &str) -> ConsumerError {
+    ConsumerError::NotConfirmed {
+        exchange: exchange.to_owned(),
+        routing_key: routing_key.to_owned(),
+        reason: format!("no confirm within {CONFIRM_TIMEOUT:?}"),
     }
 }
 

@@ -27,8 +27,8 @@ struct Ready<'d, I> {
 
 impl<S: SqlStore> Engine<S> {
     /// Processes `deliveries` in one transaction where possible; returns one
-    /// report per delivery, in order. See the [module docs](self) for the
-    /// fallback when something fails.
+    /// report per delivery, in order. If anything in the batch fails, the
+    /// transaction rolls back and every delivery is processed on its own.
     pub async fn process_batch<H>(
         &self,
         handler: &H,

@@ -145,3 +145,59 @@ impl<S: SqlStore> EngineBuilder<S> {
         })
     }
 }
+
+/// The engine settings every transport builder offers, forwarded to its
+/// `engine: EngineBuilder<S>` field, with the same documentation everywhere.
+#[cfg(any(feature = "kafka", feature = "amqp"))]
+macro_rules! forward_engine_settings {
+    () => {
+        /// How each message's key is derived: any core [`KeySpec`], including
+        /// [`KeySpec::message_key`] (the broker's message key: the Kafka
+        /// record key, the AMQP `message_id`) and [`KeySpec::header`] (a
+        /// header such as `Idempotency-Key`).
+        #[must_use]
+        pub fn key(mut self, key: KeySpec) -> Self {
+            self.engine = self.engine.key(key);
+            self
+        }
+
+        /// The key in string form: `json:/out_trade_no`, `message-key`,
+        /// `header:Idempotency-Key`, `fingerprint`, ... (see [`KeySpec::parse`]).
+        /// A malformed expression fails `build()`.
+        #[must_use]
+        pub fn key_expr(mut self, expr: &str) -> Self {
+            self.engine = self.engine.key_expr(expr);
+            self
+        }
+
+        /// What is fingerprinted to detect a key reused with another payload
+        /// (default [`FingerprintSpec::Auto`]).
+        #[must_use]
+        pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+            self.engine = self.engine.fingerprint(spec);
+            self
+        }
+
+        /// How long dedup records are kept (default 7 days). Must outlast the
+        /// longest horizon over which a message can come back: broker
+        /// retention and offset resets, and the oldest dead letter you may
+        /// replay.
+        #[must_use]
+        pub fn retention(mut self, retention: std::time::Duration) -> Self {
+            self.engine = self.engine.retention(retention);
+            self
+        }
+
+        /// Any other engine setting (clock, transient retries, ...).
+        #[must_use]
+        pub fn configure_engine(
+            mut self,
+            f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>,
+        ) -> Self {
+            self.engine = f(self.engine);
+            self
+        }
+    };
+}
+#[cfg(any(feature = "kafka", feature = "amqp"))]
+pub(crate) use forward_engine_settings;

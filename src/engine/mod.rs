@@ -24,6 +24,8 @@ use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{IdemKey, KeySpec};
 use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore, StoreError};
 
+#[cfg(any(feature = "kafka", feature = "amqp"))]
+pub(crate) use builder::forward_engine_settings;
 pub use builder::{BuildError, EngineBuilder};
 pub use handler::{
     BoxError, DecodeError, FnHandler, FromDelivery, Handler, HandlerError, Json, handler_fn,

@@ -163,11 +163,12 @@ impl Failure {
     }
 
     /// Whether the failure is the infrastructure's rather than the message's:
-    /// any store failure, or a handler error that
+    /// a store failure that [is an outage](StoreError::is_outage), or a
+    /// handler error that
     /// [is the database being unreachable](HandlerError::is_infrastructure).
     pub fn is_infrastructure(&self) -> bool {
         match self {
-            Self::Store(_) => true,
+            Self::Store(e) => e.is_outage(),
             Self::Handler(e) => e.is_infrastructure(),
             Self::Panic(_) | Self::Encode(_) => false,
         }

@@ -57,6 +57,8 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         }
     }
 
+    crate::engine::forward_engine_settings!();
+
     /// Bootstrap servers, e.g. `127.0.0.1:9092` (`bootstrap.servers`).
     #[must_use]
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
@@ -78,23 +80,6 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    /// How each record's key is derived: any core [`KeySpec`], including
-    /// [`KeySpec::message_key`] (the record key) and [`KeySpec::header`]
-    /// (a Kafka header).
-    #[must_use]
-    pub fn key(mut self, key: KeySpec) -> Self {
-        self.engine = self.engine.key(key);
-        self
-    }
-
-    /// The key in string form: `json:/out_trade_no`, `message-key`,
-    /// `header:Idempotency-Key`, `fingerprint`, ... (see [`KeySpec::parse`]).
-    #[must_use]
-    pub fn key_expr(mut self, expr: &str) -> Self {
-        self.engine = self.engine.key_expr(expr);
-        self
-    }
-
     /// The dedup scope; defaults to the group id, so two groups reading the
     /// same topic each process every record once.
     #[must_use]
@@ -103,38 +88,11 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    /// What is fingerprinted to detect a key reused with another payload.
-    #[must_use]
-    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-        self.engine = self.engine.fingerprint(spec);
-        self
-    }
-
-    /// How long dedup records are kept (default 7 days). Must exceed the
-    /// longest horizon over which a record can come back: retention of the
-    /// topic if offsets may be reset, and of the dead-letter topic if it is
-    /// replayed.
-    #[must_use]
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.engine = self.engine.retention(retention);
-        self
-    }
-
     /// In-process retries of retryable handler failures before the record is
     /// dead-lettered. The partition lane waits meanwhile (order is kept).
     #[must_use]
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
         self.engine = self.engine.retry(retry);
-        self
-    }
-
-    /// Any other engine setting (clock, transient retries, ...).
-    #[must_use]
-    pub fn configure_engine(
-        mut self,
-        f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>,
-    ) -> Self {
-        self.engine = f(self.engine);
         self
     }
 

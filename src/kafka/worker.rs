@@ -170,7 +170,7 @@ where
     loop {
         let letter = match &report.outcome {
             Outcome::Processed { .. } | Outcome::Duplicate { .. } => return true,
-            Outcome::Failed(f) if f.is_infrastructure() && f.is_retryable() => {
+            Outcome::Failed(f) if f.is_infrastructure() => {
                 tracing::warn!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), error = %f, "database unavailable, retrying the record");
                 if !pause(partition, outage).await {
                     return false;

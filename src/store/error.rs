@@ -25,6 +25,18 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the database is unreachable or momentarily refusing work
+    /// (connection errors, deadlocks, lock timeouts, busy): nothing about the
+    /// message. Transports wait for an outage to pass and never dead-letter
+    /// because of one. Invalid names and corrupt records are not outages.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            Self::Database(e) => is_connection_error(e) || is_transient(e),
+            Self::Contention(_) => true,
+            _ => false,
+        }
+    }
+
     /// Whether retrying the transaction may succeed (lost connection,
     /// deadlock, serialization failure, lock timeout, busy database).
     pub fn is_transient(&self) -> bool {
@@ -39,7 +51,7 @@ impl StoreError {
 /// Whether a sqlx error means the database is unreachable rather than that
 /// this transaction failed: I/O and TLS errors, pool timeouts or closure, a
 /// crashed connection worker, and the Postgres connection-exception class
-/// `08xxx` and shutdown codes `57P01`-`57P03`. Transports wait for such
+/// `08xxx`, too many connections `53300` and shutdown codes `57P01`-`57P03`. Transports wait for such
 /// errors to pass instead of dead-lettering the message.
 pub fn is_connection_error(e: &sqlx::Error) -> bool {
     match e {
@@ -48,9 +60,9 @@ pub fn is_connection_error(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03")),
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            c.starts_with("08") || matches!(&*c, "53300" | "57P01" | "57P02" | "57P03")
+        }),
         _ => false,
     }
 }
