@@ -8,6 +8,9 @@ pub mod clock;
 pub mod delivery;
 pub mod engine;
 pub mod fingerprint;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;

@@ -19,6 +19,26 @@ pub struct Payment {
     pub amount: i64,
 }
 
+/// A new order, as `POST /orders` receives it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NewOrder {
+    /// The ordering account.
+    pub account: String,
+    /// The amount in minor units.
+    pub amount: i64,
+}
+
+/// An order as stored, with its server-generated id.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Order {
+    /// Server-generated id.
+    pub id: i64,
+    /// The ordering account.
+    pub account: String,
+    /// The amount in minor units.
+    pub amount: i64,
+}
+
 /// What the handler returns and onceonly stores: duplicates get it back.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Receipt {
@@ -31,7 +51,7 @@ pub struct Receipt {
 /// SQLite flavour of the ledger.
 #[cfg(feature = "sqlite")]
 pub mod sqlite {
-    use super::{Payment, Receipt};
+    use super::{NewOrder, Order, Payment, Receipt};
     use sqlx::{SqliteConnection, SqlitePool};
 
     /// Creates the ledger tables if missing.
@@ -72,6 +92,32 @@ pub mod sqlite {
         Ok(Receipt { ledger_id, balance })
     }
 
+    /// Creates the `orders` table if missing.
+    pub async fn create_orders_table(pool: &SqlitePool) -> sqlx::Result<()> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT, \
+             account TEXT NOT NULL, amount INTEGER NOT NULL)",
+        )
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Inserts an order on the open transaction `conn`.
+    pub async fn insert_order(conn: &mut SqliteConnection, o: &NewOrder) -> sqlx::Result<Order> {
+        let id: i64 =
+            sqlx::query_scalar("INSERT INTO orders (account, amount) VALUES (?, ?) RETURNING id")
+                .bind(&o.account)
+                .bind(o.amount)
+                .fetch_one(&mut *conn)
+                .await?;
+        Ok(Order {
+            id,
+            account: o.account.clone(),
+            amount: o.amount,
+        })
+    }
+
     /// `(out_trade_no, times charged, total amount)` for every key, sorted.
     pub async fn charges(pool: &SqlitePool) -> sqlx::Result<Vec<(String, i64, i64)>> {
         sqlx::query_as(
@@ -92,7 +138,7 @@ pub mod sqlite {
 /// Postgres flavour of the ledger.
 #[cfg(feature = "postgres")]
 pub mod postgres {
-    use super::{Payment, Receipt};
+    use super::{NewOrder, Order, Payment, Receipt};
     use onceonly::{Delivery, Handler, HandlerError, Json};
     use sqlx::{PgConnection, PgPool, Postgres};
 
@@ -164,6 +210,36 @@ pub mod postgres {
         .fetch_one(&mut *conn)
         .await?;
         Ok(Receipt { ledger_id, balance })
+    }
+
+    /// Creates the `orders` table if missing.
+    pub async fn create_orders_table(pool: &PgPool) -> sqlx::Result<()> {
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('onceonly-example-orders'))")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, \
+             account TEXT NOT NULL, amount BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
+    }
+
+    /// Inserts an order on the open transaction `conn`.
+    pub async fn insert_order(conn: &mut PgConnection, o: &NewOrder) -> sqlx::Result<Order> {
+        let id: i64 =
+            sqlx::query_scalar("INSERT INTO orders (account, amount) VALUES ($1, $2) RETURNING id")
+                .bind(&o.account)
+                .bind(o.amount)
+                .fetch_one(&mut *conn)
+                .await?;
+        Ok(Order {
+            id,
+            account: o.account.clone(),
+            amount: o.amount,
+        })
     }
 
     /// `(out_trade_no, times charged, total amount)` for every key, sorted.

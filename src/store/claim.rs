@@ -9,9 +9,9 @@
 
 use async_trait::async_trait;
 
-use super::{
-    CLAIM_ROUNDS, Claim, ClaimRequest, ClaimTimes, StoreError, classify_existing, plan_batch,
-};
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+use super::plan_batch;
+use super::{CLAIM_ROUNDS, Claim, ClaimRequest, ClaimTimes, StoreError, classify_existing};
 use crate::fingerprint::Fingerprint;
 
 /// The parts of a committed record a claim needs.
@@ -97,6 +97,7 @@ pub(crate) async fn claim_one<S: ClaimSteps>(
 /// Batch claim as a sequence of single claims in the caller's transaction,
 /// for backends without `INSERT ... RETURNING` of conflicting rows or where
 /// statements are cheap (SQLite is in-process).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) async fn claim_each<S: ClaimSteps>(
     steps: &S,
     conn: &mut S::Conn,

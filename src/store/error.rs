@@ -25,6 +25,27 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether a statement gave up waiting for a lock another transaction
+    /// holds: Postgres `55P03`, MySQL/MariaDB 1205, SQLite `BUSY`/`LOCKED`.
+    /// For a claim this means the key is in flight elsewhere.
+    pub fn is_lock_timeout(&self) -> bool {
+        match self {
+            Self::Database(sqlx::Error::Database(db)) => {
+                #[cfg(feature = "mysql")]
+                if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                    return my.number() == 1205;
+                }
+                #[cfg(feature = "sqlite")]
+                if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                    let code = db.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0);
+                    return matches!(code & 0xff, 5 | 6);
+                }
+                db.code().as_deref() == Some("55P03")
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the database is unreachable or momentarily refusing work
     /// (connection errors, deadlocks, lock timeouts, busy): nothing about the
     /// message. Transports wait for an outage to pass and never dead-letter

@@ -16,6 +16,7 @@
 mod batch;
 mod claim;
 mod error;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod numbered;
 mod sql;
 mod table;
@@ -159,6 +160,23 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
 
     /// Begins a transaction with the isolation this backend's claim relies on.
     async fn begin(&self) -> Result<Transaction<'static, Self::Db>, StoreError>;
+
+    /// Bounds, for the rest of the open transaction `conn`, how long a
+    /// statement waits for a row lock, so a claim of a key another
+    /// transaction holds fails fast with a lock timeout
+    /// ([`StoreError::is_lock_timeout`]) instead of waiting for it to finish.
+    /// PostgreSQL sets `lock_timeout` locally; the other backends keep their
+    /// own bound (SQLite's busy timeout, MySQL's `innodb_lock_wait_timeout`),
+    /// which is the default.
+    /// `None` restores the default for the rest of the transaction.
+    async fn set_lock_timeout(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<(), StoreError> {
+        let _ = (conn, timeout);
+        Ok(())
+    }
 
     /// Claims `req.key` in `scope` inside the open transaction `conn`.
     async fn claim(

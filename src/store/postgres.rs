@@ -101,6 +101,23 @@ impl SqlStore for PgStore {
         Ok(self.pool.begin().await?)
     }
 
+    async fn set_lock_timeout(
+        &self,
+        conn: &mut PgConnection,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<(), StoreError> {
+        let sql = match timeout {
+            // 0 would mean "no limit" to Postgres.
+            Some(t) => format!(
+                "SET LOCAL lock_timeout = '{}ms'",
+                t.as_millis().clamp(1, i32::MAX as u128)
+            ),
+            None => "SET LOCAL lock_timeout TO DEFAULT".to_owned(),
+        };
+        sqlx::query(&sql).execute(conn).await?;
+        Ok(())
+    }
+
     async fn claim(
         &self,
         conn: &mut PgConnection,

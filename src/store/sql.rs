@@ -22,6 +22,7 @@ pub(crate) struct Sql {
 const COLS: &str = "scope, idem_key, fingerprint, source, created_at_ms, expires_at_ms";
 
 /// Statements shared by the `$n`-placeholder dialects (Postgres and SQLite).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
     let purge = |scope: &str| {
         format!(

@@ -1,0 +1,489 @@
+//! The HTTP layer with a real HTTP client against a bound server, on
+//! PostgreSQL and on SQLite: the `payment_webhook` example's app, plus
+//! test-only routes for failures, panics, binary bodies and outages.
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+#[path = "../../examples/support/webhook_app.rs"]
+mod webhook_app;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use onceonly::http::{IdempotencyLayer, OnStoreError, Principal, SignatureCheck, Tx};
+use onceonly::{KeySpec, PgStore, SqlStore, SqliteStore};
+use reqwest::Client;
+
+/// Serves `app` on an ephemeral port; returns its base URL.
+async fn serve(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    format!("http://{addr}")
+}
+
+/// Test "authentication": the `x-tenant` header becomes the principal.
+async fn tenant(mut req: Request, next: Next) -> Response {
+    if let Some(t) = req.headers().get("x-tenant").and_then(|v| v.to_str().ok()) {
+        let principal = Principal(t.to_owned());
+        req.extensions_mut().insert(principal);
+    }
+    next.run(req).await
+}
+
+fn is_problem(r: &reqwest::Response) -> bool {
+    r.headers()["content-type"] == "application/problem+json"
+}
+
+async fn post_order(c: &Client, base: &str, key: Option<&str>, body: &str) -> reqwest::Response {
+    let mut req = c
+        .post(format!("{base}/orders"))
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(k) = key {
+        req = req.header("Idempotency-Key", k);
+    }
+    req.send().await.unwrap()
+}
+
+/// Counts handler runs; fails (500) on the first run, panics for
+/// `{"panic":true}`, answers a binary body otherwise.
+#[derive(Default)]
+struct Flaky {
+    runs: AtomicUsize,
+}
+
+macro_rules! http_suite {
+    ($module:ident, $db:ty, $store:ty, $app:ident, $make_store:expr, $down_store:expr) => {
+        mod $module {
+            use super::*;
+
+            async fn store() -> $store {
+                let store: $store = $make_store.await;
+                webhook_app::$app::migrate(&store).await.unwrap();
+                store
+            }
+
+            async fn app(store: &$store, secret: Option<String>) -> String {
+                let app = webhook_app::$app::router(store.clone(), secret, |b| b)
+                    .unwrap()
+                    .layer(middleware::from_fn(tenant));
+                serve(app).await
+            }
+
+            async fn count(store: &$store, table: &str) -> i64 {
+                sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}"))
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_replay_is_byte_identical_and_marked() {
+                let store = store().await;
+                let base = app(&store, None).await;
+                let c = Client::new();
+                let key = uuid::Uuid::new_v4().to_string();
+                let body = r#"{"account":"alice","amount":500}"#;
+                let first = post_order(&c, &base, Some(&key), body).await;
+                assert_eq!(first.status(), 201);
+                assert!(first.headers().get("idempotent-replayed").is_none());
+                let first_type = first.headers()["content-type"].clone();
+                let first_body = first.bytes().await.unwrap();
+                // Same payload with keys reordered: still the same request.
+                let again = post_order(
+                    &c,
+                    &base,
+                    Some(&key),
+                    r#"{ "amount": 500, "account": "alice" }"#,
+                )
+                .await;
+                assert_eq!(again.status(), 201);
+                assert_eq!(again.headers()["idempotent-replayed"], "true");
+                assert_eq!(again.headers()["content-type"], first_type);
+                assert_eq!(
+                    again.bytes().await.unwrap(),
+                    first_body,
+                    "byte-identical replay"
+                );
+                assert_eq!(count(&store, "orders").await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn bad_keys_and_reused_keys_are_problems() {
+                let store = store().await;
+                let base = app(&store, None).await;
+                let c = Client::new();
+                let body = r#"{"account":"bob","amount":5}"#;
+                let missing = post_order(&c, &base, None, body).await;
+                assert_eq!(missing.status(), 400);
+                assert!(is_problem(&missing));
+                let text = missing.text().await.unwrap();
+                assert!(
+                    text.contains("urn:onceonly:problem:missing-idempotency-key"),
+                    "{text}"
+                );
+                let long = "k".repeat(300);
+                let too_long = post_order(&c, &base, Some(&long), body).await;
+                assert_eq!(too_long.status(), 400);
+                assert!(is_problem(&too_long));
+                let key = uuid::Uuid::new_v4().to_string();
+                assert_eq!(post_order(&c, &base, Some(&key), body).await.status(), 201);
+                let reused =
+                    post_order(&c, &base, Some(&key), r#"{"account":"bob","amount":6}"#).await;
+                assert_eq!(reused.status(), 422);
+                assert!(is_problem(&reused));
+                assert_eq!(count(&store, "orders").await, 1);
+
+                // UUID keys required: a non-UUID is refused before anything runs.
+                let uuid_only = webhook_app::$app::router(store.clone(), None, |b| {
+                    b.key(KeySpec::uuid_header("Idempotency-Key"))
+                })
+                .unwrap();
+                let base = serve(uuid_only).await;
+                let r = post_order(&c, &base, Some("not-a-uuid"), body).await;
+                assert_eq!(r.status(), 400);
+                assert!(is_problem(&r));
+                assert_eq!(count(&store, "orders").await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn fifty_concurrent_requests_with_one_key_create_one_order() {
+                let store = store().await;
+                let base = app(&store, None).await;
+                let c = Client::new();
+                let key = uuid::Uuid::new_v4().to_string();
+                let sends = (0..50).map(|_| {
+                    let (c, base, key) = (c.clone(), base.clone(), key.clone());
+                    async move {
+                        let r =
+                            post_order(&c, &base, Some(&key), r#"{"account":"carol","amount":9}"#)
+                                .await;
+                        let replayed = r.headers().get("idempotent-replayed").is_some();
+                        let retry_after = r.headers().get("retry-after").is_some();
+                        (
+                            r.status().as_u16(),
+                            replayed,
+                            retry_after,
+                            r.bytes().await.unwrap(),
+                        )
+                    }
+                });
+                let results = futures_util::future::join_all(sends).await;
+                let originals: Vec<_> = results.iter().filter(|r| r.0 == 201 && !r.1).collect();
+                assert_eq!(originals.len(), 1, "exactly one request ran the handler");
+                for (status, replayed, retry_after, body) in &results {
+                    match status {
+                        201 => assert_eq!(body, &originals[0].3, "replays carry the original body"),
+                        409 => assert!(*retry_after && !replayed, "409 carries Retry-After"),
+                        other => panic!("unexpected status {other}"),
+                    }
+                }
+                assert_eq!(count(&store, "orders").await, 1, "exactly one order row");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn failures_store_nothing_and_the_retry_succeeds() {
+                let store = store().await;
+                sqlx::query("CREATE TABLE IF NOT EXISTS attempts (n INTEGER NOT NULL)")
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+                let flaky = Arc::new(Flaky::default());
+                let f = Arc::clone(&flaky);
+                let handler = move |tx: Tx<$db>, body: Bytes| {
+                    let f = Arc::clone(&f);
+                    async move {
+                        let run = f.runs.fetch_add(1, Ordering::SeqCst);
+                        let mut tx = tx.lock().await.unwrap();
+                        sqlx::query("INSERT INTO attempts (n) VALUES (1)")
+                            .execute(&mut **tx)
+                            .await
+                            .unwrap();
+                        if body.as_ref() == br#"{"panic":true}"# {
+                            panic!("handler bug");
+                        }
+                        if run == 0 {
+                            return (StatusCode::BAD_GATEWAY, "upstream down").into_response();
+                        }
+                        (
+                            StatusCode::OK,
+                            [("content-type", "application/octet-stream")],
+                            Bytes::from_static(&[0, 159, 146, 150, 255, 10]),
+                        )
+                            .into_response()
+                    }
+                };
+                let layer = IdempotencyLayer::idempotency_key(store.clone(), "flaky")
+                    .build()
+                    .unwrap();
+                let base = serve(Router::new().route("/pay", post(handler).layer(layer))).await;
+                let c = Client::new();
+                let send = |body: &'static str, key: &'static str| {
+                    c.post(format!("{base}/pay"))
+                        .header("Idempotency-Key", key)
+                        .body(body)
+                        .send()
+                };
+                let r = send("{}", "k-5xx").await.unwrap();
+                assert_eq!(r.status(), 502);
+                assert_eq!(count(&store, "attempts").await, 0, "5xx rolled back");
+                let r = send("{}", "k-5xx").await.unwrap();
+                assert_eq!(r.status(), 200, "the retry runs again and succeeds");
+                let body = r.bytes().await.unwrap();
+                assert_eq!(&body[..], &[0, 159, 146, 150, 255, 10]);
+                let replay = send("{}", "k-5xx").await.unwrap();
+                assert_eq!(replay.headers()["content-type"], "application/octet-stream");
+                assert_eq!(
+                    replay.bytes().await.unwrap(),
+                    body,
+                    "binary body replayed byte for byte"
+                );
+                assert_eq!(count(&store, "attempts").await, 1);
+                assert_eq!(flaky.runs.load(Ordering::SeqCst), 2);
+
+                let r = send(r#"{"panic":true}"#, "k-panic").await.unwrap();
+                assert_eq!(r.status(), 500);
+                assert_eq!(count(&store, "attempts").await, 1, "panic rolled back");
+
+                // 4xx is not stored by default: a corrected retry with the
+                // same key goes through.
+                let base_app = app(&store, None).await;
+                let key = uuid::Uuid::new_v4().to_string();
+                let bad = post_order(
+                    &c,
+                    &base_app,
+                    Some(&key),
+                    r#"{"account":"dan","amount":-1}"#,
+                )
+                .await;
+                assert_eq!(bad.status(), 400);
+                let ok =
+                    post_order(&c, &base_app, Some(&key), r#"{"account":"dan","amount":1}"#).await;
+                assert_eq!(ok.status(), 201);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn tenants_never_see_each_others_responses() {
+                let store = store().await;
+                let base = app(&store, None).await;
+                let c = Client::new();
+                let key = uuid::Uuid::new_v4().to_string();
+                let send = |tenant: &'static str, amount: i64| {
+                    c.post(format!("{base}/orders"))
+                        .header("Idempotency-Key", &key)
+                        .header("x-tenant", tenant)
+                        .header("content-type", "application/json")
+                        .body(format!(r#"{{"account":"{tenant}","amount":{amount}}}"#))
+                        .send()
+                };
+                let a: serde_json::Value = send("tenant-a", 1).await.unwrap().json().await.unwrap();
+                let b = send("tenant-b", 2).await.unwrap();
+                assert_eq!(b.status(), 201);
+                assert!(
+                    b.headers().get("idempotent-replayed").is_none(),
+                    "B's first request is not a replay of A's"
+                );
+                let b: serde_json::Value = b.json().await.unwrap();
+                assert_ne!(a["id"], b["id"]);
+                let a_again = send("tenant-a", 1).await.unwrap();
+                assert_eq!(a_again.headers()["idempotent-replayed"], "true");
+                let a_again: serde_json::Value = a_again.json().await.unwrap();
+                assert_eq!(a_again, a);
+                assert_eq!(count(&store, "orders").await, 2);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn payment_callbacks_dedupe_json_and_form_and_check_signatures() {
+                let store = store().await;
+                let secret = "whsec-test".to_owned();
+                let base = app(&store, Some(secret.clone())).await;
+                let c = Client::new();
+                let check = SignatureCheck::new(secret);
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs();
+                let post_signed = |body: String, content_type: &'static str, signature: String| {
+                    c.post(format!("{base}/webhooks/payments"))
+                        .header("content-type", content_type)
+                        .header("x-signature", signature)
+                        .body(body)
+                        .send()
+                };
+                let json = r#"{"out_trade_no":"W-1","account":"erin","amount":300}"#.to_owned();
+                for _ in 0..3 {
+                    let r = post_signed(
+                        json.clone(),
+                        "application/json",
+                        check.sign(now, json.as_bytes()),
+                    )
+                    .await
+                    .unwrap();
+                    assert_eq!(r.status(), 200);
+                    assert_eq!(r.text().await.unwrap(), "success");
+                }
+                let form = "out_trade_no=W-2&account=erin&amount=40".to_owned();
+                for _ in 0..2 {
+                    let r = post_signed(
+                        form.clone(),
+                        "application/x-www-form-urlencoded",
+                        check.sign(now, form.as_bytes()),
+                    )
+                    .await
+                    .unwrap();
+                    assert_eq!(r.status(), 200);
+                    assert_eq!(r.text().await.unwrap(), "success");
+                }
+                // Bad and stale signatures: 401, nothing stored.
+                let evil = r#"{"out_trade_no":"W-3","account":"mallory","amount":999}"#.to_owned();
+                let forged = SignatureCheck::new("guess").sign(now, evil.as_bytes());
+                let r = post_signed(evil.clone(), "application/json", forged)
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 401);
+                assert!(is_problem(&r));
+                let stale = check.sign(now - 3_600, evil.as_bytes());
+                assert_eq!(
+                    post_signed(evil.clone(), "application/json", stale)
+                        .await
+                        .unwrap()
+                        .status(),
+                    401
+                );
+                let unsigned = c
+                    .post(format!("{base}/webhooks/payments"))
+                    .body(evil.clone())
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(unsigned.status(), 401);
+
+                let charges = sqlx::query_as::<_, (String, i64)>(
+                    "SELECT out_trade_no, amount FROM ledger ORDER BY out_trade_no",
+                )
+                .fetch_all(store.pool())
+                .await
+                .unwrap();
+                assert_eq!(
+                    charges,
+                    vec![("W-1".to_owned(), 300), ("W-2".to_owned(), 40)]
+                );
+                let keys: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM onceonly_keys WHERE scope = 'payment-callbacks'",
+                )
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+                assert_eq!(keys, 2, "refused callbacks left no claim");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn body_limits_and_store_outages() {
+                let store = store().await;
+                let limited =
+                    webhook_app::$app::router(store.clone(), None, |b| b.max_request_body(64))
+                        .unwrap();
+                let base = serve(limited).await;
+                let c = Client::new();
+                let big = format!(r#"{{"account":"{}","amount":1}}"#, "x".repeat(200));
+                let r = post_order(&c, &base, Some("k-big"), &big).await;
+                assert_eq!(r.status(), 413);
+                assert!(is_problem(&r));
+
+                // The store is unreachable: fail closed with 503.
+                let down: $store = $down_store.await;
+                let base =
+                    serve(webhook_app::$app::router(down.clone(), None, |b| b).unwrap()).await;
+                let r =
+                    post_order(&c, &base, Some("k-down"), r#"{"account":"f","amount":1}"#).await;
+                assert_eq!(r.status(), 503);
+                assert!(is_problem(&r));
+                assert!(r.headers().get("retry-after").is_some());
+
+                // Fail open: the handler runs without dedup (and without a Tx).
+                let ran = Arc::new(AtomicUsize::new(0));
+                let r2 = Arc::clone(&ran);
+                let handler = move |tx: Option<Tx<$db>>| {
+                    let ran = Arc::clone(&r2);
+                    async move {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                        (StatusCode::OK, format!("tx: {}", tx.is_some()))
+                    }
+                };
+                let layer = IdempotencyLayer::idempotency_key(down, "open")
+                    .on_store_error(OnStoreError::FailOpen)
+                    .build()
+                    .unwrap();
+                let base = serve(Router::new().route("/x", post(handler).layer(layer))).await;
+                for _ in 0..2 {
+                    let r = c
+                        .post(format!("{base}/x"))
+                        .header("Idempotency-Key", "k")
+                        .body("{}")
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status(), 200);
+                    assert_eq!(r.text().await.unwrap(), "tx: false");
+                }
+                assert_eq!(
+                    ran.load(Ordering::SeqCst),
+                    2,
+                    "fail-open runs every request"
+                );
+            }
+        }
+    };
+}
+
+async fn pg() -> PgStore {
+    let url = onceonly_integration_tests::kafka::pg_schema("http").await;
+    onceonly_integration_tests::pg_store(&url, "onceonly_keys").await
+}
+
+async fn pg_down() -> PgStore {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/test")
+        .unwrap();
+    PgStore::new(pool)
+}
+
+async fn sqlite() -> SqliteStore {
+    let dir = tempfile::tempdir().unwrap().keep();
+    onceonly_integration_tests::sqlite_store(&dir.join("http.db"), "onceonly_keys").await
+}
+
+async fn sqlite_down() -> SqliteStore {
+    let store = sqlite().await;
+    store.pool().close().await;
+    store
+}
+
+http_suite!(
+    on_postgres,
+    sqlx::Postgres,
+    PgStore,
+    postgres,
+    pg(),
+    pg_down()
+);
+http_suite!(
+    on_sqlite,
+    sqlx::Sqlite,
+    SqliteStore,
+    sqlite,
+    sqlite(),
+    sqlite_down()
+);

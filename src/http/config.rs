@@ -1,0 +1,324 @@
+//! Configuration of the [`IdempotencyLayer`](super::IdempotencyLayer).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::request::Parts;
+use axum::http::{HeaderName, Method, StatusCode};
+
+use super::layer::IdempotencyLayer;
+use super::signature::SignatureCheck;
+use crate::clock::{Clock, SystemClock};
+use crate::fingerprint::FingerprintSpec;
+use crate::key::{KeySpec, KeySpecError};
+use crate::store::{SqlStore, StoreError, validate_scope};
+
+/// The authenticated caller, put into request extensions by your auth
+/// middleware (before the layer runs). Keys are scoped per principal: one
+/// tenant's key never replays another tenant's response.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Principal(pub String);
+
+/// Finds the principal of a request.
+pub type PrincipalFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
+
+/// What a request's key is and what a duplicate gets.
+#[derive(Clone, Debug)]
+pub(crate) enum Mode {
+    /// `Idempotency-Key` header (IETF draft): duplicates replay the stored
+    /// response.
+    Header { required: bool },
+    /// Payment callback: key from the body; duplicates get `ack`.
+    Callback { ack: Ack },
+}
+
+/// The acknowledgement a payment provider expects for a notification it
+/// already delivered, e.g. `200 success` (Alipay) or
+/// `200 {"code":"SUCCESS"}` (WeChat Pay).
+#[derive(Clone, Debug)]
+pub struct Ack {
+    pub(crate) status: StatusCode,
+    pub(crate) content_type: String,
+    pub(crate) body: String,
+}
+
+impl Ack {
+    /// `status` with `body` as `content_type`.
+    pub fn new(
+        status: StatusCode,
+        content_type: impl Into<String>,
+        body: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            content_type: content_type.into(),
+            body: body.into(),
+        }
+    }
+
+    /// `200 text/plain success`, what Alipay expects.
+    pub fn plain_success() -> Self {
+        Self::new(StatusCode::OK, "text/plain; charset=utf-8", "success")
+    }
+}
+
+/// What a request whose key is held by another request in flight gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InFlight {
+    /// `409 Conflict` with `Retry-After`, after waiting at most `wait` for
+    /// the other request (the default: 50 ms, then 409, `Retry-After: 1`).
+    Conflict {
+        /// How long to wait for the row lock first.
+        wait: Duration,
+        /// The `Retry-After` value, in seconds.
+        retry_after_secs: u64,
+    },
+    /// Wait up to `bound` for the other request; if it completes, replay
+    /// its response; otherwise `409`.
+    WaitThenReplay {
+        /// The longest wait.
+        bound: Duration,
+    },
+}
+
+/// What happens when the store is unreachable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// `503 Service Unavailable` with `Retry-After` (the default): nothing
+    /// runs without dedup.
+    #[default]
+    FailClosed,
+    /// Run the handler without dedup and without a transaction (logged at
+    /// error level for every request). Only for handlers that are safe to
+    /// run twice and take `Option<Tx<DB>>`.
+    FailOpen,
+}
+
+/// Why a layer could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HttpBuildError {
+    /// The key expression is invalid.
+    #[error("invalid key spec: {0}")]
+    Key(#[from] KeySpecError),
+    /// The scope is invalid.
+    #[error(transparent)]
+    Scope(#[from] StoreError),
+    /// The scope leaves no room for the per-principal suffix.
+    #[error("the scope must be at most 90 bytes (room for the per-principal suffix)")]
+    ScopeTooLong,
+    /// Retention must be longer than zero.
+    #[error("retention must be longer than zero")]
+    ZeroRetention,
+}
+
+pub(crate) struct Config<S> {
+    pub(crate) store: S,
+    pub(crate) scope: String,
+    pub(crate) mode: Mode,
+    pub(crate) key: KeySpec,
+    pub(crate) fingerprint: FingerprintSpec,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) retention: Duration,
+    pub(crate) in_flight: InFlight,
+    pub(crate) store_client_errors: bool,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_stored_body: usize,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) signature: Option<SignatureCheck>,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) principal: PrincipalFn,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+/// Builds an [`IdempotencyLayer`]: start with
+/// [`IdempotencyLayer::idempotency_key`] or
+/// [`IdempotencyLayer::payment_callback`].
+pub struct IdempotencyLayerBuilder<S> {
+    cfg: Config<S>,
+    key: Result<KeySpec, KeySpecError>,
+}
+
+impl<S: SqlStore> IdempotencyLayerBuilder<S> {
+    pub(crate) fn new(
+        store: S,
+        scope: String,
+        mode: Mode,
+        key: Result<KeySpec, KeySpecError>,
+    ) -> Self {
+        let methods = match mode {
+            Mode::Header { .. } => vec![Method::POST, Method::PATCH],
+            Mode::Callback { .. } => vec![Method::POST],
+        };
+        Self {
+            cfg: Config {
+                store,
+                scope,
+                mode,
+                key: KeySpec::fingerprint(),
+                fingerprint: FingerprintSpec::Auto,
+                methods,
+                retention: Duration::from_secs(24 * 3600),
+                in_flight: InFlight::Conflict {
+                    wait: Duration::from_millis(50),
+                    retry_after_secs: 1,
+                },
+                store_client_errors: false,
+                max_request_body: 1 << 20,
+                max_stored_body: 1 << 20,
+                replay_headers: [
+                    "content-type",
+                    "content-location",
+                    "location",
+                    "etag",
+                    "last-modified",
+                ]
+                .into_iter()
+                .map(HeaderName::from_static)
+                .collect(),
+                signature: None,
+                on_store_error: OnStoreError::FailClosed,
+                principal: Arc::new(|parts: &Parts| {
+                    parts.extensions.get::<Principal>().map(|p| p.0.clone())
+                }),
+                clock: Arc::new(SystemClock),
+            },
+            key,
+        }
+    }
+
+    /// How the key is read: e.g. `KeySpec::uuid_header("Idempotency-Key")`
+    /// to require UUIDs, `.max_len(64)` for a shorter limit, or any body
+    /// expression for callbacks. A key that is too long, not a UUID where
+    /// one is required, or otherwise invalid gets `400`.
+    #[must_use]
+    pub fn key(mut self, key: KeySpec) -> Self {
+        self.key = Ok(key);
+        self
+    }
+
+    /// Let requests without an `Idempotency-Key` through without dedup
+    /// (their handler gets no [`Tx`](super::Tx): take `Option<Tx<DB>>`).
+    /// By default a missing key is `400`.
+    #[must_use]
+    pub fn key_optional(mut self) -> Self {
+        if let Mode::Header { required } = &mut self.cfg.mode {
+            *required = false;
+        }
+        self
+    }
+
+    /// Methods the layer covers (default: POST and PATCH; callbacks: POST).
+    /// Other methods pass through untouched.
+    #[must_use]
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.cfg.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// How long a key and its response are kept (default 24 hours, the
+    /// published expiry policy: a key reused after it is processed again).
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.cfg.retention = retention;
+        self
+    }
+
+    /// What is fingerprinted to detect a key reused with another request
+    /// (default: the canonical JSON body, or its raw bytes).
+    #[must_use]
+    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.cfg.fingerprint = spec;
+        self
+    }
+
+    /// What a request gets while another with the same key is in flight.
+    #[must_use]
+    pub fn in_flight(mut self, policy: InFlight) -> Self {
+        self.cfg.in_flight = policy;
+        self
+    }
+
+    /// Also store (and replay) 4xx responses, with the handler's writes.
+    /// By default they roll back and are not stored, so a corrected retry
+    /// with the same key can succeed.
+    #[must_use]
+    pub fn store_client_errors(mut self, store: bool) -> Self {
+        self.cfg.store_client_errors = store;
+        self
+    }
+
+    /// Largest request body accepted (default 1 MiB); larger: `413`.
+    #[must_use]
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.cfg.max_request_body = bytes;
+        self
+    }
+
+    /// Largest response body stored (default 1 MiB). A larger response is
+    /// still sent and its status and headers stored; a replay then has an
+    /// empty body and `Idempotent-Replay-Body: omitted`.
+    #[must_use]
+    pub fn max_stored_body(mut self, bytes: usize) -> Self {
+        self.cfg.max_stored_body = bytes;
+        self
+    }
+
+    /// Adds a response header to the replayed allow-list (default:
+    /// `content-type`, `content-location`, `location`, `etag`,
+    /// `last-modified`).
+    #[must_use]
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        self.cfg.replay_headers.push(name);
+        self
+    }
+
+    /// Checks an HMAC signature before anything else (bad or stale: `401`,
+    /// nothing stored).
+    #[must_use]
+    pub fn signature(mut self, check: SignatureCheck) -> Self {
+        self.cfg.signature = Some(check);
+        self
+    }
+
+    /// Fail closed (default) or open when the store is unreachable.
+    #[must_use]
+    pub fn on_store_error(mut self, policy: OnStoreError) -> Self {
+        self.cfg.on_store_error = policy;
+        self
+    }
+
+    /// How to find the principal (default: the [`Principal`] extension).
+    #[must_use]
+    pub fn principal_from(
+        mut self,
+        f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.cfg.principal = Arc::new(f);
+        self
+    }
+
+    /// The clock for expiry (tests).
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.cfg.clock = Arc::new(clock);
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(mut self) -> Result<IdempotencyLayer<S>, HttpBuildError> {
+        validate_scope(&self.cfg.scope)?;
+        if self.cfg.scope.len() > 90 {
+            return Err(HttpBuildError::ScopeTooLong);
+        }
+        if self.cfg.retention.is_zero() {
+            return Err(HttpBuildError::ZeroRetention);
+        }
+        let key = self.key?;
+        key.validate()?;
+        self.cfg.key = key;
+        Ok(IdempotencyLayer::from_config(self.cfg))
+    }
+}

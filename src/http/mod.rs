@@ -1,0 +1,50 @@
+//! HTTP transport (feature `http`): an axum/tower layer that makes POST and
+//! PATCH handlers idempotent with the `Idempotency-Key` header, or payment
+//! callbacks idempotent on a body field, inside the handler's transaction.
+//!
+//! # Flow
+//!
+//! 1. Methods not covered (default: POST, PATCH) pass through.
+//! 2. The body is buffered up to a limit (`413` beyond).
+//! 3. An optional HMAC signature is checked (`401`, nothing stored).
+//! 4. The key is derived (`400` if missing or malformed) and claimed, with
+//!    the body's fingerprint, in a new transaction, in the scope of the
+//!    layer and of the caller's [`Principal`] if there is one.
+//! 5. A key already completed replays its stored status, allow-listed
+//!    headers and body byte for byte, with `Idempotent-Replayed: true` (a
+//!    payment callback gets the configured [`Ack`]); a key completed with
+//!    another payload gets `422`; a key held by a request in flight gets
+//!    `409` with `Retry-After` (or, with [`InFlight::WaitThenReplay`], the
+//!    replay once it completes).
+//! 6. Otherwise the handler runs with the transaction ([`Tx`] extractor).
+//!    A 2xx response (and 4xx if configured) is stored in that same
+//!    transaction, which then commits; only then is the response sent. A
+//!    5xx, a 4xx not stored, or a panic rolls everything back and stores
+//!    nothing, so the client may retry with the same key.
+//!
+//! Errors the layer answers itself are RFC 9457 `application/problem+json`
+//! with `type` `urn:onceonly:problem:<code>`: `missing-idempotency-key`,
+//! `invalid-idempotency-key` (400), `bad-signature` (401),
+//! `request-in-flight` (409), `body-too-large` (413),
+//! `idempotency-key-reused` (422), `store-unavailable` (503, fail closed by
+//! default; see [`OnStoreError`]).
+//!
+//! # Expiry policy
+//!
+//! Keys and responses are kept for the layer's retention (default 24 hours,
+//! [`IdempotencyLayerBuilder::retention`]); a key reused after that is a new
+//! request. Publish this to your clients, as the IETF draft asks.
+
+mod config;
+mod layer;
+mod problem;
+mod signature;
+mod stored;
+mod tx;
+
+pub use config::{
+    Ack, HttpBuildError, IdempotencyLayerBuilder, InFlight, OnStoreError, Principal, PrincipalFn,
+};
+pub use layer::{IdempotencyLayer, Idempotent};
+pub use signature::{SignatureCheck, SignatureError};
+pub use tx::{Tx, TxGone, TxGuard};
