@@ -60,7 +60,10 @@ pub fn parse_payment(headers: &HeaderMap, body: &Bytes) -> Result<Payment, AppEr
     let form = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
+        .is_some_and(|v| {
+            v.to_ascii_lowercase()
+                .starts_with("application/x-www-form-urlencoded")
+        });
     let parsed = if form {
         let mut fields = serde_json::Map::new();
         for (k, v) in form_urlencoded::parse(body) {
@@ -96,7 +99,7 @@ macro_rules! webhook_app {
             use axum::response::IntoResponse;
             use axum::routing::post;
             use axum::Json;
-            use onceonly::SqlStore;
+            use onceonly::{FingerprintSpec, SqlStore};
             use onceonly::http::{
                 Ack, HttpBuildError, IdempotencyLayer, IdempotencyLayerBuilder, SignatureCheck, Tx,
             };
@@ -153,6 +156,13 @@ macro_rules! webhook_app {
                     "json:/out_trade_no",
                     Ack::plain_success(),
                 );
+                // A repeated notification may differ in fields such as
+                // `notify_time`, never in who is paid how much: those are
+                // fingerprinted, and a tampered one gets 422.
+                callbacks = callbacks.fingerprint(FingerprintSpec::Fields(vec![
+                    "/account".into(),
+                    "/amount".into(),
+                ]));
                 if let Some(secret) = secret {
                     callbacks = callbacks.signature(SignatureCheck::new(secret));
                 }

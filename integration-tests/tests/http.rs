@@ -18,7 +18,7 @@ use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use onceonly::http::{IdempotencyLayer, OnStoreError, Principal, SignatureCheck, Tx};
+use onceonly::http::{IdempotencyLayer, InFlight, OnStoreError, Principal, SignatureCheck, Tx};
 use onceonly::{KeySpec, PgStore, SqlStore, SqliteStore};
 use reqwest::Client;
 
@@ -64,7 +64,7 @@ struct Flaky {
 }
 
 macro_rules! http_suite {
-    ($module:ident, $db:ty, $store:ty, $app:ident, $make_store:expr, $down_store:expr) => {
+    ($module:ident, $db:ty, $store:ty, $app:ident, $make_store:expr, $down_store:expr, $conflicts:expr) => {
         mod $module {
             use super::*;
 
@@ -389,6 +389,181 @@ macro_rules! http_suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_request_in_flight_gets_409_or_waits_and_replays() {
+                let store = store().await;
+                sqlx::query("CREATE TABLE IF NOT EXISTS slow (n INTEGER NOT NULL)")
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+                let slow = |tx: Tx<$db>| async move {
+                    let mut tx = tx.lock().await.unwrap();
+                    sqlx::query("INSERT INTO slow (n) VALUES (1)")
+                        .execute(&mut **tx)
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    (StatusCode::CREATED, "made")
+                };
+                let c = Client::new();
+                for (policy, path) in [
+                    (
+                        InFlight::Conflict {
+                            wait: Duration::from_millis(50),
+                            retry_after_secs: 2,
+                        },
+                        "/conflict",
+                    ),
+                    (
+                        InFlight::WaitThenReplay {
+                            bound: Duration::from_secs(5),
+                        },
+                        "/wait",
+                    ),
+                ] {
+                    let layer = IdempotencyLayer::idempotency_key(
+                        store.clone(),
+                        path.trim_start_matches('/'),
+                    )
+                    .in_flight(policy)
+                    .build()
+                    .unwrap();
+                    let base = serve(Router::new().route(path, post(slow).layer(layer))).await;
+                    let send = || {
+                        c.post(format!("{base}{path}"))
+                            .header("Idempotency-Key", "same")
+                            .body("{}")
+                            .send()
+                    };
+                    let first = tokio::spawn(send());
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let second = send().await.unwrap();
+                    let first = first.await.unwrap().unwrap();
+                    assert_eq!(first.status(), 201);
+                    let expect_conflict = path == "/conflict" && $conflicts;
+                    if expect_conflict {
+                        assert_eq!(second.status(), 409, "{path}");
+                        assert_eq!(second.headers()["retry-after"], "2");
+                        assert!(is_problem(&second));
+                    } else {
+                        assert_eq!(second.status(), 201, "{path}: waited and replayed");
+                        assert_eq!(second.headers()["idempotent-replayed"], "true");
+                        assert_eq!(second.text().await.unwrap(), "made");
+                    }
+                }
+                assert_eq!(count(&store, "slow").await, 2, "one run per route");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn keys_bind_to_their_request_and_redirects_are_stored() {
+                let store = store().await;
+                sqlx::query("CREATE TABLE IF NOT EXISTS made (n INTEGER NOT NULL)")
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+                let make = |tx: Tx<$db>| async move {
+                    let mut tx = tx.lock().await.unwrap();
+                    sqlx::query("INSERT INTO made (n) VALUES (1)")
+                        .execute(&mut **tx)
+                        .await
+                        .unwrap();
+                    (StatusCode::SEE_OTHER, [("location", "/made/1")], "")
+                };
+                let open = |tx: Option<Tx<$db>>| async move { format!("tx: {}", tx.is_some()) };
+                let keyed = IdempotencyLayer::idempotency_key(store.clone(), "made")
+                    .build()
+                    .unwrap();
+                let optional = IdempotencyLayer::idempotency_key(store.clone(), "optional")
+                    .key_optional()
+                    .build()
+                    .unwrap();
+                let app = Router::new()
+                    .route("/a", post(make))
+                    .route("/b", post(make))
+                    .layer(keyed)
+                    .route("/open", post(open).layer(optional));
+                let base = serve(app).await;
+                let c = reqwest::Client::builder()
+                    .redirect(reqwest::redirect::Policy::none())
+                    .build()
+                    .unwrap();
+                let send = |path: &str, key: &str| {
+                    c.post(format!("{base}{path}"))
+                        .header("Idempotency-Key", key)
+                        .body("{}")
+                        .send()
+                };
+                let r = send("/a", "k").await.unwrap();
+                assert_eq!(r.status(), 303);
+                assert_eq!(count(&store, "made").await, 1, "a 303's writes are kept");
+                // A structured-field string is the same key.
+                let r = send("/a", "\"k\"").await.unwrap();
+                assert_eq!(r.status(), 303);
+                assert_eq!(r.headers()["idempotent-replayed"], "true");
+                assert_eq!(r.headers()["location"], "/made/1");
+                let r = send("/b", "k").await.unwrap();
+                assert_eq!(
+                    r.status(),
+                    422,
+                    "same key on another path is another request"
+                );
+                assert_eq!(count(&store, "made").await, 1);
+                let r = c
+                    .post(format!("{base}/open"))
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    r.text().await.unwrap(),
+                    "tx: false",
+                    "no key: passes without dedup"
+                );
+                let r = c
+                    .post(format!("{base}/open"))
+                    .header("Idempotency-Key", "o")
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.text().await.unwrap(), "tx: true");
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_retried_notification_with_new_timestamps_is_acked_a_tampered_one_is_not() {
+                let store = store().await;
+                let base = app(&store, None).await;
+                let c = Client::new();
+                let form = |time: &str, amount: i64| {
+                    c.post(format!("{base}/webhooks/payments"))
+                        .header(
+                            "content-type",
+                            "Application/X-WWW-Form-Urlencoded; charset=utf-8",
+                        )
+                        .body(format!(
+                            "out_trade_no=N-1&account=gus&amount={amount}&notify_time={time}"
+                        ))
+                        .send()
+                };
+                for time in [
+                    "2026-11-29 10:00:00",
+                    "2026-11-29 10:00:05",
+                    "2026-11-29 10:01:00",
+                ] {
+                    let r = form(time, 70).await.unwrap();
+                    assert_eq!(r.status(), 200);
+                    assert_eq!(r.text().await.unwrap(), "success");
+                }
+                let tampered = form("2026-11-29 10:02:00", 7_000).await.unwrap();
+                assert_eq!(tampered.status(), 422);
+                let rows: Vec<(String, i64)> =
+                    sqlx::query_as("SELECT out_trade_no, amount FROM ledger")
+                        .fetch_all(store.pool())
+                        .await
+                        .unwrap();
+                assert_eq!(rows, vec![("N-1".to_owned(), 70)]);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn body_limits_and_store_outages() {
                 let store = store().await;
                 let limited =
@@ -471,13 +646,17 @@ async fn sqlite_down() -> SqliteStore {
     store
 }
 
+// Postgres answers a request in flight with 409 after the short lock wait;
+// SQLite serializes writers, so a concurrent request waits in BEGIN and
+// then replays.
 http_suite!(
     on_postgres,
     sqlx::Postgres,
     PgStore,
     postgres,
     pg(),
-    pg_down()
+    pg_down(),
+    true
 );
 http_suite!(
     on_sqlite,
@@ -485,5 +664,6 @@ http_suite!(
     SqliteStore,
     sqlite,
     sqlite(),
-    sqlite_down()
+    sqlite_down(),
+    false
 );

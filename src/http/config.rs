@@ -148,9 +148,11 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         mode: Mode,
         key: Result<KeySpec, KeySpecError>,
     ) -> Self {
-        let methods = match mode {
-            Mode::Header { .. } => vec![Method::POST, Method::PATCH],
-            Mode::Callback { .. } => vec![Method::POST],
+        let (methods, fingerprint) = match mode {
+            Mode::Header { .. } => (vec![Method::POST, Method::PATCH], FingerprintSpec::Auto),
+            // Providers change fields such as `notify_time` on every retry:
+            // a repeated notification must get the ack, not a conflict.
+            Mode::Callback { .. } => (vec![Method::POST], FingerprintSpec::Disabled),
         };
         Self {
             cfg: Config {
@@ -158,7 +160,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 scope,
                 mode,
                 key: KeySpec::fingerprint(),
-                fingerprint: FingerprintSpec::Auto,
+                fingerprint,
                 methods,
                 retention: Duration::from_secs(24 * 3600),
                 in_flight: InFlight::Conflict {
@@ -227,7 +229,11 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     }
 
     /// What is fingerprinted to detect a key reused with another request
-    /// (default: the canonical JSON body, or its raw bytes).
+    /// (`422`). Default in `Idempotency-Key` mode: the canonical JSON body
+    /// (or its raw bytes), bound to the method, path and query. Default in
+    /// callback mode: nothing, since providers change fields such as
+    /// `notify_time` on every retry; use `FingerprintSpec::Fields` over the
+    /// business fields (amount, currency) to refuse a tampered notification.
     #[must_use]
     pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
         self.cfg.fingerprint = spec;

@@ -10,8 +10,8 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, Response, StatusCode, header};
 use bytes::Bytes;
-use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
+use futures_util::{FutureExt, StreamExt};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
@@ -22,6 +22,7 @@ use super::problem::{problem, problem_retry_after};
 use super::stored::StoredResponse;
 use super::tx::TxSlot;
 use crate::delivery::Delivery;
+use crate::fingerprint::Fingerprint;
 use crate::key::{KeyError, KeySpec};
 use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore, StoreError};
 
@@ -196,7 +197,10 @@ where
             );
         }
     };
-    let fingerprint = cfg.fingerprint.compute(&delivery);
+    let fingerprint = cfg
+        .fingerprint
+        .compute(&delivery)
+        .map(|fp| bind_to_request(&parts, &fp));
     let scope = scope_for(&cfg.scope, principal.as_deref());
 
     let mut tx = match cfg.store.begin().await {
@@ -240,19 +244,7 @@ where
         Ok(claim) => claim,
         Err(e) if e.is_lock_timeout() => {
             drop(tx.rollback().await);
-            let retry_after = match cfg.in_flight {
-                InFlight::Conflict {
-                    retry_after_secs, ..
-                } => retry_after_secs,
-                InFlight::WaitThenReplay { .. } => 1,
-            };
-            return problem_retry_after(
-                StatusCode::CONFLICT,
-                "request-in-flight",
-                "A request with this key is in progress",
-                "retry later to get its response",
-                retry_after,
-            );
+            return in_flight(cfg);
         }
         Err(e) => {
             drop(tx.rollback().await);
@@ -300,7 +292,13 @@ where
     let mut req = Request::from_parts(parts, Body::from(bytes));
     req.extensions_mut().insert(slot.clone());
     let outcome = AssertUnwindSafe(inner.oneshot(req)).catch_unwind().await;
-    let tx = slot.0.lock().await.take();
+    // A handler that kept its guard (moved into a spawned task or a
+    // streaming body) holds the transaction hostage: give up after a while;
+    // the transaction rolls back when the guard is finally dropped.
+    let tx = match tokio::time::timeout(TX_RETURN_TIMEOUT, slot.0.lock()).await {
+        Ok(mut guard) => guard.take(),
+        Err(_) => None,
+    };
     let Some(mut tx) = tx else {
         return problem(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -324,7 +322,9 @@ where
         }
     };
     let status = response.status();
-    let keep = status.is_success() || (cfg.store_client_errors && status.is_client_error());
+    let keep = status.is_success()
+        || status.is_redirection()
+        || (cfg.store_client_errors && status.is_client_error());
     if !keep {
         // 5xx (and 4xx unless stored): roll back the writes and the claim,
         // so the client may retry with the same key.
@@ -332,15 +332,17 @@ where
         return response;
     }
     let (mut head, body) = response.into_parts();
-    let body = match body.collect().await {
-        Ok(collected) => collected.to_bytes(),
+    // Read at most the storable size; a longer (or endless) body is stored
+    // as a marker and streamed on after the commit.
+    let (prefix, rest) = match read_up_to(body, cfg.max_stored_body).await {
+        Ok(read) => read,
         Err(e) => {
             drop(tx.rollback().await);
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "response-unreadable",
                 "Response could not be read",
-                &e.to_string(),
+                &e,
             );
         }
     };
@@ -348,9 +350,21 @@ where
         status,
         &head.headers,
         &cfg.replay_headers,
-        &body,
-        cfg.max_stored_body,
+        &prefix,
+        if rest.is_some() {
+            0
+        } else {
+            cfg.max_stored_body
+        },
     );
+    let stored = if rest.is_some() {
+        StoredResponse {
+            body: None,
+            ..stored
+        }
+    } else {
+        stored
+    };
     let committed = async {
         cfg.store
             .complete(&mut tx, &scope, key.as_str(), &stored.encode())
@@ -368,8 +382,57 @@ where
             5,
         );
     }
-    head.headers.remove(header::CONTENT_LENGTH);
-    Response::from_parts(head, Body::from(body))
+    match rest {
+        None => {
+            head.headers.remove(header::CONTENT_LENGTH);
+            Response::from_parts(head, Body::from(prefix))
+        }
+        Some(rest) => {
+            let stream = futures_util::stream::once(async move { Ok::<_, axum::Error>(prefix) })
+                .chain(rest.into_data_stream());
+            Response::from_parts(head, Body::from_stream(stream))
+        }
+    }
+}
+
+/// How long the layer waits, after the handler returned, for it to let go
+/// of the transaction.
+const TX_RETURN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads `body` until it ends (`rest` is `None`) or more than `max` bytes
+/// were read (`rest` is the unread remainder).
+async fn read_up_to(mut body: Body, max: usize) -> Result<(Bytes, Option<Body>), String> {
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => return Ok((buf.freeze(), None)),
+            Some(Err(e)) => return Err(e.to_string()),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > max {
+                        return Ok((buf.freeze(), Some(body)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn in_flight<S>(cfg: &Config<S>) -> Response<Body> {
+    let retry_after = match cfg.in_flight {
+        InFlight::Conflict {
+            retry_after_secs, ..
+        } => retry_after_secs,
+        InFlight::WaitThenReplay { bound } => bound.as_secs().max(1),
+    };
+    problem_retry_after(
+        StatusCode::CONFLICT,
+        "request-in-flight",
+        "A request with this key is in progress",
+        "retry later to get its response",
+        retry_after,
+    )
 }
 
 async fn pass<I>(inner: I, req: Request<Body>) -> Response<Body>
@@ -391,6 +454,17 @@ async fn store_down<S, I>(
 where
     I: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
 {
+    if !error.is_outage() {
+        // Not an outage (a missing table, a corrupt record): failing open
+        // would hide a bug behind duplicate effects.
+        tracing::error!(error = %error, "idempotency store error");
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "store-error",
+            "Idempotency store error",
+            "the request was not processed",
+        );
+    }
     match cfg.on_store_error {
         OnStoreError::FailOpen => {
             tracing::error!(error = %error, path = %req.uri().path(), "idempotency store unavailable: FAILING OPEN, request runs without dedup");
@@ -421,9 +495,48 @@ fn ack_response(ack: &Ack) -> Response<Body> {
     response
 }
 
+/// A form body as a JSON object of its fields: a field that appears once is
+/// a string, a repeated one an array of strings (so `a=1&a=2` and `a=1&a=3`
+/// fingerprint differently).
+fn form_as_json(body: &[u8]) -> Vec<u8> {
+    use serde_json::Value;
+    let mut fields = serde_json::Map::new();
+    for (k, v) in form_urlencoded::parse(body) {
+        let v = Value::String(v.into_owned());
+        match fields.get_mut(k.as_ref()) {
+            None => {
+                fields.insert(k.into_owned(), v);
+            }
+            Some(Value::Array(values)) => values.push(v),
+            Some(first) => *first = Value::Array(vec![first.take(), v]),
+        }
+    }
+    Value::Object(fields).to_string().into_bytes()
+}
+
+/// The IETF draft sends the key as a structured-field string (`"abc"`);
+/// unquote it (with `\"` and `\\` escapes). A bare token is taken as is.
+fn unquote_sf_string(value: &[u8]) -> Vec<u8> {
+    match value {
+        [b'"', inner @ .., b'"'] => {
+            let mut out = Vec::with_capacity(inner.len());
+            let mut escaped = false;
+            for &b in inner {
+                if escaped || b != b'\\' {
+                    out.push(b);
+                    escaped = false;
+                } else {
+                    escaped = true;
+                }
+            }
+            out
+        }
+        _ => value.to_vec(),
+    }
+}
+
 /// The engine's view of the request: a form body is read as a JSON object
-/// of its fields (first value of a repeated field), so JSON-pointer keys and
-/// fingerprints work on both.
+/// of its fields, so JSON-pointer keys and fingerprints work on both.
 fn delivery_of(
     parts: &axum::http::request::Parts,
     body: &Bytes,
@@ -433,26 +546,45 @@ fn delivery_of(
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
+        .is_some_and(|v| {
+            v.get(..33)
+                .is_some_and(|t| t.eq_ignore_ascii_case("application/x-www-form-urlencoded"))
+        });
     let payload = if is_form {
-        let mut fields = serde_json::Map::new();
-        for (k, v) in form_urlencoded::parse(body) {
-            fields
-                .entry(k.into_owned())
-                .or_insert_with(|| serde_json::Value::String(v.into_owned()));
-        }
-        serde_json::Value::Object(fields).to_string().into_bytes()
+        form_as_json(body)
     } else {
         body.to_vec()
     };
     let mut d = Delivery::new(payload).with_request(parts.method.as_str(), parts.uri.path());
     for (name, value) in &parts.headers {
-        d = d.with_metadata(name.as_str(), value.as_bytes());
+        let value = if name.as_str() == "idempotency-key" {
+            unquote_sf_string(value.as_bytes())
+        } else {
+            value.as_bytes().to_vec()
+        };
+        d = d.with_metadata(name.as_str(), value);
     }
     if let Some(p) = principal {
         d = d.with_principal(p);
     }
     d
+}
+
+/// A key names one operation on one resource: the same key and body sent to
+/// another method, path or query is another request (`422`), not a replay.
+fn bind_to_request(parts: &axum::http::request::Parts, fp: &Fingerprint) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"onceonly-http-request\0");
+    for part in [
+        parts.method.as_str().as_bytes(),
+        parts.uri.path().as_bytes(),
+        parts.uri.query().unwrap_or_default().as_bytes(),
+        fp.as_bytes(),
+    ] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    Fingerprint(h.finalize().into())
 }
 
 /// `scope` alone, or `scope@<hash of the principal>`: keys of different

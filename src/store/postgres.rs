@@ -106,15 +106,27 @@ impl SqlStore for PgStore {
         conn: &mut PgConnection,
         timeout: Option<std::time::Duration>,
     ) -> Result<(), StoreError> {
-        let sql = match timeout {
+        match timeout {
+            // Keep the current value (perhaps set per session) to restore;
             // 0 would mean "no limit" to Postgres.
-            Some(t) => format!(
-                "SET LOCAL lock_timeout = '{}ms'",
-                t.as_millis().clamp(1, i32::MAX as u128)
-            ),
-            None => "SET LOCAL lock_timeout TO DEFAULT".to_owned(),
-        };
-        sqlx::query(&sql).execute(conn).await?;
+            Some(t) => {
+                sqlx::query(
+                    "SELECT set_config('onceonly.saved_lock_timeout', current_setting('lock_timeout'), true), \
+                            set_config('lock_timeout', $1, true)",
+                )
+                .bind(format!("{}ms", t.as_millis().clamp(1, i32::MAX as u128)))
+                .execute(conn)
+                .await?;
+            }
+            None => {
+                sqlx::query(
+                    "SELECT set_config('lock_timeout', \
+                     COALESCE(NULLIF(current_setting('onceonly.saved_lock_timeout', true), ''), '0'), true)",
+                )
+                .execute(conn)
+                .await?;
+            }
+        }
         Ok(())
     }
 
