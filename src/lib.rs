@@ -15,6 +15,9 @@ pub mod http;
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;
 pub mod key;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis;
 #[cfg(any(feature = "kafka", feature = "amqp"))]
 mod signal;
 pub mod store;
@@ -34,4 +37,6 @@ pub use store::mysql::MySqlStore;
 pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
-pub use store::{Claim, ClaimRequest, ClaimTimes, Record, SqlStore, StoreError};
+pub use store::{
+    CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore, StoreError,
+};

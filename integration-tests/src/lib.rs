@@ -160,3 +160,17 @@ pub fn pay(no: &str, amount: i64) -> Vec<u8> {
     })
     .expect("serialize")
 }
+
+/// Redis URL: `ONCEONLY_REDIS_URL`, default `redis://127.0.0.1:6379`.
+pub fn redis_url() -> String {
+    std::env::var("ONCEONLY_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Fails loudly when Redis is not reachable.
+pub fn redis_unreachable(e: impl std::fmt::Display) -> ! {
+    panic!(
+        "Redis is not reachable at {}: {e}\nStart it with `scripts/services`, or point \
+         ONCEONLY_REDIS_URL at a running server. These tests never skip.",
+        redis_url()
+    )
+}

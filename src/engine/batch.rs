@@ -14,7 +14,7 @@ use super::{
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdemKey;
-use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore, StoreError};
+use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
 
 /// A delivery that passed key derivation and decoding.
 struct Ready<'d, I> {
@@ -181,6 +181,31 @@ impl<S: SqlStore> Engine<S> {
         // A failed commit is ambiguous; processing one by one settles it:
         // committed keys come back as duplicates, the others are processed.
         tx.commit().await.ok()?;
+        // Owned copies: inputs need not be `Sync`, so no reference to
+        // `ready` is held across the awaits.
+        let done: Vec<(IdemKey, Option<Fingerprint>, Vec<u8>)> = ready
+            .iter()
+            .zip(stored)
+            .zip(&outcomes)
+            .filter_map(|((item, bytes), outcome)| match (bytes, outcome) {
+                (Some(bytes), Outcome::Processed { .. }) => {
+                    Some((item.key.clone(), item.fingerprint, bytes))
+                }
+                _ => None,
+            })
+            .collect();
+        for (key, fingerprint, bytes) in &done {
+            inner
+                .store
+                .committed(&Completed {
+                    scope: &inner.scope,
+                    key: key.as_str(),
+                    fingerprint: fingerprint.as_ref(),
+                    result: bytes,
+                    expires_at_ms: times.expires_at_ms,
+                })
+                .await;
+        }
         Some(outcomes)
     }
 }

@@ -22,7 +22,7 @@ use crate::clock::Clock;
 use crate::delivery::Delivery;
 use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{IdemKey, KeySpec};
-use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore, StoreError};
+use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
 
 #[cfg(any(feature = "kafka", feature = "amqp"))]
 pub(crate) use builder::forward_engine_settings;
@@ -169,16 +169,20 @@ impl<S: SqlStore> Engine<S> {
         H: Handler<S::Db>,
     {
         let inner = &*self.inner;
-        let mut tx = match inner.store.begin().await {
-            Ok(tx) => tx,
-            Err(e) => return Outcome::Failed(Failure::Store(e)),
-        };
-        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let req = ClaimRequest {
             key: key.as_str(),
             fingerprint,
             source: delivery.source(),
         };
+        // A cache tier answers completed keys without any SQL.
+        if let Some(hit) = inner.store.cached(&inner.scope, key.as_str()).await {
+            return settled(key, hit.classify(&req), fingerprint);
+        }
+        let mut tx = match inner.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return Outcome::Failed(Failure::Store(e)),
+        };
+        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claim = match inner.store.claim(&mut tx, &inner.scope, times, &req).await {
             Ok(claim) => claim,
             Err(e) => return Outcome::Failed(Failure::Store(e)),
@@ -196,8 +200,20 @@ impl<S: SqlStore> Engine<S> {
             // A failed commit is ambiguous (it may have reached the
             // database); reporting it as a failure leads to a redelivery,
             // and the claim then tells whether it had committed.
-            Ok((output, _)) => match tx.commit().await {
-                Ok(()) => Outcome::Processed { result: output },
+            Ok((output, bytes)) => match tx.commit().await {
+                Ok(()) => {
+                    inner
+                        .store
+                        .committed(&Completed {
+                            scope: &inner.scope,
+                            key: key.as_str(),
+                            fingerprint,
+                            result: &bytes,
+                            expires_at_ms: times.expires_at_ms,
+                        })
+                        .await;
+                    Outcome::Processed { result: output }
+                }
                 Err(e) => Outcome::Failed(Failure::Store(e.into())),
             },
             Err(failure) => {

@@ -24,7 +24,7 @@ use super::tx::TxSlot;
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::{KeyError, KeySpec};
-use crate::store::{Claim, ClaimRequest, ClaimTimes, SqlStore, StoreError};
+use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
 
 /// Idempotency for HTTP handlers, as a tower [`Layer`]; see the
 /// [module documentation](super).
@@ -203,6 +203,17 @@ where
         .map(|fp| bind_to_request(&parts, &fp));
     let scope = scope_for(&cfg.scope, principal.as_deref());
 
+    let source = format!("{} {}", parts.method, parts.uri.path());
+    let request = ClaimRequest {
+        key: key.as_str(),
+        fingerprint: fingerprint.as_ref(),
+        source: Some(&source),
+    };
+    // A cache tier answers completed keys without any SQL.
+    if let Some(hit) = cfg.store.cached(&scope, key.as_str()).await {
+        tracing::debug!(key = %key, scope = %scope, "answered from the cache tier");
+        return settled(cfg, hit.classify(&request));
+    }
     let mut tx = match cfg.store.begin().await {
         Ok(tx) => tx,
         Err(e) => {
@@ -219,22 +230,10 @@ where
         InFlight::Conflict { wait, .. } => wait,
         InFlight::WaitThenReplay { bound } => bound,
     };
-    let source = format!("{} {}", parts.method, parts.uri.path());
+    let times = ClaimTimes::new(now_ms, cfg.retention);
     let claim = async {
         cfg.store.set_lock_timeout(&mut tx, Some(wait)).await?;
-        let claim = cfg
-            .store
-            .claim(
-                &mut tx,
-                &scope,
-                ClaimTimes::new(now_ms, cfg.retention),
-                &ClaimRequest {
-                    key: key.as_str(),
-                    fingerprint: fingerprint.as_ref(),
-                    source: Some(&source),
-                },
-            )
-            .await?;
+        let claim = cfg.store.claim(&mut tx, &scope, times, &request).await?;
         // The handler's own statements wait as long as they normally would.
         cfg.store.set_lock_timeout(&mut tx, None).await?;
         Ok::<_, StoreError>(claim)
@@ -259,31 +258,10 @@ where
     };
     match claim {
         Claim::Claimed => {}
-        Claim::Duplicate { result } => {
+        other => {
             drop(tx.rollback().await);
-            tracing::debug!(key = %key, scope = %scope, "duplicate request replayed");
-            return match (
-                &cfg.mode,
-                result.as_deref().and_then(StoredResponse::decode),
-            ) {
-                (Mode::Callback { ack }, _) => ack_response(ack),
-                (Mode::Header { .. }, Some(stored)) => stored.replay(),
-                (Mode::Header { .. }, None) => problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "unreadable-stored-response",
-                    "Stored response unreadable",
-                    "the key is done, but its stored response cannot be decoded",
-                ),
-            };
-        }
-        Claim::Conflict { .. } | Claim::InBatch { .. } => {
-            drop(tx.rollback().await);
-            return problem(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "Idempotency key reused with a different request",
-                "this key was already used for a request with another payload",
-            );
+            tracing::debug!(key = %key, scope = %scope, "duplicate or reused key");
+            return settled(cfg, other);
         }
     }
 
@@ -365,13 +343,25 @@ where
     } else {
         stored
     };
+    let encoded = stored.encode();
     let committed = async {
         cfg.store
-            .complete(&mut tx, &scope, key.as_str(), &stored.encode())
+            .complete(&mut tx, &scope, key.as_str(), &encoded)
             .await?;
         tx.commit().await.map_err(StoreError::from)
     }
     .await;
+    if committed.is_ok() {
+        cfg.store
+            .committed(&Completed {
+                scope: &scope,
+                key: key.as_str(),
+                fingerprint: fingerprint.as_ref(),
+                result: &encoded,
+                expires_at_ms: times.expires_at_ms,
+            })
+            .await;
+    }
     if let Err(e) = committed {
         tracing::error!(key = %key, error = %e, "storing the response failed; answering 503");
         return problem_retry_after(
@@ -416,6 +406,34 @@ async fn read_up_to(mut body: Body, max: usize) -> Result<(Bytes, Option<Body>),
                 }
             }
         }
+    }
+}
+
+/// The answer for a key that is already completed: the replay (or the
+/// callback ack), or `422` if it was completed for another request.
+fn settled<S>(cfg: &Config<S>, claim: Claim) -> Response<Body> {
+    match claim {
+        Claim::Duplicate { result } => {
+            match (
+                &cfg.mode,
+                result.as_deref().and_then(StoredResponse::decode),
+            ) {
+                (Mode::Callback { ack }, _) => ack_response(ack),
+                (Mode::Header { .. }, Some(stored)) => stored.replay(),
+                (Mode::Header { .. }, None) => problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "unreadable-stored-response",
+                    "Stored response unreadable",
+                    "the key is done, but its stored response cannot be decoded",
+                ),
+            }
+        }
+        _ => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency-key-reused",
+            "Idempotency key reused with a different request",
+            "this key was already used for a request with another payload",
+        ),
     }
 }
 

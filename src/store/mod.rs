@@ -79,6 +79,37 @@ impl ClaimTimes {
     }
 }
 
+/// A completed key as a cache tier remembers it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachedRecord {
+    /// Its payload fingerprint, if one was stored.
+    pub fingerprint: Option<Fingerprint>,
+    /// Its stored result.
+    pub result: Option<Vec<u8>>,
+}
+
+impl CachedRecord {
+    /// What a claim of `req` would have found in the database.
+    pub fn classify(self, req: &ClaimRequest<'_>) -> Claim {
+        classify_existing(self.fingerprint, self.result, req)
+    }
+}
+
+/// A key whose transaction committed, for [`SqlStore::committed`].
+#[derive(Clone, Copy, Debug)]
+pub struct Completed<'a> {
+    /// The scope.
+    pub scope: &'a str,
+    /// The key.
+    pub key: &'a str,
+    /// Its fingerprint.
+    pub fingerprint: Option<&'a Fingerprint>,
+    /// Its stored result.
+    pub result: &'a [u8],
+    /// When the record expires, in milliseconds since the Unix epoch.
+    pub expires_at_ms: i64,
+}
+
 /// What a claim found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -176,6 +207,23 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     ) -> Result<(), StoreError> {
         let _ = (conn, timeout);
         Ok(())
+    }
+
+    /// A cache tier in front of the database (see `onceonly::redis::CachedStore`)
+    /// answers whether `key` is known to be completed, *before* any SQL
+    /// runs: `Some` is final (a duplicate, or a conflict if the fingerprint
+    /// differs); `None` means "ask the database". Plain SQL stores have no
+    /// cache.
+    async fn cached(&self, scope: &str, key: &str) -> Option<CachedRecord> {
+        let _ = (scope, key);
+        None
+    }
+
+    /// Called after the transaction that completed `key` with `result`
+    /// committed, never before: a cache tier records it there. Best effort;
+    /// plain SQL stores do nothing.
+    async fn committed(&self, done: &Completed<'_>) {
+        let _ = done;
     }
 
     /// Claims `req.key` in `scope` inside the open transaction `conn`.

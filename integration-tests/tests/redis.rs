@@ -1,0 +1,273 @@
+//! The Redis tier against the real Redis: fenced, leased claims, and the
+//! two-tier store in front of PostgreSQL (with the engine and a transport).
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use onceonly::redis::{CachedStore, Once, RedisClaim, RedisStore, RunOnceError};
+use onceonly::{Delivery, Engine, Fingerprint, Outcome, PgStore, SqlStore};
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::{redis_unreachable, redis_url, unique};
+
+async fn redis_store(lease: Duration) -> RedisStore {
+    RedisStore::connect(&redis_url())
+        .await
+        .unwrap_or_else(|e| redis_unreachable(e))
+        .with_prefix(format!("{}:", unique("t")))
+        .with_lease(lease)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_have_exactly_one_owner() {
+    let store = redis_store(Duration::from_secs(10)).await;
+    let claims = (0..32).map(|_| {
+        let store = store.clone();
+        async move { store.claim("sms", "user-1", None).await.unwrap() }
+    });
+    let results = futures_util::future::join_all(claims).await;
+    let owners = results
+        .iter()
+        .filter(|c| matches!(c, RedisClaim::Claimed(_)))
+        .count();
+    assert_eq!(owners, 1, "{results:?}");
+    assert!(
+        results
+            .iter()
+            .all(|c| matches!(c, RedisClaim::Claimed(_) | RedisClaim::Busy { .. }))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expired_lease_is_reclaimable_and_the_old_owner_is_fenced_off() {
+    let store = redis_store(Duration::from_millis(200)).await;
+    let RedisClaim::Claimed(old) = store.claim("mail", "m-1", None).await.unwrap() else {
+        panic!("first claim")
+    };
+    assert!(matches!(
+        store.claim("mail", "m-1", None).await.unwrap(),
+        RedisClaim::Busy { .. }
+    ));
+    // The owner died: its lease runs out and the key is claimable again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let RedisClaim::Claimed(new) = store.claim("mail", "m-1", None).await.unwrap() else {
+        panic!("reclaim after expiry")
+    };
+    assert_ne!(old.owner(), new.owner());
+    // The stale owner can neither complete, renew nor release the new claim.
+    assert!(!store.complete(&old, b"\"stale\"").await.unwrap());
+    assert!(!store.renew(&old).await.unwrap());
+    assert!(!store.release(&old).await.unwrap());
+    assert!(matches!(
+        store.claim("mail", "m-1", None).await.unwrap(),
+        RedisClaim::Busy { .. }
+    ));
+    assert!(store.complete(&new, b"\"sent\"").await.unwrap());
+    assert_eq!(
+        store.claim("mail", "m-1", None).await.unwrap(),
+        RedisClaim::Done(b"\"sent\"".to_vec())
+    );
+    // Completed keys outlive the lease (they keep the retention).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        store.claim("mail", "m-1", None).await.unwrap(),
+        RedisClaim::Done(_)
+    ));
+    // Same key, other payload.
+    let fp = Fingerprint([1; 32]);
+    let RedisClaim::Claimed(l) = store.claim("mail", "m-2", Some(&fp)).await.unwrap() else {
+        panic!()
+    };
+    assert!(store.complete(&l, b"1").await.unwrap());
+    assert_eq!(
+        store
+            .claim("mail", "m-2", Some(&Fingerprint([2; 32])))
+            .await
+            .unwrap(),
+        RedisClaim::Conflict
+    );
+    assert_eq!(
+        store.claim("mail", "m-2", Some(&fp)).await.unwrap(),
+        RedisClaim::Done(b"1".to_vec())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn renewal_keeps_a_handler_running_three_leases_safe() {
+    let store = redis_store(Duration::from_millis(300)).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let effect = |runs: Arc<AtomicUsize>| async move {
+        runs.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        Ok::<_, std::io::Error>("sent".to_owned())
+    };
+    let slow = {
+        let (store, runs) = (store.clone(), Arc::clone(&runs));
+        tokio::spawn(async move { store.run_once("sms", "u-9", None, effect(runs)).await })
+    };
+    // Competitors keep trying during the three leases: all busy.
+    let mut tries = 0;
+    while !slow.is_finished() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let r = store
+            .run_once("sms", "u-9", None, effect(Arc::clone(&runs)))
+            .await
+            .unwrap();
+        if slow.is_finished() {
+            break;
+        }
+        assert!(
+            matches!(r, Once::Busy { .. } | Once::AlreadyDone(_)),
+            "{r:?}"
+        );
+        tries += 1;
+    }
+    assert!(
+        tries >= 10,
+        "competitors tried during the whole run ({tries})"
+    );
+    assert_eq!(slow.await.unwrap().unwrap(), Once::Ran("sent".to_owned()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect ran once");
+    let again = store
+        .run_once("sms", "u-9", None, effect(Arc::clone(&runs)))
+        .await
+        .unwrap();
+    assert_eq!(again, Once::AlreadyDone("sent".to_owned()));
+
+    // A failed effect releases its claim: the retry runs.
+    let failed = store
+        .run_once("sms", "u-10", None, async {
+            Err::<String, _>("gateway down")
+        })
+        .await;
+    assert!(matches!(failed, Err(RunOnceError::Effect("gateway down"))));
+    let retried = store
+        .run_once("sms", "u-10", None, async {
+            Ok::<_, &str>("ok".to_owned())
+        })
+        .await
+        .unwrap();
+    assert_eq!(retried, Once::Ran("ok".to_owned()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_tier_answers_duplicates_without_sql() {
+    let url = pg_schema("rtier").await;
+    let acquired = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&acquired);
+    // Every SQL transaction starts by taking a pooled connection: count them.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .before_acquire(move |_conn, _meta| {
+            let counter = Arc::clone(&counter);
+            Box::pin(async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                Ok(true)
+            })
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let sql = PgStore::new(pool);
+    sql.migrate().await.unwrap();
+    ledger::postgres::create_tables(sql.pool()).await.unwrap();
+    let store = CachedStore::connect(sql, &redis_url())
+        .await
+        .unwrap_or_else(|e| redis_unreachable(e))
+        .with_prefix(format!("{}:", unique("tier")));
+    let engine = Engine::builder(store.clone())
+        .scope("payments")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let body = br#"{"out_trade_no":"T-1","account":"ann","amount":5}"#.to_vec();
+    let first = engine
+        .process(&ledger::postgres::Ledger, &Delivery::new(body.clone()))
+        .await;
+    let Outcome::Processed { result } = first.outcome else {
+        panic!("{:?}", first.outcome)
+    };
+    let after_first = acquired.load(Ordering::SeqCst);
+    assert!(after_first > 0);
+    for _ in 0..5 {
+        let dup = engine
+            .process(&ledger::postgres::Ledger, &Delivery::new(body.clone()))
+            .await;
+        assert_eq!(dup.outcome.kind().as_str(), "duplicate");
+        let Outcome::Duplicate { result: Some(r) } = dup.outcome else {
+            panic!()
+        };
+        assert_eq!(r, result, "the stored result comes back from Redis");
+    }
+    assert_eq!(
+        acquired.load(Ordering::SeqCst),
+        after_first,
+        "no SQL for cached duplicates"
+    );
+    assert_eq!(store.hits(), 5);
+    // Another payload under the same key is still a conflict.
+    let other = engine
+        .process(
+            &ledger::postgres::Ledger,
+            &Delivery::new(br#"{"out_trade_no":"T-1","account":"ann","amount":6}"#.to_vec()),
+        )
+        .await;
+    assert_eq!(other.outcome.kind().as_str(), "conflict");
+    assert_eq!(acquired.load(Ordering::SeqCst), after_first);
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_tier_works_under_the_amqp_consumer() {
+    use onceonly::amqp::{AmqpConsumer, CancellationToken};
+    use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish};
+    use onceonly_integration_tests::ledger::{Expected, assert_exact, payment};
+    let url = pg_schema("ramqp").await;
+    let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(sql.pool()).await.unwrap();
+    let store = CachedStore::connect(sql, &redis_url())
+        .await
+        .unwrap_or_else(|e| redis_unreachable(e))
+        .with_prefix(format!("{}:", unique("tier")));
+    let queue = unique("ramqp");
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    let mut expected = Expected::new();
+    let mut messages = Vec::new();
+    for i in 0..100 {
+        let no = format!("Z-{i}");
+        messages.push(Msg::new(payment(&no, "zed", 3)));
+        expected.insert(no, ("zed".to_owned(), 3));
+    }
+    let run = |store: CachedStore<PgStore>| {
+        let queue = queue.clone();
+        async move {
+            AmqpConsumer::builder(store)
+                .url(onceonly_integration_tests::amqp::url())
+                .queue(&queue)
+                .key_expr("json:/out_trade_no")
+                .exit_when_idle(Duration::from_secs(2))
+                .build()
+                .unwrap()
+                .run_until(ledger::postgres::Ledger, CancellationToken::new())
+                .await
+                .unwrap()
+        }
+    };
+    publish(&channel, &queue, &messages).await;
+    let first = run(store.clone()).await;
+    assert_eq!(first.processed, 100);
+    // A redelivered batch (e.g. a dead-letter replay): all from Redis.
+    publish(&channel, &queue, &messages).await;
+    let second = run(store.clone()).await;
+    assert_eq!((second.processed, second.duplicates), (0, 100));
+    assert!(store.hits() >= 100, "hits {}", store.hits());
+    assert_exact(store.pool(), &expected).await;
+    assert_eq!(depth(&channel, &queue).await, 0);
+}

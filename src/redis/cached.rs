@@ -1,0 +1,286 @@
+//! Two tiers: Redis in front of a SQL store. SQL stays the source of truth;
+//! Redis only remembers keys whose transaction committed, so duplicates are
+//! answered without touching SQL.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ::redis::AsyncCommands;
+use ::redis::aio::ConnectionManager;
+use async_trait::async_trait;
+use sqlx::{Database, Pool, Transaction};
+
+use super::error::RedisError;
+use super::keys::KeyLayout;
+use crate::fingerprint::Fingerprint;
+use crate::store::{
+    CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore, StoreError,
+    TableName,
+};
+
+/// Counters of a [`CachedStore`].
+#[derive(Default, Debug)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    errors: AtomicU64,
+    /// Until when (ms since the Unix epoch) Redis is skipped after a
+    /// failure, so an outage costs one timeout per second, not one per
+    /// delivery.
+    skip_until_ms: AtomicU64,
+}
+
+/// How long Redis is skipped after a failure.
+const BACKOFF_MS: u64 = 1_000;
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// A [`SqlStore`] with a Redis tier in front: use it wherever a SQL store
+/// goes (engine, Kafka, AMQP, HTTP).
+///
+/// - A key found in Redis is answered as a duplicate (or a conflict, if its
+///   fingerprint differs) before any SQL runs.
+/// - A miss goes to SQL, which decides as always.
+/// - After a SQL transaction that completed a key commits, the key and its
+///   result are written to Redis, best effort, with the record's expiry.
+///   Redis is never written before the commit, so it never knows a key SQL
+///   does not.
+/// - Redis down: every lookup falls through to SQL (logged, counted in
+///   [`errors`](Self::errors)); exactly-once still holds, through SQL.
+#[derive(Clone)]
+pub struct CachedStore<S> {
+    sql: S,
+    conn: ConnectionManager,
+    keys: KeyLayout,
+    counters: Arc<Counters>,
+}
+
+impl<S: SqlStore> CachedStore<S> {
+    /// Puts Redis at `url` in front of `sql`; keys under `onceonly:sql:`.
+    pub async fn connect(sql: S, url: &str) -> Result<Self, RedisError> {
+        Ok(Self::new(sql, super::connect(url).await?))
+    }
+
+    /// Uses an existing connection manager.
+    pub fn new(sql: S, conn: ConnectionManager) -> Self {
+        Self {
+            sql,
+            conn,
+            keys: KeyLayout::new("onceonly:sql:"),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Key prefix (default `onceonly:sql:`).
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.keys = KeyLayout::new(prefix);
+        self
+    }
+
+    /// The SQL store behind.
+    pub fn sql(&self) -> &S {
+        &self.sql
+    }
+
+    /// Lookups answered by Redis.
+    pub fn hits(&self) -> u64 {
+        self.counters.hits.load(Ordering::Relaxed)
+    }
+
+    /// Lookups Redis did not know (SQL answered).
+    pub fn misses(&self) -> u64 {
+        self.counters.misses.load(Ordering::Relaxed)
+    }
+
+    /// Redis failures (lookups fell through to SQL, writes were skipped).
+    /// After a failure Redis is left alone for a second: lookups go straight
+    /// to SQL and writes are skipped (not counted again).
+    pub fn errors(&self) -> u64 {
+        self.counters.errors.load(Ordering::Relaxed)
+    }
+
+    fn redis_skipped(&self) -> bool {
+        now_ms() < self.counters.skip_until_ms.load(Ordering::Relaxed)
+    }
+
+    fn failed(&self) {
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .skip_until_ms
+            .store(now_ms() + BACKOFF_MS, Ordering::Relaxed);
+    }
+
+    async fn lookup(&self, scope: &str, key: &str) -> Result<Option<CachedRecord>, RedisError> {
+        let redis_key = self.keys.key(scope, key);
+        let value: Option<Vec<u8>> = self.conn.clone().get(&redis_key).await?;
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        decode(&value).map(Some).ok_or(RedisError::Corrupt {
+            key: redis_key,
+            detail: "not a completed record".into(),
+        })
+    }
+}
+
+/// `d\n<fingerprint hex>\n<result>`, the layout the standalone store uses
+/// for completed keys.
+fn encode(fingerprint: Option<&Fingerprint>, result: &[u8]) -> Vec<u8> {
+    let fp = fingerprint.map(Fingerprint::to_hex).unwrap_or_default();
+    let mut v = Vec::with_capacity(3 + fp.len() + result.len());
+    v.extend_from_slice(b"d\n");
+    v.extend_from_slice(fp.as_bytes());
+    v.push(b'\n');
+    v.extend_from_slice(result);
+    v
+}
+
+fn decode(value: &[u8]) -> Option<CachedRecord> {
+    let rest = value.strip_prefix(b"d\n")?;
+    let nl = rest.iter().position(|&b| b == b'\n')?;
+    let fp = &rest[..nl];
+    let fingerprint = if fp.is_empty() {
+        None
+    } else {
+        Some(Fingerprint::from_slice(&hex::decode(fp).ok()?)?)
+    };
+    Some(CachedRecord {
+        fingerprint,
+        result: Some(rest[nl + 1..].to_vec()),
+    })
+}
+
+#[async_trait]
+impl<S: SqlStore> SqlStore for CachedStore<S> {
+    type Db = S::Db;
+
+    fn pool(&self) -> &Pool<Self::Db> {
+        self.sql.pool()
+    }
+
+    fn table(&self) -> &TableName {
+        self.sql.table()
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        self.sql.migrate().await
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Self::Db>, StoreError> {
+        self.sql.begin().await
+    }
+
+    async fn set_lock_timeout(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<(), StoreError> {
+        self.sql.set_lock_timeout(conn, timeout).await
+    }
+
+    async fn cached(&self, scope: &str, key: &str) -> Option<CachedRecord> {
+        if self.redis_skipped() {
+            return None;
+        }
+        match self.lookup(scope, key).await {
+            Ok(Some(hit)) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                Some(hit)
+            }
+            Ok(None) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(e) => {
+                self.failed();
+                tracing::warn!(error = %e, scope, key, "Redis lookup failed; asking SQL (Redis skipped for 1 s)");
+                None
+            }
+        }
+    }
+
+    async fn committed(&self, done: &Completed<'_>) {
+        if self.redis_skipped() {
+            return;
+        }
+        let redis_key = self.keys.key(done.scope, done.key);
+        let value = encode(done.fingerprint, done.result);
+        let expires_at_ms = u64::try_from(done.expires_at_ms).unwrap_or(0);
+        let written: Result<(), ::redis::RedisError> = ::redis::cmd("SET")
+            .arg(&redis_key)
+            .arg(value)
+            .arg("PXAT")
+            .arg(expires_at_ms)
+            .query_async(&mut self.conn.clone())
+            .await;
+        if let Err(e) = written {
+            self.failed();
+            tracing::warn!(error = %e, key = done.key, "Redis write after commit failed; SQL still has the record");
+        }
+    }
+
+    async fn claim(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
+        self.sql.claim(conn, scope, times, req).await
+    }
+
+    async fn claim_batch(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        self.sql.claim_batch(conn, scope, times, reqs).await
+    }
+
+    async fn complete(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        key: &str,
+        result: &[u8],
+    ) -> Result<(), StoreError> {
+        self.sql.complete(conn, scope, key, result).await
+    }
+
+    async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        self.sql.get(scope, key).await
+    }
+
+    async fn purge_expired(
+        &self,
+        scope: Option<&str>,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        self.sql.purge_expired(scope, now_ms, limit).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_records_round_trip() {
+        let fp = Fingerprint([7; 32]);
+        let v = encode(Some(&fp), b"{\"ok\":1}\n\0");
+        let back = decode(&v).unwrap();
+        assert_eq!(back.fingerprint, Some(fp));
+        assert_eq!(back.result.as_deref(), Some(&b"{\"ok\":1}\n\0"[..]));
+        assert_eq!(decode(&encode(None, b"")).unwrap().fingerprint, None);
+        assert!(decode(b"c\nowner\n").is_none());
+    }
+}
