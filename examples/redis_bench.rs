@@ -168,9 +168,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .key_expr("json:/id")
         .build()?;
     let tiered = Engine::builder(
-        CachedStore::connect(sql, &args.redis_url)
-            .await?
-            .with_prefix(format!("onceonly-bench-{run}:")),
+        CachedStore::connect(sql, &args.redis_url)?.with_prefix(format!("onceonly-bench-{run}:")),
     )
     .scope("tiered")
     .key_expr("json:/id")

@@ -159,12 +159,21 @@ async fn two_tier_answers_duplicates_without_sql() {
     let acquired = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&acquired);
     // Every SQL transaction starts by taking a pooled connection: count them.
+    let opened = Arc::clone(&acquired);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .before_acquire(move |_conn, _meta| {
             let counter = Arc::clone(&counter);
             Box::pin(async move {
                 counter.fetch_add(1, Ordering::SeqCst);
                 Ok(true)
+            })
+        })
+        // A new connection skips before_acquire: count those too.
+        .after_connect(move |_conn, _meta| {
+            let opened = Arc::clone(&opened);
+            Box::pin(async move {
+                opened.fetch_add(1, Ordering::SeqCst);
+                Ok(())
             })
         })
         .connect(&url)
@@ -174,7 +183,6 @@ async fn two_tier_answers_duplicates_without_sql() {
     sql.migrate().await.unwrap();
     ledger::postgres::create_tables(sql.pool()).await.unwrap();
     let store = CachedStore::connect(sql, &redis_url())
-        .await
         .unwrap_or_else(|e| redis_unreachable(e))
         .with_prefix(format!("{}:", unique("tier")));
     let engine = Engine::builder(store.clone())
@@ -221,6 +229,42 @@ async fn two_tier_answers_duplicates_without_sql() {
         .await
         .unwrap();
     assert_eq!(rows, 1);
+
+    // A rolled-back attempt never reaches Redis: its redelivery runs.
+    let broken = br#"{"out_trade_no":"T-2","account":"ann","amount":-5}"#.to_vec();
+    let failed = engine
+        .process(&ledger::postgres::Ledger, &Delivery::new(broken))
+        .await;
+    assert_eq!(failed.outcome.kind().as_str(), "failed");
+    let fixed = br#"{"out_trade_no":"T-2","account":"ann","amount":5}"#.to_vec();
+    let retried = engine
+        .process(&ledger::postgres::Ledger, &Delivery::new(fixed.clone()))
+        .await;
+    assert_eq!(
+        retried.outcome.kind().as_str(),
+        "processed",
+        "not answered from Redis"
+    );
+
+    // Batches (the Kafka batch mode) are answered from Redis too.
+    let hits_before = store.hits();
+    let sql_before = acquired.load(Ordering::SeqCst);
+    let batch = vec![Delivery::new(body.clone()), Delivery::new(fixed)];
+    let reports = engine
+        .try_process_batch(&ledger::postgres::Ledger, &batch)
+        .await
+        .unwrap();
+    assert!(
+        reports
+            .iter()
+            .all(|r| r.outcome.kind().as_str() == "duplicate")
+    );
+    assert_eq!(store.hits() - hits_before, 2);
+    assert_eq!(
+        acquired.load(Ordering::SeqCst),
+        sql_before,
+        "no SQL for a batch of cached keys"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -232,7 +276,6 @@ async fn two_tier_works_under_the_amqp_consumer() {
     let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
     ledger::postgres::create_tables(sql.pool()).await.unwrap();
     let store = CachedStore::connect(sql, &redis_url())
-        .await
         .unwrap_or_else(|e| redis_unreachable(e))
         .with_prefix(format!("{}:", unique("tier")));
     let queue = unique("ramqp");

@@ -39,7 +39,6 @@ async fn redis_down_mid_run_stays_exactly_once_through_sql() {
     let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
     ledger::postgres::create_tables(sql.pool()).await.unwrap();
     let store = CachedStore::connect(sql, &redis_url())
-        .await
         .unwrap_or_else(|e| redis_unreachable(e))
         .with_prefix(format!("{}:", unique("outage")));
     let engine = Engine::builder(store.clone())

@@ -74,11 +74,28 @@ impl<S: SqlStore> Engine<S> {
                     continue;
                 }
             };
+            let fingerprint = self.inner.fingerprint.compute(delivery);
+            // A cache tier answers completed keys without any SQL.
+            if let Some(hit) = self
+                .inner
+                .store
+                .cached(&self.inner.scope, key.as_str())
+                .await
+            {
+                let req = ClaimRequest {
+                    key: key.as_str(),
+                    fingerprint: fingerprint.as_ref(),
+                    source: delivery.source(),
+                };
+                let outcome = settled(&key, hit.classify(&req), fingerprint.as_ref());
+                reports[index] = Some(report(Some(key), outcome));
+                continue;
+            }
             match H::Input::from_delivery(delivery) {
                 Ok(input) => ready.push(Ready {
                     index,
                     delivery,
-                    fingerprint: self.inner.fingerprint.compute(delivery),
+                    fingerprint,
                     key,
                     input: Some(input),
                 }),
@@ -202,6 +219,7 @@ impl<S: SqlStore> Engine<S> {
                     key: key.as_str(),
                     fingerprint: fingerprint.as_ref(),
                     result: bytes,
+                    now_ms: times.now_ms,
                     expires_at_ms: times.expires_at_ms,
                 })
                 .await;

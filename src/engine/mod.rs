@@ -209,6 +209,7 @@ impl<S: SqlStore> Engine<S> {
                             key: key.as_str(),
                             fingerprint,
                             result: &bytes,
+                            now_ms: times.now_ms,
                             expires_at_ms: times.expires_at_ms,
                         })
                         .await;

@@ -358,6 +358,7 @@ where
                 key: key.as_str(),
                 fingerprint: fingerprint.as_ref(),
                 result: &encoded,
+                now_ms: times.now_ms,
                 expires_at_ms: times.expires_at_ms,
             })
             .await;

@@ -2,8 +2,9 @@
 //! Redis only remembers keys whose transaction committed, so duplicates are
 //! answered without touching SQL.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use ::redis::AsyncCommands;
 use ::redis::aio::ConnectionManager;
@@ -24,21 +25,16 @@ struct Counters {
     hits: AtomicU64,
     misses: AtomicU64,
     errors: AtomicU64,
-    /// Until when (ms since the Unix epoch) Redis is skipped after a
-    /// failure, so an outage costs one timeout per second, not one per
-    /// delivery.
-    skip_until_ms: AtomicU64,
+    /// Until when Redis is skipped after a failure, so an outage costs one
+    /// timeout per second, not one per delivery.
+    skip_until: Mutex<Option<Instant>>,
 }
 
 /// How long Redis is skipped after a failure.
-const BACKOFF_MS: u64 = 1_000;
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
+const BACKOFF: Duration = Duration::from_secs(1);
+/// The longest a Redis call may take before it counts as failed (the
+/// connection manager's own timeouts do not bound a reconnect).
+const OP_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// A [`SqlStore`] with a Redis tier in front: use it wherever a SQL store
 /// goes (engine, Kafka, AMQP, HTTP).
@@ -61,22 +57,28 @@ pub struct CachedStore<S> {
 }
 
 impl<S: SqlStore> CachedStore<S> {
-    /// Puts Redis at `url` in front of `sql`; keys under `onceonly:sql:`.
-    pub async fn connect(sql: S, url: &str) -> Result<Self, RedisError> {
-        Ok(Self::new(sql, super::connect(url).await?))
+    /// Puts Redis at `url` in front of `sql`. Connects lazily: a Redis that
+    /// is down at startup only means lookups go to SQL until it is up.
+    pub fn connect(sql: S, url: &str) -> Result<Self, RedisError> {
+        Ok(Self::new(sql, super::connect_lazy(url)?))
     }
 
-    /// Uses an existing connection manager.
+    /// Uses an existing connection manager. Keys go under
+    /// `onceonly:sql:<table>:`: stores of different tables sharing one
+    /// Redis never answer for each other. Two databases with the same table
+    /// name (staging and production) need different prefixes, and a Redis
+    /// tier must be flushed when its database is restored from a backup.
     pub fn new(sql: S, conn: ConnectionManager) -> Self {
+        let keys = KeyLayout::new(format!("onceonly:sql:{}:", sql.table()));
         Self {
             sql,
             conn,
-            keys: KeyLayout::new("onceonly:sql:"),
+            keys,
             counters: Arc::default(),
         }
     }
 
-    /// Key prefix (default `onceonly:sql:`).
+    /// Key prefix (default `onceonly:sql:<table>:`).
     #[must_use]
     pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.keys = KeyLayout::new(prefix);
@@ -106,27 +108,39 @@ impl<S: SqlStore> CachedStore<S> {
     }
 
     fn redis_skipped(&self) -> bool {
-        now_ms() < self.counters.skip_until_ms.load(Ordering::Relaxed)
+        let until = *self
+            .counters
+            .skip_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        until.is_some_and(|t| Instant::now() < t)
     }
 
     fn failed(&self) {
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .skip_until_ms
-            .store(now_ms() + BACKOFF_MS, Ordering::Relaxed);
+        *self
+            .counters
+            .skip_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + BACKOFF);
     }
 
-    async fn lookup(&self, scope: &str, key: &str) -> Result<Option<CachedRecord>, RedisError> {
+    async fn lookup(&self, scope: &str, key: &str) -> Result<Option<Vec<u8>>, RedisError> {
         let redis_key = self.keys.key(scope, key);
-        let value: Option<Vec<u8>> = self.conn.clone().get(&redis_key).await?;
-        let Some(value) = value else {
-            return Ok(None);
-        };
-        decode(&value).map(Some).ok_or(RedisError::Corrupt {
-            key: redis_key,
-            detail: "not a completed record".into(),
-        })
+        let mut conn = self.conn.clone();
+        let get = conn.get::<_, Option<Vec<u8>>>(&redis_key);
+        match tokio::time::timeout(OP_TIMEOUT, get).await {
+            Ok(value) => Ok(value?),
+            Err(_) => Err(timed_out()),
+        }
     }
+}
+
+fn timed_out() -> RedisError {
+    RedisError::Redis(::redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "Redis call timed out",
+    )))
 }
 
 /// `d\n<fingerprint hex>\n<result>`, the layout the standalone store uses
@@ -189,10 +203,18 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
             return None;
         }
         match self.lookup(scope, key).await {
-            Ok(Some(hit)) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                Some(hit)
-            }
+            Ok(Some(value)) => match decode(&value) {
+                Some(hit) => {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    Some(hit)
+                }
+                None => {
+                    // Not ours (a shared prefix?): a miss, SQL decides.
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(scope, key, "unexpected value in the Redis tier; asking SQL");
+                    None
+                }
+            },
             Ok(None) => {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 None
@@ -211,14 +233,19 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
         }
         let redis_key = self.keys.key(done.scope, done.key);
         let value = encode(done.fingerprint, done.result);
-        let expires_at_ms = u64::try_from(done.expires_at_ms).unwrap_or(0);
-        let written: Result<(), ::redis::RedisError> = ::redis::cmd("SET")
-            .arg(&redis_key)
-            .arg(value)
-            .arg("PXAT")
-            .arg(expires_at_ms)
-            .query_async(&mut self.conn.clone())
-            .await;
+        // Relative to the engine's clock, like the SQL expiry: no reliance
+        // on Redis's clock agreeing with ours.
+        let ttl_ms = u64::try_from(done.expires_at_ms.saturating_sub(done.now_ms))
+            .unwrap_or(0)
+            .max(1);
+        let mut conn = self.conn.clone();
+        let mut cmd = ::redis::cmd("SET");
+        cmd.arg(&redis_key).arg(value).arg("PX").arg(ttl_ms);
+        let set = cmd.query_async::<()>(&mut conn);
+        let written = match tokio::time::timeout(OP_TIMEOUT, set).await {
+            Ok(result) => result.map_err(RedisError::from),
+            Err(_) => Err(timed_out()),
+        };
         if let Err(e) = written {
             self.failed();
             tracing::warn!(error = %e, key = done.key, "Redis write after commit failed; SQL still has the record");

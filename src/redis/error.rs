@@ -15,7 +15,20 @@ pub enum RedisError {
         /// What was wrong.
         detail: String,
     },
-    /// The scope or key cannot be used.
-    #[error("invalid scope or key: {0}")]
-    Invalid(String),
+}
+
+impl RedisError {
+    /// Whether Redis is unreachable (I/O error, timeout, refused or dropped
+    /// connection), as opposed to answering with an error.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            Self::Redis(e) => {
+                e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_refusal()
+                    || e.is_connection_dropped()
+            }
+            Self::Corrupt { .. } => false,
+        }
+    }
 }

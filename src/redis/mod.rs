@@ -29,10 +29,19 @@ pub use store::{Lease, OnRedisError, Once, RedisClaim, RedisStore, RunOnceError}
 /// manager reconnects in the background on the next command.
 pub(crate) async fn connect(url: &str) -> Result<ConnectionManager, RedisError> {
     let client = ::redis::Client::open(url)?;
-    let config = ConnectionManagerConfig::new()
+    Ok(ConnectionManager::new_with_config(client, config()).await?)
+}
+
+/// Like [`connect`], without waiting for the first connection.
+pub(crate) fn connect_lazy(url: &str) -> Result<ConnectionManager, RedisError> {
+    let client = ::redis::Client::open(url)?;
+    Ok(ConnectionManager::new_lazy_with_config(client, config())?)
+}
+
+fn config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_millis(500)))
         .set_response_timeout(Some(Duration::from_millis(500)))
         .set_number_of_retries(1)
-        .set_max_delay(Duration::from_secs(1));
-    Ok(ConnectionManager::new_with_config(client, config).await?)
+        .set_max_delay(Duration::from_secs(1))
 }

@@ -95,10 +95,11 @@ pub enum RunOnceError<E> {
     /// Redis failed (and the store fails closed): the effect did not run.
     #[error(transparent)]
     Redis(#[from] RedisError),
-    /// The effect ran, but its lease was lost before the result could be
-    /// recorded (Redis lost the key, or renewals failed for longer than the
-    /// lease): another caller may run it again. Its result is here.
-    #[error("the effect ran but its claim was lost before completion")]
+    /// The effect ran, but its result could not be recorded: the lease was
+    /// lost (Redis lost the key, or renewals failed for longer than the
+    /// lease) or Redis kept failing. Another caller may run it again. Its
+    /// result is here.
+    #[error("the effect ran but its result could not be recorded")]
     LeaseLost(Vec<u8>),
     /// The result could not be (de)serialized.
     #[error("result encoding: {0}")]
@@ -260,9 +261,13 @@ impl RedisStore {
         Ok(released == 1)
     }
 
-    /// Runs `effect` at most once per `key` (see the type's guarantee):
-    /// claim, renew the lease every third of it while the effect runs,
-    /// record the JSON result on success, release on failure.
+    /// Runs `effect` unless `key` is done or held (within the limits of the
+    /// type's guarantee: not atomic with the effect): claim, renew the lease
+    /// every third of it while the effect runs, record the JSON result on
+    /// success, release on failure so it can be retried.
+    ///
+    /// Dropping the returned future mid-effect leaves the claim until its
+    /// lease runs out (the effect may have partly run).
     pub async fn run_once<T, E, F>(
         &self,
         scope: &str,
@@ -281,7 +286,7 @@ impl RedisStore {
             }
             Ok(RedisClaim::Conflict) => return Ok(Once::Conflict),
             Ok(RedisClaim::Busy { retry_after }) => return Ok(Once::Busy { retry_after }),
-            Err(e) if self.on_error == OnRedisError::FailOpen => {
+            Err(e) if self.on_error == OnRedisError::FailOpen && e.is_outage() => {
                 self.unclaimed_runs.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, scope, key, "Redis unavailable: FAILING OPEN, effect runs unclaimed");
                 return effect
@@ -294,28 +299,47 @@ impl RedisStore {
         let renew_every = self.lease / 3;
         let mut ticker =
             tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Renewals stop once the lease is known lost, or once renewals kept
+        // failing until the lease must have run out.
+        let mut renewing = true;
+        let mut held_until = tokio::time::Instant::now() + self.lease;
         tokio::pin!(effect);
         let outcome = loop {
             tokio::select! {
                 outcome = &mut effect => break outcome,
-                _ = ticker.tick() => match self.renew(&lease).await {
-                    Ok(true) => {}
-                    Ok(false) => tracing::error!(key, "lease lost while the effect runs"),
-                    Err(e) => tracing::warn!(key, error = %e, "lease renewal failed; retrying"),
+                _ = ticker.tick(), if renewing => match self.renew(&lease).await {
+                    Ok(true) => held_until = tokio::time::Instant::now() + self.lease,
+                    Ok(false) => {
+                        renewing = false;
+                        tracing::error!(key, "lease lost while the effect runs; another caller may run it too");
+                    }
+                    Err(e) if tokio::time::Instant::now() < held_until => {
+                        tracing::warn!(key, error = %e, "lease renewal failed; retrying");
+                    }
+                    Err(e) => {
+                        renewing = false;
+                        tracing::error!(key, error = %e, "lease renewals failed for a whole lease; the claim is presumed lost");
+                    }
                 },
             }
         };
         match outcome {
             Ok(value) => {
                 let bytes = serde_json::to_vec(&value)?;
-                match self.complete(&lease, &bytes).await {
-                    Ok(true) => Ok(Once::Ran(value)),
-                    Ok(false) => Err(RunOnceError::LeaseLost(bytes)),
-                    Err(e) => {
-                        tracing::error!(key, error = %e, "completion not recorded; the lease will expire");
-                        Err(RunOnceError::LeaseLost(bytes))
+                // A transient error is retried a few times: giving up too
+                // early would report a loss that did not happen.
+                for attempt in 0..3u64 {
+                    match self.complete(&lease, &bytes).await {
+                        Ok(true) => return Ok(Once::Ran(value)),
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(key, error = %e, attempt, "recording the result failed");
+                            tokio::time::sleep(Duration::from_millis(100 * (attempt + 1))).await;
+                        }
                     }
                 }
+                Err(RunOnceError::LeaseLost(bytes))
             }
             Err(e) => {
                 if let Err(re) = self.release(&lease).await {

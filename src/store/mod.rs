@@ -106,6 +106,8 @@ pub struct Completed<'a> {
     pub fingerprint: Option<&'a Fingerprint>,
     /// Its stored result.
     pub result: &'a [u8],
+    /// The claim time the expiry was computed from (the engine's clock).
+    pub now_ms: i64,
     /// When the record expires, in milliseconds since the Unix epoch.
     pub expires_at_ms: i64,
 }
