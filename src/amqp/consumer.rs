@@ -142,24 +142,37 @@ where
     S: SqlStore,
     H: Handler<S::Db> + 'static,
 {
-    let conn = Connection::connect(&settings.url, ConnectionProperties::default()).await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    channel
-        .basic_qos(settings.prefetch, BasicQosOptions::default())
-        .await?;
-    env.topology.declare(&channel).await?;
-    let mut consumer = channel
-        .basic_consume(
-            env.topology.queue.as_str().into(),
-            // The broker generates a unique consumer tag.
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    // A broker that is starting can accept the connection and then stall:
+    // bound the whole setup.
+    let setup = async {
+        let conn = Connection::connect(&settings.url, ConnectionProperties::default()).await?;
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        channel
+            .basic_qos(settings.prefetch, BasicQosOptions::default())
+            .await?;
+        env.topology.declare(&channel).await?;
+        let consumer = channel
+            .basic_consume(
+                env.topology.queue.as_str().into(),
+                // The broker generates a unique consumer tag.
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok::<_, ConsumerError>((conn, channel, consumer))
+    };
+    let (conn, channel, mut consumer) = match tokio::time::timeout(SETUP_TIMEOUT, setup).await {
+        Ok(result) => result?,
+        Err(_) => {
+            return Err(ConsumerError::ConnectionLost(format!(
+                "connection setup took longer than {SETUP_TIMEOUT:?}"
+            )));
+        }
+    };
     let tag = consumer.tag();
     bump(&env.counters.connections);
     // Time spent reconnecting is not idleness.
@@ -212,6 +225,13 @@ where
                 *idle_since = Instant::now();
             }
             _ = tick.tick() => {
+                // Do not rely on the delivery stream alone to notice a dead
+                // connection.
+                if !conn.status().connected() || !channel.status().connected() {
+                    break Err(ConsumerError::ConnectionLost(
+                        "the connection or channel is no longer open".into(),
+                    ));
+                }
                 if let Some(idle) = settings.exit_when_idle {
                     if tasks.is_empty() && idle_since.elapsed() >= idle {
                         tracing::info!(?idle, "queue idle; stopping");
@@ -221,13 +241,14 @@ where
             }
         }
     };
-    if end.is_ok() {
+    let open = conn.status().connected() && channel.status().connected();
+    if end.is_ok() && open {
         // No new deliveries.
-        if let Err(e) = channel
-            .basic_cancel(tag.clone(), BasicCancelOptions::default())
-            .await
-        {
-            tracing::debug!(error = %e, "basic.cancel failed");
+        let cancel = channel.basic_cancel(tag.clone(), BasicCancelOptions::default());
+        match tokio::time::timeout(CLOSE_TIMEOUT, cancel).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "basic.cancel failed"),
+            Err(_) => tracing::debug!("basic.cancel timed out"),
         }
     }
     // Deliveries not started yet stay unacked (requeued when the channel
@@ -235,24 +256,45 @@ where
     // progress finish and ack if the channel is still there.
     permits.close();
     stop.cancel();
-    while let Some(done) = tasks.join_next().await {
-        if let Err(e) = done {
-            if e.is_panic() {
-                tracing::error!(error = %e, "a delivery task panicked");
+    let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        while let Some(done) = tasks.join_next().await {
+            if let Err(e) = done {
+                if e.is_panic() {
+                    tracing::error!(error = %e, "a delivery task panicked");
+                }
             }
         }
+    })
+    .await;
+    if drained.is_err() {
+        // Their messages stay unacked and come back.
+        tracing::warn!("handlers still running after {DRAIN_TIMEOUT:?}; abandoning them");
+        tasks.abort_all();
     }
-    if let Err(e) = channel
-        .close(200, "onceonly consumer stopping".into())
-        .await
-    {
-        tracing::debug!(error = %e, "channel close failed");
-    }
-    if let Err(e) = conn.close(200, "onceonly consumer stopping".into()).await {
-        tracing::debug!(error = %e, "connection close failed");
+    if conn.status().connected() {
+        let reason = "onceonly consumer stopping";
+        if tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, reason.into()))
+            .await
+            .is_err()
+        {
+            tracing::debug!("channel close timed out");
+        }
+        if tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, reason.into()))
+            .await
+            .is_err()
+        {
+            tracing::debug!("connection close timed out");
+        }
     }
     end
 }
+
+/// Bounds connecting, declaring and starting to consume.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bounds each closing step on a connection that may be half dead.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a session end waits for handlers in progress.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Whether reconnecting may help.
 fn is_reconnectable(e: &ConsumerError) -> bool {
