@@ -21,8 +21,8 @@ mod ledger;
 use std::time::Duration;
 
 use clap::Parser;
+use onceonly::RetryPolicy;
 use onceonly::amqp::AmqpConsumer;
-use onceonly::{PgStore, RetryPolicy, SqlStore};
 
 /// Consume payment messages from RabbitMQ into a Postgres ledger, exactly once per out_trade_no.
 #[derive(Parser, Debug)]
@@ -67,9 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let args = Args::parse();
 
-    let store = PgStore::connect(&args.database_url).await?;
-    store.migrate().await?;
-    ledger::postgres::create_tables(store.pool()).await?;
+    let store = ledger::postgres::open(&args.database_url).await?;
 
     let mut builder = AmqpConsumer::builder(store)
         .url(&args.amqp_url)

@@ -22,8 +22,8 @@ mod ledger;
 use std::time::Duration;
 
 use clap::Parser;
+use onceonly::RetryPolicy;
 use onceonly::kafka::KafkaConsumer;
-use onceonly::{PgStore, RetryPolicy, SqlStore};
 
 /// Consume payment records from Kafka into a Postgres ledger, exactly once per out_trade_no.
 #[derive(Parser, Debug)]
@@ -74,9 +74,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let args = Args::parse();
 
-    let store = PgStore::connect(&args.database_url).await?;
-    store.migrate().await?;
-    ledger::postgres::create_tables(store.pool()).await?;
+    let store = ledger::postgres::open(&args.database_url).await?;
 
     let mut builder = KafkaConsumer::builder(store)
         .brokers(&args.brokers)

@@ -5,6 +5,8 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub mod amqp;
 pub mod clock;
+#[cfg(any(feature = "kafka", feature = "amqp"))]
+mod consumer_support;
 pub mod delivery;
 pub mod engine;
 pub mod fingerprint;
@@ -18,8 +20,6 @@ pub mod key;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-mod signal;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};

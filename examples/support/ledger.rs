@@ -168,6 +168,16 @@ pub mod postgres {
         }
     }
 
+    /// Connects to `url` and creates the dedup table and the ledger tables
+    /// if missing.
+    pub async fn open(url: &str) -> Result<onceonly::PgStore, Box<dyn std::error::Error>> {
+        use onceonly::SqlStore;
+        let store = onceonly::PgStore::connect(url).await?;
+        store.migrate().await?;
+        create_tables(store.pool()).await?;
+        Ok(store)
+    }
+
     /// Creates the ledger tables if missing. Several processes may start at
     /// once: `CREATE TABLE IF NOT EXISTS` races in Postgres, so creation is
     /// serialized by a transaction-scoped advisory lock.

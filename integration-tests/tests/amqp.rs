@@ -1,52 +1,23 @@
 //! The AMQP consumer against the real RabbitMQ and PostgreSQL. Each test has
 //! its own queues and Postgres schema.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use ledger::{Payment, Receipt};
+use ledger::Receipt;
 use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken, headers};
-use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlStore};
+use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, header, publish, take, url,
 };
+use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{assert_exact, payment};
 use onceonly_integration_tests::{pg_store, unique};
-use sqlx::{PgConnection, PgPool, Postgres};
-
-/// The examples' ledger handler, counting calls and failing on request.
-#[derive(Default)]
-struct Ledger {
-    calls: AtomicUsize,
-}
-
-#[async_trait]
-impl Handler<Postgres> for Ledger {
-    type Input = Json<Payment>;
-    type Output = Receipt;
-
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        Json(payment): Json<Payment>,
-        _d: &Delivery,
-    ) -> Result<Receipt, HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let receipt = ledger::postgres::record(conn, &payment).await?;
-        match payment.account.as_str() {
-            "flaky" => Err(HandlerError::retryable("always times out")),
-            "broken" => Err(HandlerError::permanent("account closed")),
-            _ => Ok(receipt),
-        }
-    }
-}
+use sqlx::PgPool;
 
 struct Setup {
     queue: String,

@@ -2,67 +2,21 @@
 //! or Apache Kafka) and PostgreSQL. Each test has its own topics, group and
 //! Postgres schema.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
-
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use ledger::{Payment, Receipt};
 use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
-use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, RetryPolicy, SqlStore};
+use onceonly::{PgStore, RetryPolicy, SqlStore};
+use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{
     Record, committed, create_topic, header, pg_schema, produce, read_all,
 };
 use onceonly_integration_tests::ledger::{assert_exact, payment};
 use onceonly_integration_tests::{pg_store, unique};
-use sqlx::{PgConnection, PgPool, Postgres};
-
-/// The example's ledger handler, instrumented: counts calls, records the
-/// order of `(account, seq)` seen, and fails on request.
-#[derive(Default)]
-struct Ledger {
-    calls: AtomicUsize,
-    seen: Mutex<Vec<(String, i64)>>,
-    delay: Duration,
-}
-
-#[async_trait]
-impl Handler<Postgres> for Ledger {
-    type Input = Json<serde_json::Value>;
-    type Output = Receipt;
-
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        Json(v): Json<serde_json::Value>,
-        _d: &Delivery,
-    ) -> Result<Receipt, HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let payment: Payment =
-            serde_json::from_value(v.clone()).map_err(HandlerError::permanent)?;
-        if let Some(seq) = v.get("seq").and_then(serde_json::Value::as_i64) {
-            self.seen
-                .lock()
-                .unwrap()
-                .push((payment.account.clone(), seq));
-        }
-        if !self.delay.is_zero() {
-            tokio::time::sleep(self.delay).await;
-        }
-        let receipt = ledger::postgres::record(conn, &payment).await?;
-        // Fail after writing: the rollback must undo the write and the claim.
-        match payment.account.as_str() {
-            "flaky" => Err(HandlerError::retryable("always times out")),
-            "broken" => Err(HandlerError::permanent("account closed")),
-            _ => Ok(receipt),
-        }
-    }
-}
+use sqlx::PgPool;
 
 struct Setup {
     topic: String,

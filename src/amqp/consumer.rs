@@ -74,11 +74,7 @@ impl<S: SqlStore> AmqpConsumer<S> {
     where
         H: Handler<S::Db> + 'static,
     {
-        let shutdown = CancellationToken::new();
-        let signals = tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
-        let result = self.run_until(handler, shutdown).await;
-        signals.abort();
-        result
+        crate::consumer_support::until_signal(|shutdown| self.run_until(handler, shutdown)).await
     }
 
     /// Runs until `shutdown` is cancelled (or until idle, if configured),

@@ -1,7 +1,7 @@
 //! One delivery, start to finish: process, then reply, retry later or
 //! dead-letter (each publish confirmed), and only then ack.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use lapin::options::BasicAckOptions;
 use lapin::types::FieldTable;
@@ -14,6 +14,8 @@ use super::message::{header_text, set_int, set_text, to_delivery};
 use super::publish::publish_confirmed;
 use super::stats::{Counters, bump};
 use super::topology::Topology;
+use crate::clock::{Clock, SystemClock};
+use crate::consumer_support::{OutageBackoff, sleep_unless};
 use crate::engine::{Engine, Handler, Outcome};
 use crate::store::SqlStore;
 
@@ -28,8 +30,6 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) publishing: tokio::sync::Mutex<()>,
 }
 
-const OUTAGE_BACKOFF_START: Duration = Duration::from_millis(100);
-const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// How long one publish may wait for its confirm (a broker under a memory
 /// or disk alarm blocks publishers) before it counts as failed.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -56,7 +56,7 @@ pub(crate) async fn handle<S, H>(
     S: SqlStore,
     H: Handler<S::Db>,
 {
-    let first_seen = now_ms();
+    let first_seen = u64::try_from(SystemClock.now_ms()).unwrap_or(0);
     let props = &message.properties;
     let prior: u32 = header_text(props.headers().as_ref(), headers::ATTEMPTS)
         .and_then(|t| t.parse().ok())
@@ -64,13 +64,12 @@ pub(crate) async fn handle<S, H>(
     let attempt = prior.saturating_add(1);
     let delivery = to_delivery(&env.topology.queue, &message);
     let mut report = env.engine.process(&env.handler, &delivery).await;
-    let mut outage = OUTAGE_BACKOFF_START;
+    let mut outage = OutageBackoff::new();
     while matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure()) {
         tracing::warn!(queue = %env.topology.queue, error = ?report.outcome.reason(), "database unavailable, retrying the message");
-        if !pause(stop, outage).await || !channel.status().connected() {
+        if !sleep_unless(stop, outage.next_delay()).await || !channel.status().connected() {
             return;
         }
-        outage = (outage * 2).min(OUTAGE_BACKOFF_MAX);
         report = env.engine.process(&env.handler, &delivery).await;
     }
     let next = match &report.outcome {
@@ -169,17 +168,9 @@ pub(crate) async fn handle<S, H>(
 }
 
 fn dead_letter<T>(outcome: &Outcome<T>, attempts: u32) -> Next {
-    let error = match outcome {
-        Outcome::Conflict { .. } => {
-            "the key was already used for a different payload (fingerprint mismatch)".to_owned()
-        }
-        Outcome::Rejected(r) => r.to_string(),
-        Outcome::Failed(f) => f.to_string(),
-        _ => String::new(),
-    };
     Next::DeadLetter {
         reason: outcome.reason().unwrap_or("handler_error"),
-        error,
+        error: outcome.error_text().unwrap_or_default(),
         attempts,
     }
 }
@@ -307,7 +298,7 @@ async fn publish_until_confirmed<S: SqlStore, H>(
     body: &[u8],
     props: BasicProperties,
 ) -> bool {
-    let mut backoff = OUTAGE_BACKOFF_START;
+    let mut backoff = OutageBackoff::new();
     loop {
         let sent = tokio::select! {
             biased;
@@ -325,10 +316,10 @@ async fn publish_until_confirmed<S: SqlStore, H>(
             Ok(()) => return true,
             Err(e) => {
                 tracing::error!(queue = %env.topology.queue, error = %e, "publish failed; the message stays unacked");
-                if !channel.status().connected() || !pause(stop, backoff).await {
+                if !channel.status().connected() || !sleep_unless(stop, backoff.next_delay()).await
+                {
                     return false;
                 }
-                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
             }
         }
     }
@@ -340,19 +331,4 @@ fn timed_out(exchange: &str, routing_key: &str) -> ConsumerError {
         routing_key: routing_key.to_owned(),
         reason: format!("no confirm within {CONFIRM_TIMEOUT:?}"),
     }
-}
-
-async fn pause(stop: &CancellationToken, delay: Duration) -> bool {
-    tokio::select! {
-        biased;
-        () = stop.cancelled() => false,
-        () = tokio::time::sleep(delay) => true,
-    }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }

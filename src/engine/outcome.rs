@@ -74,6 +74,20 @@ impl<T> Outcome<T> {
         }
     }
 
+    /// What went wrong, for a dead letter's error text; `None` for processed
+    /// and duplicate deliveries.
+    pub fn error_text(&self) -> Option<String> {
+        match self {
+            Self::Processed { .. } | Self::Duplicate { .. } => None,
+            Self::Conflict { .. } => Some(
+                "the key was already used for a different payload (fingerprint mismatch)"
+                    .to_owned(),
+            ),
+            Self::Rejected(r) => Some(r.to_string()),
+            Self::Failed(f) => Some(f.to_string()),
+        }
+    }
+
     /// Whether the delivery may be acknowledged without further action:
     /// its effect is committed (processed) or was committed earlier (duplicate).
     pub fn is_done(&self) -> bool {

@@ -324,25 +324,15 @@ where
             );
         }
     };
+    // A body longer than the limit (`rest` is then `Some`) is stored as a
+    // marker by `capture` itself.
     let stored = StoredResponse::capture(
         status,
         &head.headers,
         &cfg.replay_headers,
         &prefix,
-        if rest.is_some() {
-            0
-        } else {
-            cfg.max_stored_body
-        },
+        cfg.max_stored_body,
     );
-    let stored = if rest.is_some() {
-        StoredResponse {
-            body: None,
-            ..stored
-        }
-    } else {
-        stored
-    };
     let encoded = stored.encode();
     let committed = async {
         cfg.store

@@ -2,7 +2,7 @@
 //! tokio task per partition lane that processes records.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{ClientConfig, TopicPartitionList};
@@ -16,6 +16,7 @@ use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
 use super::partition::{Dispatched, Registry, Spawner, Tp, lock};
 use super::worker::{Env, run_lane};
+use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
@@ -76,11 +77,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
     where
         H: Handler<S::Db> + 'static,
     {
-        let shutdown = CancellationToken::new();
-        let signals = tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
-        let result = self.run_until(handler, shutdown).await;
-        signals.abort();
-        result
+        crate::consumer_support::until_signal(|shutdown| self.run_until(handler, shutdown)).await
     }
 
     /// Runs until `shutdown` is cancelled (or until idle, if configured).
@@ -170,7 +167,7 @@ impl Poller {
                 Some(Ok(message)) => {
                     let envelope = Envelope {
                         message: message.detach(),
-                        first_seen_ms: now_ms(),
+                        first_seen_ms: u64::try_from(SystemClock.now_ms()).unwrap_or(0),
                     };
                     if let Dispatched::Pause(tp) = self.registry.dispatch(envelope) {
                         self.set_paused(&[tp], true);
@@ -240,11 +237,4 @@ impl Poller {
             tracing::warn!(error = %e, pause, partitions = ?tps, "pause/resume failed");
         }
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }

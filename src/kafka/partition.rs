@@ -59,7 +59,6 @@ struct Slot {
 struct State {
     assigned: HashSet<Tp>,
     slots: HashMap<Tp, Slot>,
-    ever_assigned: bool,
     /// The last assignment change or fetched record.
     last_activity: Instant,
 }
@@ -93,7 +92,6 @@ impl Registry {
             state: Mutex::new(State {
                 assigned: HashSet::new(),
                 slots: HashMap::new(),
-                ever_assigned: false,
                 last_activity: Instant::now(),
             }),
             spawner,
@@ -106,7 +104,6 @@ impl Registry {
     /// Records newly assigned partitions.
     pub(crate) fn assign(&self, tps: impl IntoIterator<Item = Tp>) {
         let mut state = lock(&self.state);
-        state.ever_assigned = true;
         state.last_activity = Instant::now();
         state.assigned.extend(tps);
     }
@@ -191,8 +188,7 @@ impl Registry {
     /// out is final and committed.
     pub(crate) fn is_drained(&self, idle: Duration) -> bool {
         let state = lock(&self.state);
-        state.ever_assigned
-            && !state.assigned.is_empty()
+        !state.assigned.is_empty()
             && state.last_activity.elapsed() >= idle
             && state
                 .slots

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use super::dead_letter::{DeadLetter, DeadLetterer};
 use super::message::Envelope;
 use super::partition::{Partition, lock};
+use crate::consumer_support::{OutageBackoff, sleep_unless};
 use crate::engine::{Engine, Handler, Outcome, Report};
 use crate::store::SqlStore;
 
@@ -38,12 +39,6 @@ impl<S: SqlStore, H> Env<S, H> {
         self.shutdown.cancel();
     }
 }
-
-/// Backoff while the store or the dead-letter topic is unreachable: these
-/// are never the record's fault, so they are retried until they work or the
-/// partition is taken away.
-const OUTAGE_BACKOFF_START: Duration = Duration::from_millis(100);
-const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 /// Runs one lane until its queue closes or its partition stops.
 pub(crate) async fn run_lane<S, H>(
@@ -166,16 +161,15 @@ where
     H: Handler<S::Db>,
 {
     let mut attempts: u32 = 1;
-    let mut outage = OUTAGE_BACKOFF_START;
+    let mut outage = OutageBackoff::new();
     loop {
         let letter = match &report.outcome {
             Outcome::Processed { .. } | Outcome::Duplicate { .. } => return true,
             Outcome::Failed(f) if f.is_infrastructure() => {
                 tracing::warn!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), error = %f, "database unavailable, retrying the record");
-                if !pause(partition, outage).await {
+                if !sleep_unless(&partition.stop, outage.next_delay()).await {
                     return false;
                 }
-                outage = (outage * 2).min(OUTAGE_BACKOFF_MAX);
                 report = env.engine.process(&env.handler, delivery).await;
                 continue;
             }
@@ -183,7 +177,7 @@ where
                 match env.engine.retry_policy().delay_after(attempts) {
                     Some(delay) => {
                         tracing::debug!(key = ?report.key, attempts, ?delay, error = %f, "retrying the record");
-                        if !pause(partition, delay).await {
+                        if !sleep_unless(&partition.stop, delay).await {
                             return false;
                         }
                         attempts += 1;
@@ -207,17 +201,9 @@ where
 }
 
 fn dead_letter_of<T>(outcome: &Outcome<T>, attempts: u32) -> DeadLetter<'static> {
-    let error = match outcome {
-        Outcome::Conflict { .. } => {
-            "the key was already used for a different payload (fingerprint mismatch)".to_owned()
-        }
-        Outcome::Rejected(r) => r.to_string(),
-        Outcome::Failed(f) => f.to_string(),
-        _ => String::new(),
-    };
     DeadLetter {
         reason: outcome.reason().unwrap_or("handler_error"),
-        error,
+        error: outcome.error_text().unwrap_or_default(),
         attempts,
         key: None,
     }
@@ -230,7 +216,7 @@ async fn publish<S: SqlStore, H>(
     envelope: &Envelope,
     letter: &DeadLetter<'_>,
 ) -> bool {
-    let mut backoff = OUTAGE_BACKOFF_START;
+    let mut backoff = OutageBackoff::new();
     loop {
         match env.dead_letters.publish(envelope, letter).await {
             Ok(()) => {
@@ -246,20 +232,10 @@ async fn publish<S: SqlStore, H>(
             }
             Err(e) => {
                 tracing::error!(error = %e, "dead-letter publish failed; the record stays uncommitted and is retried");
-                if !pause(partition, backoff).await {
+                if !sleep_unless(&partition.stop, backoff.next_delay()).await {
                     return false;
                 }
-                backoff = (backoff * 2).min(OUTAGE_BACKOFF_MAX);
             }
         }
-    }
-}
-
-/// Sleeps for `delay`; `false` if the partition stopped meanwhile.
-async fn pause(partition: &Partition, delay: Duration) -> bool {
-    tokio::select! {
-        biased;
-        () = partition.stop.cancelled() => false,
-        () = tokio::time::sleep(delay) => true,
     }
 }

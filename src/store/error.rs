@@ -30,18 +30,11 @@ impl StoreError {
     /// For a claim this means the key is in flight elsewhere.
     pub fn is_lock_timeout(&self) -> bool {
         match self {
-            Self::Database(sqlx::Error::Database(db)) => {
-                #[cfg(feature = "mysql")]
-                if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-                    return my.number() == 1205;
-                }
-                #[cfg(feature = "sqlite")]
-                if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-                    let code = db.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0);
-                    return matches!(code & 0xff, 5 | 6);
-                }
-                db.code().as_deref() == Some("55P03")
-            }
+            Self::Database(sqlx::Error::Database(db)) => match db_code(db.as_ref()) {
+                DbCode::MySql(n) => n == 1205,
+                DbCode::Sqlite(c) => matches!(c, 5 | 6),
+                DbCode::SqlState(c) => c.as_deref() == Some("55P03"),
+            },
             _ => false,
         }
     }
@@ -96,22 +89,40 @@ pub fn is_connection_error(e: &sqlx::Error) -> bool {
 pub fn is_transient(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => {
-            #[cfg(feature = "mysql")]
-            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-                return matches!(my.number(), 1205 | 1213);
-            }
-            #[cfg(feature = "sqlite")]
-            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-                // sqlx reports extended result codes; the primary code is the low byte.
-                let code = db.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0);
-                return matches!(code & 0xff, 5 | 6);
-            }
-            matches!(
-                db.code().as_deref(),
+        sqlx::Error::Database(db) => match db_code(db.as_ref()) {
+            DbCode::MySql(n) => matches!(n, 1205 | 1213),
+            DbCode::Sqlite(c) => matches!(c, 5 | 6),
+            DbCode::SqlState(c) => matches!(
+                c.as_deref(),
                 Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03")
-            )
-        }
+            ),
+        },
         _ => false,
     }
+}
+
+/// A database error's code in the form each backend reports it.
+enum DbCode<'a> {
+    /// MySQL/MariaDB error number.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    MySql(u16),
+    /// SQLite primary result code (the low byte of the extended code sqlx
+    /// reports).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    Sqlite(i32),
+    /// SQLSTATE (Postgres).
+    SqlState(Option<std::borrow::Cow<'a, str>>),
+}
+
+fn db_code(db: &dyn sqlx::error::DatabaseError) -> DbCode<'_> {
+    #[cfg(feature = "mysql")]
+    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return DbCode::MySql(my.number());
+    }
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        let code = db.code().and_then(|c| c.parse::<i32>().ok()).unwrap_or(0);
+        return DbCode::Sqlite(code & 0xff);
+    }
+    DbCode::SqlState(db.code())
 }

@@ -1,0 +1,58 @@
+//! The examples' ledger handler, instrumented for the transport tests.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use onceonly::{Delivery, Handler, HandlerError, Json};
+use sqlx::{PgConnection, Postgres};
+
+use crate::example_ledger::{Payment, Receipt, postgres};
+
+/// Credits the ledger like the examples, and also: counts calls, records
+/// the order of `(account, seq)` for payments with a `seq` field, sleeps
+/// `delay` per call, and fails *after* writing (so the rollback must undo
+/// the write and the claim) for account `flaky` (retryable) and `broken`
+/// (permanent).
+#[derive(Default)]
+pub struct Ledger {
+    /// Handler runs.
+    pub calls: AtomicUsize,
+    /// `(account, seq)` in the order seen.
+    pub seen: Mutex<Vec<(String, i64)>>,
+    /// Sleep per call.
+    pub delay: Duration,
+}
+
+#[async_trait]
+impl Handler<Postgres> for Ledger {
+    type Input = Json<serde_json::Value>;
+    type Output = Receipt;
+
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        Json(v): Json<serde_json::Value>,
+        _d: &Delivery,
+    ) -> Result<Receipt, HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let payment: Payment =
+            serde_json::from_value(v.clone()).map_err(HandlerError::permanent)?;
+        if let Some(seq) = v.get("seq").and_then(serde_json::Value::as_i64) {
+            self.seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((payment.account.clone(), seq));
+        }
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        let receipt = postgres::record(conn, &payment).await?;
+        match payment.account.as_str() {
+            "flaky" => Err(HandlerError::retryable("always times out")),
+            "broken" => Err(HandlerError::permanent("account closed")),
+            _ => Ok(receipt),
+        }
+    }
+}
