@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use ::redis::AsyncCommands;
 use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
+
+use crate::store::admin::{AdminStore, Count, PurgeCursor, PurgeStep, RecordFilter, ScopeStats};
 use sqlx::{Database, Pool, Transaction};
 
 use super::error::RedisError;
@@ -293,6 +295,36 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
         limit: u32,
     ) -> Result<u64, StoreError> {
         self.sql.purge_expired(scope, now_ms, limit).await
+    }
+}
+
+/// Operations queries go to SQL. A purge by age deletes SQL records only:
+/// keys Redis still caches keep answering as duplicates until their expiry,
+/// which errs on the safe side.
+#[async_trait]
+impl<S: AdminStore> AdminStore for CachedStore<S> {
+    async fn stats(&self, scope: Option<&str>, now_ms: i64) -> Result<Vec<ScopeStats>, StoreError> {
+        self.sql.stats(scope, now_ms).await
+    }
+
+    async fn find(&self, filter: &RecordFilter) -> Result<Vec<Record>, StoreError> {
+        self.sql.find(filter).await
+    }
+
+    async fn count(&self, scope: Option<&str>, which: Count) -> Result<u64, StoreError> {
+        self.sql.count(scope, which).await
+    }
+
+    async fn purge_created_before(
+        &self,
+        scope: Option<&str>,
+        cutoff_ms: i64,
+        after: Option<&PurgeCursor>,
+        batch: u32,
+    ) -> Result<PurgeStep, StoreError> {
+        self.sql
+            .purge_created_before(scope, cutoff_ms, after, batch)
+            .await
     }
 }
 

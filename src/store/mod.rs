@@ -13,6 +13,7 @@
 //! [`MySqlStore`](crate::store::mysql::MySqlStore) (`mysql`, also MariaDB),
 //! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`).
 
+pub mod admin;
 mod batch;
 mod claim;
 mod error;

@@ -30,9 +30,12 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{Row, Transaction};
 
+use super::admin::{
+    self, AdminStore, Count, Dialect, PurgeCursor, PurgeStep, RecordFilter, ScopeStats,
+};
 use super::claim::{ClaimSteps, Existing, claim_each, claim_one};
 use super::sql::Sql;
 use super::{
@@ -83,6 +86,20 @@ impl MySqlStore {
 
 fn utf8(bytes: Vec<u8>, what: &str) -> Result<String, StoreError> {
     String::from_utf8(bytes).map_err(|_| StoreError::Corrupt(format!("{what} is not UTF-8")))
+}
+
+fn record_from(row: &MySqlRow) -> Result<Record, StoreError> {
+    let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint")?;
+    let source: Option<Vec<u8>> = row.try_get("source")?;
+    Ok(Record {
+        scope: utf8(row.try_get("scope")?, "scope")?,
+        key: utf8(row.try_get("idem_key")?, "key")?,
+        fingerprint: fingerprint.as_deref().and_then(Fingerprint::from_slice),
+        result: row.try_get("result")?,
+        source: source.map(|s| utf8(s, "source")).transpose()?,
+        created_at_ms: row.try_get("created_at_ms")?,
+        expires_at_ms: row.try_get("expires_at_ms")?,
+    })
 }
 
 fn is_duplicate_key(e: &sqlx::Error) -> bool {
@@ -227,18 +244,7 @@ impl SqlStore for MySqlStore {
             .bind(key)
             .fetch_optional(&self.pool)
             .await?;
-        let Some(row) = row else { return Ok(None) };
-        let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint")?;
-        let source: Option<Vec<u8>> = row.try_get("source")?;
-        Ok(Some(Record {
-            scope: utf8(row.try_get("scope")?, "scope")?,
-            key: utf8(row.try_get("idem_key")?, "key")?,
-            fingerprint: fingerprint.as_deref().and_then(Fingerprint::from_slice),
-            result: row.try_get("result")?,
-            source: source.map(|s| utf8(s, "source")).transpose()?,
-            created_at_ms: row.try_get("created_at_ms")?,
-            expires_at_ms: row.try_get("expires_at_ms")?,
-        }))
+        row.as_ref().map(record_from).transpose()
     }
 
     async fn purge_expired(
@@ -257,5 +263,133 @@ impl SqlStore for MySqlStore {
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected())
+    }
+}
+
+#[async_trait]
+impl AdminStore for MySqlStore {
+    async fn stats(&self, scope: Option<&str>, now_ms: i64) -> Result<Vec<ScopeStats>, StoreError> {
+        let sql = admin::stats_sql(Dialect::Question, &self.table.quoted('`'), scope.is_some());
+        let mut query = sqlx::query(&sql);
+        for _ in 0..7 {
+            query = query.bind(now_ms);
+        }
+        if let Some(scope) = scope {
+            query = query.bind(scope);
+        }
+        let rows = query.fetch_all(&self.pool).await?;
+        rows.iter()
+            .map(|row| {
+                let younger = [
+                    row.try_get::<i64, _>("b0")?,
+                    row.try_get("b1")?,
+                    row.try_get("b2")?,
+                    row.try_get("b3")?,
+                    row.try_get("b4")?,
+                ];
+                Ok(ScopeStats {
+                    scope: utf8(row.try_get("scope")?, "scope")?,
+                    records: row.try_get("records")?,
+                    expired: row.try_get("expired")?,
+                    without_result: row.try_get("without_result")?,
+                    oldest_ms: row.try_get("oldest")?,
+                    newest_ms: row.try_get("newest")?,
+                    age_buckets: admin::buckets(younger, row.try_get("b5")?),
+                })
+            })
+            .collect()
+    }
+
+    async fn find(&self, filter: &RecordFilter) -> Result<Vec<Record>, StoreError> {
+        let sql = admin::find_sql(Dialect::Question, &self.table.quoted('`'), filter);
+        let pattern = filter.source_prefix.as_deref().map(admin::like_prefix);
+        let mut query = sqlx::query(&sql);
+        if let Some(scope) = &filter.scope {
+            query = query.bind(scope);
+        }
+        if let Some(key) = &filter.key {
+            query = query.bind(key);
+        }
+        if let Some(pattern) = &pattern {
+            query = query.bind(pattern);
+        }
+        let rows = query
+            .bind(i64::from(filter.limit))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(record_from).collect()
+    }
+
+    async fn count(&self, scope: Option<&str>, which: Count) -> Result<u64, StoreError> {
+        let sql = admin::count_sql(
+            Dialect::Question,
+            &self.table.quoted('`'),
+            scope.is_some(),
+            which,
+        );
+        let mut query = sqlx::query_scalar::<_, i64>(&sql);
+        if let Some(scope) = scope {
+            query = query.bind(scope);
+        }
+        if let Some(t) = which.time() {
+            query = query.bind(t);
+        }
+        let n = query.fetch_one(&self.pool).await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    async fn purge_created_before(
+        &self,
+        scope: Option<&str>,
+        cutoff_ms: i64,
+        after: Option<&PurgeCursor>,
+        batch: u32,
+    ) -> Result<PurgeStep, StoreError> {
+        let batch = batch.max(1);
+        let sql = admin::purge_sql(
+            Dialect::Question,
+            &self.table.quoted('`'),
+            scope.is_some(),
+            after.is_some(),
+        );
+        let mut chunk = sqlx::query(&sql.chunk);
+        if let Some(scope) = scope {
+            chunk = chunk.bind(scope);
+        }
+        if let Some(c) = after {
+            chunk = chunk.bind(&c.scope).bind(&c.scope).bind(&c.key);
+        }
+        let rows = chunk.bind(i64::from(batch)).fetch_all(&self.pool).await?;
+        let Some(last) = rows.last() else {
+            return Ok(PurgeStep {
+                scanned: 0,
+                deleted: 0,
+                next: None,
+            });
+        };
+        let upper = PurgeCursor {
+            scope: utf8(last.try_get("scope")?, "scope")?,
+            key: utf8(last.try_get("idem_key")?, "key")?,
+        };
+        let mut delete = sqlx::query(&sql.delete).bind(cutoff_ms);
+        if let Some(scope) = scope {
+            delete = delete.bind(scope);
+        }
+        if let Some(c) = after {
+            delete = delete.bind(&c.scope).bind(&c.scope).bind(&c.key);
+        }
+        let deleted = delete
+            .bind(&upper.scope)
+            .bind(&upper.scope)
+            .bind(&upper.key)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        let scanned = rows.len() as u64;
+        Ok(PurgeStep {
+            scanned,
+            deleted,
+            next: (scanned >= u64::from(batch)).then_some(upper),
+        })
     }
 }

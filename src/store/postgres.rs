@@ -69,6 +69,7 @@ fn existing_from(row: &sqlx::postgres::PgRow) -> Result<Existing, sqlx::Error> {
 }
 
 super::numbered::numbered_store!(PgStore, PgConnection);
+super::numbered::numbered_admin!(PgStore);
 
 #[async_trait]
 impl SqlStore for PgStore {

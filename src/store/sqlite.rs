@@ -72,6 +72,7 @@ impl SqliteStore {
 }
 
 super::numbered::numbered_store!(SqliteStore, SqliteConnection);
+super::numbered::numbered_admin!(SqliteStore);
 
 #[async_trait]
 impl SqlStore for SqliteStore {

@@ -1,0 +1,131 @@
+//! Opening the dedup store a `--database-url` names.
+
+use onceonly::store::StoreError;
+
+/// An open store of one of the compiled-in backends.
+pub enum Db {
+    #[cfg(feature = "postgres")]
+    Postgres(onceonly::PgStore),
+    #[cfg(feature = "mysql")]
+    MySql(onceonly::MySqlStore),
+    #[cfg(feature = "sqlite")]
+    Sqlite(onceonly::SqliteStore),
+}
+
+/// Runs `$body` with `$s` bound to the store inside `$db`, whatever its backend.
+macro_rules! with_store {
+    ($db:expr, |$s:ident| $body:expr) => {
+        match $db {
+            #[cfg(feature = "postgres")]
+            $crate::db::Db::Postgres($s) => $body,
+            #[cfg(feature = "mysql")]
+            $crate::db::Db::MySql($s) => $body,
+            #[cfg(feature = "sqlite")]
+            $crate::db::Db::Sqlite($s) => $body,
+        }
+    };
+}
+pub(crate) use with_store;
+
+/// Why a database URL cannot be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The URL's scheme names no backend, or one not compiled in.
+    #[error(
+        "unsupported database URL {0:?}: expected postgres://, mysql:// (or mariadb://) or sqlite: \
+         (this build supports: {supported})",
+        supported = supported()
+    )]
+    Unsupported(String),
+    /// The store could not be opened.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+fn supported() -> String {
+    let mut v: Vec<&str> = Vec::new();
+    if cfg!(feature = "postgres") {
+        v.push("postgres");
+    }
+    if cfg!(feature = "mysql") {
+        v.push("mysql");
+    }
+    if cfg!(feature = "sqlite") {
+        v.push("sqlite");
+    }
+    if v.is_empty() {
+        "none: rebuild with --features postgres, mysql or sqlite".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+impl Db {
+    /// Connects to `url` and selects dedup table `table`.
+    pub async fn open(url: &str, table: &str) -> Result<Self, OpenError> {
+        let scheme = url.split_once(':').map_or("", |(s, _)| s);
+        match scheme {
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => Ok(Self::Postgres(
+                onceonly::PgStore::connect(url).await?.with_table(table)?,
+            )),
+            #[cfg(feature = "mysql")]
+            "mysql" | "mariadb" => {
+                let url = url.replacen("mariadb:", "mysql:", 1);
+                Ok(Self::MySql(
+                    onceonly::MySqlStore::connect(&url)
+                        .await?
+                        .with_table(table)?,
+                ))
+            }
+            #[cfg(feature = "sqlite")]
+            "sqlite" => {
+                let path = url.trim_start_matches("sqlite:").trim_start_matches("//");
+                let path = path.split_once('?').map_or(path, |(p, _)| p);
+                Ok(Self::Sqlite(
+                    onceonly::SqliteStore::open(path).await?.with_table(table)?,
+                ))
+            }
+            _ => Err(OpenError::Unsupported(redact(url))),
+        }
+    }
+
+    /// The backend's name.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => "postgres",
+            #[cfg(feature = "mysql")]
+            Self::MySql(_) => "mysql",
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => "sqlite",
+        }
+    }
+}
+
+/// The URL with any password replaced, for error messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(start), Some(at)) if at > start => {
+            let creds = &url[start + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}://{user}:***@{}", &url[..start], &url[at + 1..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            super::redact("postgres://u:secret@h/db"),
+            "postgres://u:***@h/db"
+        );
+        assert_eq!(super::redact("sqlite:x.db"), "sqlite:x.db");
+    }
+}

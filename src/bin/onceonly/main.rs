@@ -1,0 +1,102 @@
+//! `onceonly`: operate a onceonly deployment — create the dedup table,
+//! inspect and purge records, show statistics, replay dead letters.
+
+mod db;
+mod inspect;
+mod migrate;
+mod purge;
+mod stats;
+mod time;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// `println!` that does not panic when stdout is closed (`onceonly stats | head`).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+pub(crate) use out;
+
+/// What a subcommand returns; errors are printed by `main`.
+pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Operate onceonly: the dedup table and dead letters.
+#[derive(Parser, Debug)]
+#[command(
+    name = "onceonly",
+    version,
+    about,
+    propagate_version = true,
+    after_help = "\
+Every flag also reads an environment variable (shown in each subcommand's
+--help), e.g. ONCEONLY_DATABASE_URL. Logs go to stderr; use -v for more."
+)]
+struct Cli {
+    /// More logging on stderr (-v: debug, -vv: trace).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    Migrate(migrate::MigrateArgs),
+    Inspect(inspect::InspectArgs),
+    Purge(purge::PurgeArgs),
+    Stats(stats::StatsArgs),
+}
+
+/// Where the dedup table lives.
+#[derive(clap::Args, Debug)]
+pub struct DbArgs {
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
+    #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// The dedup table (`table` or `schema.table`).
+    #[arg(long, env = "ONCEONLY_TABLE", default_value = onceonly::store::DEFAULT_TABLE)]
+    pub table: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => tracing::Level::WARN,
+        1 => tracing::Level::DEBUG,
+        _ => tracing::Level::TRACE,
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Migrate(a) => migrate::run(a).await.map(|()| ExitCode::SUCCESS),
+            Command::Inspect(a) => inspect::run(a).await,
+            Command::Purge(a) => purge::run(a).await.map(|()| ExitCode::SUCCESS),
+            Command::Stats(a) => stats::run(a).await.map(|()| ExitCode::SUCCESS),
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            // The library's errors already include their causes.
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

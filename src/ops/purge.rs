@@ -1,0 +1,360 @@
+//! Bounded purges of the dedup table.
+//!
+//! A purge never runs one unbounded `DELETE`: it deletes at most `batch`
+//! records per statement, each in its own short transaction, and can pause
+//! between batches, so claims running at the same time wait at most for one
+//! batch (PostgreSQL's expiry purge skips locked rows and does not wait at all).
+//!
+//! # What may be purged
+//!
+//! A record is the only thing that makes a redelivery a duplicate. Purge a
+//! key only once no transport can deliver it again: after the broker's
+//! retention, the payment provider's retry window and the dead-letter replay
+//! window have all passed. [`PurgeMode::Expired`] deletes what the engine's
+//! `retention` already declared expired (an expired record is reclaimed by
+//! the next delivery of its key anyway); [`PurgeMode::CreatedBefore`] deletes
+//! by age whatever the expiry says, for an operator who shortens retention.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::clock::{Clock, SystemClock};
+use crate::store::admin::{AdminStore, Count, PurgeCursor};
+use crate::store::{SqlStore, StoreError, validate_scope};
+
+/// Which records a purge deletes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PurgeMode {
+    /// Records whose expiry time has passed.
+    Expired,
+    /// Records created before this time (ms since the Unix epoch), expired or not.
+    CreatedBefore(i64),
+}
+
+/// Options of a one-off [`purge`].
+#[derive(Clone, Debug)]
+pub struct PurgeOptions {
+    scope: Option<String>,
+    batch: u32,
+    pause: Duration,
+    dry_run: bool,
+}
+
+impl Default for PurgeOptions {
+    fn default() -> Self {
+        Self {
+            scope: None,
+            batch: 5_000,
+            pause: Duration::ZERO,
+            dry_run: false,
+        }
+    }
+}
+
+impl PurgeOptions {
+    /// Defaults: all scopes, batches of 5,000, no pause, not a dry run.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only this scope.
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// At most `batch` records per statement (at least 1).
+    pub fn batch(mut self, batch: u32) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// Sleep this long between batches, to leave the database breathing room.
+    pub fn pause_between_batches(mut self, pause: Duration) -> Self {
+        self.pause = pause;
+        self
+    }
+
+    /// Count what would be deleted; delete nothing.
+    pub fn dry_run(mut self, dry_run: bool) -> Self {
+        self.dry_run = dry_run;
+        self
+    }
+}
+
+/// Progress of a purge, reported after each batch (and once at the start,
+/// with `deleted = 0`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PurgeProgress {
+    /// Records matching the purge when it started (for a dry run, the answer).
+    pub candidates: u64,
+    /// Records examined so far ([`PurgeMode::CreatedBefore`] walks the whole
+    /// table or scope; [`PurgeMode::Expired`] examines only what it deletes).
+    pub scanned: u64,
+    /// How many records the walk will examine in total
+    /// ([`PurgeMode::CreatedBefore`]: the table or scope size at the start).
+    pub to_scan: u64,
+    /// Records deleted so far.
+    pub deleted: u64,
+    /// Statements run so far.
+    pub batches: u64,
+    /// Whether nothing is deleted.
+    pub dry_run: bool,
+}
+
+/// Purges `store` in bounded batches, calling `on_progress` after each.
+/// Returns the final progress. `now_ms` decides what has expired.
+pub async fn purge<S, F>(
+    store: &S,
+    mode: PurgeMode,
+    options: &PurgeOptions,
+    now_ms: i64,
+    mut on_progress: F,
+) -> Result<PurgeProgress, StoreError>
+where
+    S: AdminStore,
+    F: FnMut(&PurgeProgress) + Send,
+{
+    let scope = options.scope.as_deref();
+    if let Some(scope) = scope {
+        validate_scope(scope)?;
+    }
+    let which = match mode {
+        PurgeMode::Expired => Count::ExpiredAt(now_ms),
+        PurgeMode::CreatedBefore(cutoff) => Count::CreatedBefore(cutoff),
+    };
+    let mut progress = PurgeProgress {
+        candidates: store.count(scope, which).await?,
+        dry_run: options.dry_run,
+        ..PurgeProgress::default()
+    };
+    if let PurgeMode::CreatedBefore(_) = mode {
+        progress.to_scan = store.count(scope, Count::All).await?;
+    } else {
+        progress.to_scan = progress.candidates;
+    }
+    on_progress(&progress);
+    if options.dry_run {
+        return Ok(progress);
+    }
+    match mode {
+        PurgeMode::Expired => loop {
+            let deleted = store.purge_expired(scope, now_ms, options.batch).await?;
+            progress.batches += 1;
+            progress.deleted += deleted;
+            progress.scanned += deleted;
+            on_progress(&progress);
+            if deleted < u64::from(options.batch) {
+                break;
+            }
+            pause(options.pause).await;
+        },
+        PurgeMode::CreatedBefore(cutoff) => {
+            let mut cursor: Option<PurgeCursor> = None;
+            loop {
+                let step = store
+                    .purge_created_before(scope, cutoff, cursor.as_ref(), options.batch)
+                    .await?;
+                progress.batches += 1;
+                progress.deleted += step.deleted;
+                progress.scanned += step.scanned;
+                on_progress(&progress);
+                match step.next {
+                    Some(next) => cursor = Some(next),
+                    None => break,
+                }
+                pause(options.pause).await;
+            }
+        }
+    }
+    Ok(progress)
+}
+
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// A background job that purges expired records of a store at an interval,
+/// inside a service (the library form of `onceonly purge --expired`).
+///
+/// ```no_run
+/// # async fn demo(store: onceonly::SqliteStore) -> Result<(), onceonly::StoreError> {
+/// use std::time::Duration;
+/// use onceonly::ops::Purger;
+///
+/// let purger = Purger::builder(store)
+///     .every(Duration::from_secs(600))
+///     .batch(5_000)
+///     .build()?
+///     .spawn();
+/// // ... serve ...
+/// let purged = purger.stop().await;
+/// # let _ = purged;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Each round deletes expired records in batches until a batch comes back
+/// short, then sleeps. A failed round (database down) is logged and retried
+/// at the next interval; the purger never stops on an error.
+pub struct Purger<S> {
+    store: S,
+    scope: Option<String>,
+    batch: u32,
+    every: Duration,
+    pause: Duration,
+    clock: Arc<dyn Clock>,
+}
+
+impl<S> std::fmt::Debug for Purger<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Purger")
+            .field("scope", &self.scope)
+            .field("batch", &self.batch)
+            .field("every", &self.every)
+            .field("pause", &self.pause)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`Purger`].
+pub struct PurgerBuilder<S> {
+    purger: Purger<S>,
+}
+
+impl<S: SqlStore> Purger<S> {
+    /// A purger of `store`'s expired records: every 10 minutes, batches of
+    /// 5,000, 50 ms between batches, all scopes, system clock.
+    pub fn builder(store: S) -> PurgerBuilder<S> {
+        PurgerBuilder {
+            purger: Self {
+                store,
+                scope: None,
+                batch: 5_000,
+                every: Duration::from_secs(600),
+                pause: Duration::from_millis(50),
+                clock: Arc::new(SystemClock),
+            },
+        }
+    }
+
+    /// One round: deletes expired records in batches until none are left.
+    /// Returns how many were deleted.
+    pub async fn purge_once(&self) -> Result<u64, StoreError> {
+        let now_ms = self.clock.now_ms();
+        let mut total = 0;
+        loop {
+            let deleted = self
+                .store
+                .purge_expired(self.scope.as_deref(), now_ms, self.batch)
+                .await?;
+            total += deleted;
+            if deleted < u64::from(self.batch) {
+                return Ok(total);
+            }
+            pause(self.pause).await;
+        }
+    }
+
+    /// Runs rounds until `shutdown` completes (a round in progress finishes
+    /// its current batch first); returns how many records were deleted.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> u64 {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut total = 0;
+        loop {
+            let result = tokio::select! {
+                biased;
+                () = &mut shutdown => return total,
+                r = self.purge_once() => r,
+            };
+            match result {
+                Ok(n) => {
+                    total += n;
+                    if n > 0 {
+                        tracing::info!(deleted = n, table = %self.store.table(), "purged expired dedup records");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, table = %self.store.table(), "purge of expired dedup records failed; retrying at the next interval")
+                }
+            }
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return total,
+                () = tokio::time::sleep(self.every) => {}
+            }
+        }
+    }
+
+    /// Runs the purger on the current tokio runtime until
+    /// [`PurgerHandle::stop`].
+    pub fn spawn(self) -> PurgerHandle {
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(self.run_until(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }));
+        PurgerHandle { stop, task }
+    }
+}
+
+impl<S: SqlStore> PurgerBuilder<S> {
+    /// Only purge this scope.
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.purger.scope = Some(scope.into());
+        self
+    }
+
+    /// At most `batch` records per statement (at least 1).
+    pub fn batch(mut self, batch: u32) -> Self {
+        self.purger.batch = batch.max(1);
+        self
+    }
+
+    /// How long to sleep between rounds.
+    pub fn every(mut self, every: Duration) -> Self {
+        self.purger.every = every;
+        self
+    }
+
+    /// How long to sleep between the batches of one round.
+    pub fn pause_between_batches(mut self, pause: Duration) -> Self {
+        self.purger.pause = pause;
+        self
+    }
+
+    /// The clock that decides what has expired (use the engine's).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.purger.clock = clock;
+        self
+    }
+
+    /// The purger; checks the scope.
+    pub fn build(self) -> Result<Purger<S>, StoreError> {
+        if let Some(scope) = &self.purger.scope {
+            validate_scope(scope)?;
+        }
+        Ok(self.purger)
+    }
+}
+
+/// A running [`Purger`].
+#[derive(Debug)]
+pub struct PurgerHandle {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl PurgerHandle {
+    /// Stops the purger after its current batch; returns how many records it
+    /// deleted in total.
+    pub async fn stop(self) -> u64 {
+        let _ = self.stop.send(true);
+        self.task.await.unwrap_or(0)
+    }
+}
