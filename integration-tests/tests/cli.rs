@@ -1,0 +1,397 @@
+//! The `onceonly` CLI and the background purger against real PostgreSQL and
+//! MariaDB: purges while consumers keep claiming, purges by age and scope,
+//! inspect and stats. (SQLite: `tests/cli.rs` of the root package.)
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use onceonly::ops::Purger;
+use onceonly::{
+    Clock as _, Delivery, Engine, HandlerError, Json, KeySpec, MySqlStore, Outcome, PgStore,
+    SqlStore, SystemClock, handler_fn,
+};
+use onceonly_integration_tests::child::run_cli;
+use onceonly_integration_tests::{
+    BusinessSql, Pay, mysql_store, mysql_url, pay, pg_store, pg_url, unique,
+};
+
+const DAY_MS: i64 = 86_400_000;
+
+/// Seeds `n` records of `scope` claimed `age_ms` ago that expire at
+/// `expires_offset_ms` from now, with one SQL statement (generated rows).
+async fn seed_pg(
+    store: &PgStore,
+    scope: &str,
+    prefix: &str,
+    n: i64,
+    age_ms: i64,
+    expires_offset_ms: i64,
+) {
+    let now = SystemClock.now_ms();
+    sqlx::query(&format!(
+        "INSERT INTO {} (scope, idem_key, fingerprint, result, source, created_at_ms, expires_at_ms) \
+         SELECT $1, $2 || i, NULL, '1', 'seed@' || i, $3, $4 FROM generate_series(1, $5) AS i",
+        store.table().quoted('"')
+    ))
+    .bind(scope)
+    .bind(prefix)
+    .bind(now - age_ms)
+    .bind(now + expires_offset_ms)
+    .bind(n)
+    .execute(store.pool())
+    .await
+    .expect("seed");
+}
+
+async fn seed_mysql(
+    store: &MySqlStore,
+    scope: &str,
+    prefix: &str,
+    n: i64,
+    age_ms: i64,
+    expires_offset_ms: i64,
+) {
+    let now = SystemClock.now_ms();
+    // A recursive CTE generates the rows: MariaDB has no generate_series.
+    sqlx::query(&format!(
+        "INSERT INTO {} (scope, idem_key, fingerprint, result, source, created_at_ms, expires_at_ms) \
+         WITH RECURSIVE seq(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM seq WHERE i < ?) \
+         SELECT ?, CONCAT(?, i), NULL, '1', CONCAT('seed@', i), ?, ? FROM seq",
+        store.table().quoted('`')
+    ))
+    .bind(n)
+    .bind(scope)
+    .bind(prefix)
+    .bind(now - age_ms)
+    .bind(now + expires_offset_ms)
+    .execute(store.pool())
+    .await
+    .expect("seed");
+}
+
+async fn count_pg(store: &PgStore, filter: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {} WHERE {filter}",
+        store.table().quoted('"')
+    ))
+    .fetch_one(store.pool())
+    .await
+    .expect("count")
+}
+
+async fn count_mysql(store: &MySqlStore, filter: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {} WHERE {filter}",
+        store.table().quoted('`')
+    ))
+    .fetch_one(store.pool())
+    .await
+    .expect("count")
+}
+
+/// 200,000 expired records are purged by `onceonly purge --expired` while
+/// four consumers keep claiming new keys and writing business rows. Nothing
+/// live is lost: every new key keeps its record and exactly one business
+/// row, the 10,000 live seeded records stay, every expired one is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn purge_of_200k_expired_records_while_consumers_insert_on_postgres() {
+    let url = pg_url();
+    let table = unique("purge_load");
+    let store = pg_store(&url, &table).await;
+    let business = unique("purge_load_charges");
+    let sql = BusinessSql::postgres(&business);
+    sqlx::query(&sql.create)
+        .execute(store.pool())
+        .await
+        .expect("business table");
+    seed_pg(&store, "payments", "old-", 200_000, 8 * DAY_MS, -DAY_MS).await;
+    seed_pg(&store, "payments", "live-", 10_000, 8 * DAY_MS, DAY_MS).await;
+
+    let engine = Arc::new(
+        Engine::builder(store.clone())
+            .scope("payments")
+            .key(KeySpec::json_field("/out_trade_no"))
+            .build()
+            .expect("engine"),
+    );
+    let insert = sql.insert.clone();
+    let handler = Arc::new(handler_fn(
+        move |conn: &mut sqlx::PgConnection, Json(p): Json<Pay>, _: &Delivery| {
+            let insert = insert.clone();
+            Box::pin(async move {
+                sqlx::query(&insert)
+                    .bind(&p.out_trade_no)
+                    .bind(p.amount)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok::<_, HandlerError>(p.amount)
+            })
+        },
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let worst_us = Arc::new(AtomicU64::new(0));
+    let mut consumers = Vec::new();
+    for c in 0..4 {
+        let (engine, handler, stop, worst_us) = (
+            engine.clone(),
+            handler.clone(),
+            stop.clone(),
+            worst_us.clone(),
+        );
+        consumers.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                // Every key twice: the second delivery must be a duplicate.
+                let key = format!("new-{c}-{n}");
+                for round in 0..2 {
+                    let started = Instant::now();
+                    let report = engine
+                        .process(&*handler, &Delivery::new(pay(&key, 5)))
+                        .await;
+                    worst_us.fetch_max(started.elapsed().as_micros() as u64, Ordering::SeqCst);
+                    match (round, &report.outcome) {
+                        (0, Outcome::Processed { .. }) | (1, Outcome::Duplicate { .. }) => {}
+                        _ => panic!("{key} round {round}: {report:?}"),
+                    }
+                }
+                n += 1;
+            }
+            n
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let (code, out, err) = run_cli(&[
+        "purge",
+        "--database-url",
+        &url,
+        "--table",
+        &table,
+        "--expired",
+        "--batch",
+        "5000",
+    ])
+    .await;
+    let purge_time = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    let mut inserted = 0;
+    for c in consumers {
+        inserted += c.await.expect("consumer");
+    }
+    assert_eq!(code, 0, "purge failed: {err}");
+    assert!(
+        out.contains("deleted 200000 records expired in 41 batches"),
+        "{out}"
+    );
+    assert_eq!(
+        count_pg(&store, "idem_key LIKE 'old-%'").await,
+        0,
+        "expired records left"
+    );
+    assert_eq!(
+        count_pg(&store, "idem_key LIKE 'live-%'").await,
+        10_000,
+        "live records purged"
+    );
+    let new = count_pg(&store, "idem_key LIKE 'new-%'").await;
+    assert_eq!(new as u64, inserted, "a claimed key lost its record");
+    let rows: i64 = sqlx::query_scalar(&sql.count)
+        .fetch_one(store.pool())
+        .await
+        .expect("rows");
+    let distinct: i64 = sqlx::query_scalar(&sql.distinct)
+        .fetch_one(store.pool())
+        .await
+        .expect("distinct");
+    assert_eq!(
+        (rows, distinct),
+        (new, new),
+        "every new key charged exactly once"
+    );
+    eprintln!(
+        "purged 200,000 expired records in {purge_time:?} while 4 consumers processed {inserted} keys \
+         (twice each); worst delivery latency {} ms",
+        worst_us.load(Ordering::SeqCst) / 1000
+    );
+}
+
+/// `--older-than` with `--scope` deletes only that scope's old records,
+/// whether or not they expired; `--dry-run` counts and deletes nothing; a
+/// small batch walks many primary-key ranges, including keys with `%` and
+/// `_` and scopes that sort next to each other.
+async fn purge_by_age_and_scope(
+    url: &str,
+    table: &str,
+    seed: impl AsyncFn(&str, &str, i64, i64, i64),
+    count: impl AsyncFn(&str) -> i64,
+) {
+    seed("a", "old-", 700, 40 * DAY_MS, DAY_MS).await; // old, not expired
+    seed("a", "o%_ld-", 30, 40 * DAY_MS, -DAY_MS).await; // old and expired
+    seed("a", "new-", 500, DAY_MS, DAY_MS).await;
+    seed("ab", "old-", 300, 40 * DAY_MS, DAY_MS).await; // other scope
+    seed("b", "old-", 200, 40 * DAY_MS, DAY_MS).await;
+    let base = [
+        "purge",
+        "--database-url",
+        url,
+        "--table",
+        table,
+        "--scope",
+        "a",
+        "--older-than",
+        "30d",
+    ];
+
+    let (code, out, err) = run_cli(&[&base[..], &["--dry-run"]].concat()).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("dry run: 730 records created before"), "{out}");
+    assert_eq!(count("1 = 1").await, 1730, "a dry run deletes nothing");
+
+    let (code, out, err) = run_cli(&[&base[..], &["--batch", "97"]].concat()).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted 730 records created before"), "{out}");
+    assert!(
+        out.contains("(1230 examined)"),
+        "the walk covers scope a only: {out}"
+    );
+    assert_eq!(
+        count("scope = 'a'").await,
+        500,
+        "scope a keeps its young records"
+    );
+    assert_eq!(count("scope = 'a' AND idem_key LIKE 'new-%'").await, 500);
+    assert_eq!(count("scope = 'ab'").await, 300, "scope ab untouched");
+    assert_eq!(count("scope = 'b'").await, 200, "scope b untouched");
+
+    // Without --scope: the whole table, in batches.
+    let (code, out, err) = run_cli(&[
+        "purge",
+        "--database-url",
+        url,
+        "--table",
+        table,
+        "--older-than",
+        "30d",
+        "--batch",
+        "64",
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted 500 records"), "{out}");
+    assert_eq!(count("1 = 1").await, 500);
+
+    // inspect and stats on what is left.
+    let (code, out, err) = run_cli(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--table",
+        table,
+        "--scope",
+        "a",
+        "--source",
+        "seed@12",
+        "--limit",
+        "100",
+        "--json",
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let keys: Vec<String> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("JSON line")["key"]
+                .as_str()
+                .expect("key")
+                .to_owned()
+        })
+        .collect();
+    // seed@12 and seed@120..129: eleven sources start with "seed@12".
+    assert_eq!(keys.len(), 11, "{keys:?}");
+    assert!(keys.iter().all(|k| k.starts_with("new-")));
+    let (code, out, err) =
+        run_cli(&["stats", "--database-url", url, "--table", table, "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(stats["scopes"].as_array().map(Vec::len), Some(1), "{stats}");
+    assert_eq!(stats["scopes"][0]["records"], 500);
+    assert_eq!(
+        stats["scopes"][0]["age_buckets"][2], 500,
+        "all claimed just over a day ago: 1d-7d"
+    );
+    let (code, out, _) = run_cli(&["stats", "--database-url", url, "--table", table]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("table ") && out.contains("500 records in 1 scopes"),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn purge_by_age_and_scope_on_postgres() {
+    let url = pg_url();
+    let table = unique("purge_age");
+    let store = pg_store(&url, &table).await;
+    let (code, out, err) = run_cli(&["migrate", "--database-url", &url, "--table", &table]).await;
+    assert_eq!(code, 0, "migrating an existing table is a no-op: {err}");
+    assert!(out.contains("is ready (postgres)"), "{out}");
+    purge_by_age_and_scope(
+        &url,
+        &table,
+        async |scope, prefix, n, age, exp| seed_pg(&store, scope, prefix, n, age, exp).await,
+        async |filter| count_pg(&store, filter).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn purge_by_age_and_scope_on_mariadb() {
+    let url = mysql_url();
+    let table = unique("purge_age");
+    let (code, out, err) = run_cli(&["migrate", "--database-url", &url, "--table", &table]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("is ready (mysql)"), "{out}");
+    let store = mysql_store(&url, &table).await;
+    purge_by_age_and_scope(
+        &url,
+        &table,
+        async |scope, prefix, n, age, exp| seed_mysql(&store, scope, prefix, n, age, exp).await,
+        async |filter| count_mysql(&store, filter).await,
+    )
+    .await;
+}
+
+/// The library's background purger deletes expired records at its interval
+/// and reports the total when stopped.
+#[tokio::test(flavor = "multi_thread")]
+async fn background_purger_deletes_expired_records() {
+    let url = pg_url();
+    let table = unique("purger");
+    let store = pg_store(&url, &table).await;
+    seed_pg(&store, "s", "old-", 1234, 2 * DAY_MS, -DAY_MS).await;
+    seed_pg(&store, "s", "live-", 10, 0, DAY_MS).await;
+    let handle = Purger::builder(store.clone())
+        .every(Duration::from_millis(100))
+        .batch(500)
+        .build()
+        .expect("purger")
+        .spawn();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while count_pg(&store, "idem_key LIKE 'old-%'").await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the purger did not purge in 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Expire more while it runs: the next round takes them.
+    seed_pg(&store, "s", "later-", 77, DAY_MS, -1).await;
+    while count_pg(&store, "idem_key LIKE 'later-%'").await > 0 {
+        assert!(Instant::now() < deadline, "the second round did not come");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(handle.stop().await, 1234 + 77);
+    assert_eq!(count_pg(&store, "1 = 1").await, 10, "live records stay");
+}

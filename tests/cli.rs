@@ -1,0 +1,187 @@
+//! The `onceonly` CLI on SQLite, which needs no services. The tests against
+//! PostgreSQL and MariaDB are in `integration-tests/tests/cli.rs`; this file
+//! also makes `cargo test` build the binary they run.
+#![cfg(all(feature = "cli", feature = "sqlite"))]
+
+use std::process::Command;
+use std::time::Duration;
+
+use onceonly::{
+    Clock as _, Delivery, Engine, KeySpec, ManualClock, Outcome, SqlStore, SqliteStore, handler_fn,
+};
+
+fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
+        .args(args)
+        .env_remove("ONCEONLY_DATABASE_URL")
+        .output()
+        .expect("run onceonly");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn help_lists_the_subcommands() {
+    let (code, out, _) = cli(&["--help"]);
+    assert_eq!(code, 0);
+    for sub in ["migrate", "inspect", "purge", "stats"] {
+        assert!(out.contains(sub), "{sub} missing from --help:\n{out}");
+    }
+    let (code, _, err) = cli(&["purge", "--database-url", "sqlite:x.db"]);
+    assert_eq!(
+        code, 2,
+        "purge without --expired/--older-than is a usage error"
+    );
+    assert!(err.contains("--expired"), "{err}");
+    let (code, _, err) = cli(&["stats", "--database-url", "oracle://scott:tiger@db/x"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unsupported database URL"), "{err}");
+    assert!(
+        !err.contains("tiger"),
+        "the password leaked into the error: {err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_inspect_stats_and_purge_on_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("ops.db");
+    let url = format!("sqlite:{}", path.display());
+    let (code, out, err) = cli(&["migrate", "--database-url", &url, "--table", "ops_keys"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("ops_keys is ready (sqlite)"), "{out}");
+
+    // Ten payments processed a week ago with a one-day retention (expired),
+    // five today (live).
+    let store = SqliteStore::open(&path)
+        .await
+        .expect("open")
+        .with_table("ops_keys")
+        .expect("table");
+    let now = ManualClock::starting_now();
+    let old = ManualClock::new(now.now_ms() - 6 * 86_400_000);
+    for (clock, range) in [(old, 0..10), (now, 10..15)] {
+        let engine = Engine::builder(store.clone())
+            .scope("payments")
+            .key(KeySpec::json_field("/out_trade_no"))
+            .retention(Duration::from_secs(86_400))
+            .clock(clock)
+            .build()
+            .expect("engine");
+        let handler = handler_fn(
+            |_: &mut sqlx::SqliteConnection, body: Vec<u8>, _: &Delivery| {
+                Box::pin(async move { Ok::<_, onceonly::HandlerError>(body.len()) })
+            },
+        );
+        for i in range {
+            let body = format!(r#"{{"out_trade_no":"ord-{i}","amount":{i}}}"#);
+            let d = Delivery::new(body.into_bytes()).with_source(format!("pay/0@{i}"));
+            let report = engine.process(&handler, &d).await;
+            assert!(
+                matches!(report.outcome, Outcome::Processed { .. }),
+                "{report:?}"
+            );
+        }
+    }
+
+    let (code, out, err) = cli(&[
+        "inspect",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--scope",
+        "payments",
+        "--key",
+        "ord-12",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let rec: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(rec["key"], "ord-12");
+    assert_eq!(rec["source"], "pay/0@12");
+    assert_eq!(rec["expired"], false);
+    assert_eq!(
+        rec["result"], 37,
+        "the stored result (the body length) comes back"
+    );
+    let (code, _, _) = cli(&[
+        "inspect",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--scope",
+        "payments",
+        "--key",
+        "nope",
+    ]);
+    assert_eq!(code, 3, "no record: exit status 3");
+
+    let (code, out, err) = cli(&[
+        "stats",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let scope = &stats["scopes"][0];
+    assert_eq!(scope["scope"], "payments");
+    assert_eq!(scope["records"], 15);
+    assert_eq!(scope["expired"], 10);
+    assert_eq!(scope["age_buckets"][0], 5, "five claimed within the hour");
+    assert_eq!(
+        scope["age_buckets"][2], 10,
+        "ten claimed between one and seven days ago"
+    );
+
+    let (code, out, err) = cli(&[
+        "purge",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--expired",
+        "--dry-run",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("dry run: 10 records"), "{out}");
+    assert_eq!(live_count(&store).await, 15, "a dry run deletes nothing");
+    let (code, out, err) = cli(&[
+        "purge",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--expired",
+        "--batch",
+        "3",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("deleted 10 records expired in 4 batches"),
+        "{out}"
+    );
+    assert_eq!(live_count(&store).await, 5);
+    assert!(
+        store
+            .get("payments", "ord-12")
+            .await
+            .expect("get")
+            .is_some()
+    );
+    assert!(store.get("payments", "ord-3").await.expect("get").is_none());
+}
+
+async fn live_count(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM ops_keys")
+        .fetch_one(store.pool())
+        .await
+        .expect("count")
+}
