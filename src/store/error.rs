@@ -51,6 +51,19 @@ impl StoreError {
         }
     }
 
+    /// Whether the dedup table does not exist (Postgres `42P01`, MySQL/MariaDB
+    /// 1146, SQLite "no such table"): run `migrate` first.
+    pub fn is_missing_table(&self) -> bool {
+        match self {
+            Self::Database(sqlx::Error::Database(db)) => match db_code(db.as_ref()) {
+                DbCode::MySql(n) => n == 1146,
+                DbCode::Sqlite(_) => db.message().starts_with("no such table"),
+                DbCode::SqlState(c) => c.as_deref() == Some("42P01"),
+            },
+            _ => false,
+        }
+    }
+
     /// Whether retrying the transaction may succeed (lost connection,
     /// deadlock, serialization failure, lock timeout, busy database).
     pub fn is_transient(&self) -> bool {

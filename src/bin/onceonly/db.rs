@@ -38,6 +38,9 @@ pub enum OpenError {
         supported = supported()
     )]
     Unsupported(String),
+    /// The SQLite database file does not exist (only `migrate` creates it).
+    #[error("no SQLite database at {0:?}: create it with `onceonly migrate`")]
+    NoSuchFile(String),
     /// The store could not be opened.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -62,8 +65,9 @@ fn supported() -> String {
 }
 
 impl Db {
-    /// Connects to `url` and selects dedup table `table`.
-    pub async fn open(url: &str, table: &str) -> Result<Self, OpenError> {
+    /// Connects to `url` and selects dedup table `table`. An SQLite file is
+    /// created only if `create` (by `migrate`).
+    pub async fn open(url: &str, table: &str, create: bool) -> Result<Self, OpenError> {
         let scheme = url.split_once(':').map_or("", |(s, _)| s);
         match scheme {
             #[cfg(feature = "postgres")]
@@ -83,6 +87,9 @@ impl Db {
             "sqlite" => {
                 let path = url.trim_start_matches("sqlite:").trim_start_matches("//");
                 let path = path.split_once('?').map_or(path, |(p, _)| p);
+                if !create && !std::path::Path::new(path).exists() {
+                    return Err(OpenError::NoSuchFile(path.to_owned()));
+                }
                 Ok(Self::Sqlite(
                     onceonly::SqliteStore::open(path).await?.with_table(table)?,
                 ))

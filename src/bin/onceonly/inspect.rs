@@ -58,7 +58,7 @@ pub async fn run(args: InspectArgs) -> CliResult<ExitCode> {
     if let Some(p) = &args.source {
         filter = filter.source_prefix(p);
     }
-    let db = Db::open(&args.db.database_url, &args.db.table).await?;
+    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
     let records = with_store!(&db, |store| store.find(&filter).await?);
     let now = now_ms();
     for (i, r) in records.iter().enumerate() {

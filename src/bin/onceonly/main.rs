@@ -96,6 +96,15 @@ fn main() -> ExitCode {
         Err(e) => {
             // The library's errors already include their causes.
             eprintln!("error: {e}");
+            if e.downcast_ref::<onceonly::StoreError>()
+                .is_some_and(onceonly::StoreError::is_missing_table)
+                || e.downcast_ref::<db::OpenError>()
+                    .is_some_and(|o| matches!(o, db::OpenError::Store(s) if s.is_missing_table()))
+            {
+                eprintln!(
+                    "hint: the dedup table does not exist here; create it with `onceonly migrate` (and check --table)"
+                );
+            }
             ExitCode::FAILURE
         }
     }

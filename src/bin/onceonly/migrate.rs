@@ -24,7 +24,7 @@ pub struct MigrateArgs {
 }
 
 pub async fn run(args: MigrateArgs) -> CliResult {
-    let db = Db::open(&args.db.database_url, &args.db.table).await?;
+    let db = Db::open(&args.db.database_url, &args.db.table, true).await?;
     let backend = db.backend();
     with_store!(&db, |store| {
         store.migrate().await?;

@@ -52,7 +52,7 @@ pub struct PurgeArgs {
 }
 
 pub async fn run(args: PurgeArgs) -> CliResult {
-    let db = Db::open(&args.db.database_url, &args.db.table).await?;
+    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
     let mode = match args.older_than {
         Some(age) => PurgeMode::CreatedBefore(before_now(age)),
         None => PurgeMode::Expired,

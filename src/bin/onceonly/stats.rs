@@ -27,7 +27,7 @@ pub struct StatsArgs {
 }
 
 pub async fn run(args: StatsArgs) -> CliResult {
-    let db = Db::open(&args.db.database_url, &args.db.table).await?;
+    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
     let now = now_ms();
     let (stats, table) = with_store!(&db, |store| (
         store.stats(args.scope.as_deref(), now).await?,
