@@ -165,7 +165,7 @@ async fn migrate_inspect_stats_and_purge_on_sqlite() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("deleted 10 records expired in 4 batches"),
+        out.contains("deleted 10 records that expired in 4 batches"),
         "{out}"
     );
     assert_eq!(live_count(&store).await, 5);
@@ -177,6 +177,53 @@ async fn migrate_inspect_stats_and_purge_on_sqlite() {
             .is_some()
     );
     assert!(store.get("payments", "ord-3").await.expect("get").is_none());
+
+    // By age: the five live records are younger than a day.
+    let (code, out, err) = cli(&[
+        "purge",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--older-than",
+        "1h",
+        "--batch",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted 0 records created before"), "{out}");
+    assert!(out.contains("(5 examined)"), "{out}");
+    let (code, _, err) = cli(&[
+        "purge",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--older-than",
+        "0s",
+        "--batch",
+        "2",
+    ]);
+    assert_eq!(code, 1, "live records need --force");
+    assert!(
+        err.contains("5 of the records to purge have not expired yet"),
+        "{err}"
+    );
+    let (code, out, err) = cli(&[
+        "purge",
+        "--database-url",
+        &url,
+        "--table",
+        "ops_keys",
+        "--older-than",
+        "0s",
+        "--batch",
+        "2",
+        "--force",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted 5 records created before"), "{out}");
+    assert_eq!(live_count(&store).await, 0);
 }
 
 async fn live_count(store: &SqliteStore) -> i64 {

@@ -182,7 +182,7 @@ async fn purge_of_200k_expired_records_while_consumers_insert_on_postgres() {
     }
     assert_eq!(code, 0, "purge failed: {err}");
     assert!(
-        out.contains("deleted 200000 records expired in 41 batches"),
+        out.contains("deleted 200000 records that expired in 41 batches"),
         "{out}"
     );
     assert_eq!(
@@ -244,12 +244,25 @@ async fn purge_by_age_and_scope(
         "30d",
     ];
 
+    let (code, _, err) = run_cli(&base).await;
+    assert_eq!(code, 1, "records that have not expired need --force");
+    assert!(
+        err.contains("700 of the records to purge have not expired yet"),
+        "{err}"
+    );
+    assert_eq!(
+        count("1 = 1").await,
+        1730,
+        "a refused purge deletes nothing"
+    );
+
     let (code, out, err) = run_cli(&[&base[..], &["--dry-run"]].concat()).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("dry run: 730 records created before"), "{out}");
+    assert!(out.contains("700 of them not expired yet"), "{out}");
     assert_eq!(count("1 = 1").await, 1730, "a dry run deletes nothing");
 
-    let (code, out, err) = run_cli(&[&base[..], &["--batch", "97"]].concat()).await;
+    let (code, out, err) = run_cli(&[&base[..], &["--batch", "97", "--force"]].concat()).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("deleted 730 records created before"), "{out}");
     assert!(
@@ -276,6 +289,7 @@ async fn purge_by_age_and_scope(
         "30d",
         "--batch",
         "64",
+        "--force",
     ])
     .await;
     assert_eq!(code, 0, "{err}");
@@ -311,6 +325,20 @@ async fn purge_by_age_and_scope(
     // seed@12 and seed@120..129: eleven sources start with "seed@12".
     assert_eq!(keys.len(), 11, "{keys:?}");
     assert!(keys.iter().all(|k| k.starts_with("new-")));
+    // `_` is no wildcard: no source starts with the literal "seed@1_".
+    let (code, _, _) = run_cli(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--table",
+        table,
+        "--scope",
+        "a",
+        "--source",
+        "seed@1_",
+    ])
+    .await;
+    assert_eq!(code, 3, "nothing matches a literal underscore");
     let (code, out, err) =
         run_cli(&["stats", "--database-url", url, "--table", table, "--json"]).await;
     assert_eq!(code, 0, "{err}");
@@ -324,7 +352,7 @@ async fn purge_by_age_and_scope(
     let (code, out, _) = run_cli(&["stats", "--database-url", url, "--table", table]).await;
     assert_eq!(code, 0);
     assert!(
-        out.contains("table ") && out.contains("500 records in 1 scopes"),
+        out.contains("table ") && out.contains("500 records in 1 scope,"),
         "{out}"
     );
 }

@@ -6,5 +6,6 @@
 pub mod purge;
 
 pub use purge::{
-    PurgeMode, PurgeOptions, PurgeProgress, Purger, PurgerBuilder, PurgerHandle, purge,
+    PurgeError, PurgeMode, PurgeOptions, PurgeProgress, Purger, PurgerBuilder, PurgerHandle,
+    purge_in_batches,
 };

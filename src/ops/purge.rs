@@ -16,13 +16,15 @@
 //! by age whatever the expiry says, for an operator who shortens retention.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt as _;
 use tokio::sync::watch;
 
 use crate::clock::{Clock, SystemClock};
-use crate::store::admin::{AdminStore, Count, PurgeCursor};
+use crate::store::admin::{AdminStore, CountFilter, PurgeCursor};
 use crate::store::{SqlStore, StoreError, validate_scope};
 
 /// Which records a purge deletes.
@@ -42,6 +44,7 @@ pub struct PurgeOptions {
     batch: u32,
     pause: Duration,
     dry_run: bool,
+    force: bool,
 }
 
 impl Default for PurgeOptions {
@@ -51,6 +54,7 @@ impl Default for PurgeOptions {
             batch: 5_000,
             pause: Duration::ZERO,
             dry_run: false,
+            force: false,
         }
     }
 }
@@ -62,36 +66,71 @@ impl PurgeOptions {
     }
 
     /// Only this scope.
+    #[must_use]
     pub fn scope(mut self, scope: impl Into<String>) -> Self {
         self.scope = Some(scope.into());
         self
     }
 
     /// At most `batch` records per statement (at least 1).
+    #[must_use]
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch.max(1);
         self
     }
 
     /// Sleep this long between batches, to leave the database breathing room.
+    #[must_use]
     pub fn pause_between_batches(mut self, pause: Duration) -> Self {
         self.pause = pause;
         self
     }
 
     /// Count what would be deleted; delete nothing.
+    #[must_use]
     pub fn dry_run(mut self, dry_run: bool) -> Self {
         self.dry_run = dry_run;
         self
     }
+
+    /// Let [`PurgeMode::CreatedBefore`] delete records that have not expired
+    /// yet. Without it such a purge fails with
+    /// [`PurgeError::WouldDeleteLive`] before deleting anything.
+    #[must_use]
+    pub fn force(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+}
+
+/// Why a purge stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PurgeError {
+    /// The store failed (after retrying transient errors).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A purge by age would delete records whose retention has not passed;
+    /// a redelivery of their keys would run its handler again.
+    #[error(
+        "{live} of the records to purge have not expired yet: deleting them lets a redelivery \
+         of their keys run again (force the purge to delete them anyway)"
+    )]
+    WouldDeleteLive {
+        /// How many unexpired records the purge would delete.
+        live: u64,
+    },
 }
 
 /// Progress of a purge, reported after each batch (and once at the start,
 /// with `deleted = 0`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PurgeProgress {
     /// Records matching the purge when it started (for a dry run, the answer).
     pub candidates: u64,
+    /// Of those, records that have not expired yet ([`PurgeMode::CreatedBefore`] only).
+    pub live: u64,
     /// Records examined so far ([`PurgeMode::CreatedBefore`] walks the whole
     /// table or scope; [`PurgeMode::Expired`] examines only what it deletes).
     pub scanned: u64,
@@ -108,13 +147,18 @@ pub struct PurgeProgress {
 
 /// Purges `store` in bounded batches, calling `on_progress` after each.
 /// Returns the final progress. `now_ms` decides what has expired.
-pub async fn purge<S, F>(
+///
+/// Every batch commits on its own: an interrupted purge has deleted whole
+/// batches and nothing else, and can simply be run again. A batch that
+/// fails with a transient error (deadlock, lock timeout, lost connection)
+/// is retried up to five times with a growing pause.
+pub async fn purge_in_batches<S, F>(
     store: &S,
     mode: PurgeMode,
     options: &PurgeOptions,
     now_ms: i64,
     mut on_progress: F,
-) -> Result<PurgeProgress, StoreError>
+) -> Result<PurgeProgress, PurgeError>
 where
     S: AdminStore,
     F: FnMut(&PurgeProgress) + Send,
@@ -123,19 +167,29 @@ where
     if let Some(scope) = scope {
         validate_scope(scope)?;
     }
-    let which = match mode {
-        PurgeMode::Expired => Count::ExpiredAt(now_ms),
-        PurgeMode::CreatedBefore(cutoff) => Count::CreatedBefore(cutoff),
-    };
     let mut progress = PurgeProgress {
-        candidates: store.count(scope, which).await?,
         dry_run: options.dry_run,
         ..PurgeProgress::default()
     };
-    if let PurgeMode::CreatedBefore(_) = mode {
-        progress.to_scan = store.count(scope, Count::All).await?;
-    } else {
-        progress.to_scan = progress.candidates;
+    match mode {
+        PurgeMode::Expired => {
+            progress.candidates = store.count(scope, CountFilter::ExpiredAt(now_ms)).await?;
+            progress.to_scan = progress.candidates;
+        }
+        PurgeMode::CreatedBefore(cutoff_ms) => {
+            progress.candidates = store
+                .count(scope, CountFilter::CreatedBefore(cutoff_ms))
+                .await?;
+            progress.live = store
+                .count(scope, CountFilter::LiveCreatedBefore { cutoff_ms, now_ms })
+                .await?;
+            progress.to_scan = store.count(scope, CountFilter::All).await?;
+            if progress.live > 0 && !options.force && !options.dry_run {
+                return Err(PurgeError::WouldDeleteLive {
+                    live: progress.live,
+                });
+            }
+        }
     }
     on_progress(&progress);
     if options.dry_run {
@@ -143,7 +197,7 @@ where
     }
     match mode {
         PurgeMode::Expired => loop {
-            let deleted = store.purge_expired(scope, now_ms, options.batch).await?;
+            let deleted = retrying(|| store.purge_expired(scope, now_ms, options.batch)).await?;
             progress.batches += 1;
             progress.deleted += deleted;
             progress.scanned += deleted;
@@ -156,9 +210,10 @@ where
         PurgeMode::CreatedBefore(cutoff) => {
             let mut cursor: Option<PurgeCursor> = None;
             loop {
-                let step = store
-                    .purge_created_before(scope, cutoff, cursor.as_ref(), options.batch)
-                    .await?;
+                let step = retrying(|| {
+                    store.purge_created_before(scope, cutoff, cursor.as_ref(), options.batch)
+                })
+                .await?;
                 progress.batches += 1;
                 progress.deleted += step.deleted;
                 progress.scanned += step.scanned;
@@ -172,6 +227,26 @@ where
         }
     }
     Ok(progress)
+}
+
+/// Runs `op`, retrying transient store errors up to five times (100 ms,
+/// 200 ms, ... between attempts).
+async fn retrying<T, F, Fut>(mut op: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut attempt = 0u32;
+    loop {
+        match op().await {
+            Err(e) if e.is_transient() && attempt < 5 => {
+                attempt += 1;
+                tracing::warn!(error = %e, attempt, "purge batch failed; retrying");
+                tokio::time::sleep(Duration::from_millis(100) * attempt).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 async fn pause(d: Duration) {
@@ -247,46 +322,63 @@ impl<S: SqlStore> Purger<S> {
     /// One round: deletes expired records in batches until none are left.
     /// Returns how many were deleted.
     pub async fn purge_once(&self) -> Result<u64, StoreError> {
-        let now_ms = self.clock.now_ms();
         let mut total = 0;
+        let mut never = std::pin::pin!(std::future::pending::<()>());
+        self.round(&mut total, &mut never).await?;
+        Ok(total)
+    }
+
+    /// Deletes expired records batch by batch into `total`, until a batch
+    /// comes back short or `shutdown` is ready between two batches (a batch
+    /// that started always finishes).
+    async fn round<F>(&self, total: &mut u64, shutdown: &mut Pin<&mut F>) -> Result<(), StoreError>
+    where
+        F: Future<Output = ()>,
+    {
+        let now_ms = self.clock.now_ms();
         loop {
+            if shutdown.as_mut().now_or_never().is_some() {
+                return Ok(());
+            }
             let deleted = self
                 .store
                 .purge_expired(self.scope.as_deref(), now_ms, self.batch)
                 .await?;
-            total += deleted;
+            *total += deleted;
             if deleted < u64::from(self.batch) {
-                return Ok(total);
+                return Ok(());
             }
-            pause(self.pause).await;
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(()),
+                () = pause(self.pause) => {}
+            }
         }
     }
 
-    /// Runs rounds until `shutdown` completes (a round in progress finishes
-    /// its current batch first); returns how many records were deleted.
+    /// Runs rounds until `shutdown` completes; a batch in progress finishes
+    /// first. Returns how many records were deleted.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> u64 {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut total = 0;
         loop {
-            let result = tokio::select! {
-                biased;
-                () = &mut shutdown => return total,
-                r = self.purge_once() => r,
-            };
-            match result {
-                Ok(n) => {
-                    total += n;
-                    if n > 0 {
-                        tracing::info!(deleted = n, table = %self.store.table(), "purged expired dedup records");
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, table = %self.store.table(), "purge of expired dedup records failed; retrying at the next interval")
-                }
+            let before = total;
+            match self.round(&mut total, &mut shutdown).await {
+                Ok(()) if total > before => tracing::info!(
+                    deleted = total - before,
+                    table = %self.store.table(),
+                    "purged expired dedup records"
+                ),
+                Ok(()) => {}
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    table = %self.store.table(),
+                    "purge of expired dedup records failed; retrying at the next interval"
+                ),
             }
             tokio::select! {
                 biased;
-                () = &mut shutdown => return total,
+                () = shutdown.as_mut() => return total,
                 () = tokio::time::sleep(self.every) => {}
             }
         }
@@ -305,30 +397,35 @@ impl<S: SqlStore> Purger<S> {
 
 impl<S: SqlStore> PurgerBuilder<S> {
     /// Only purge this scope.
+    #[must_use]
     pub fn scope(mut self, scope: impl Into<String>) -> Self {
         self.purger.scope = Some(scope.into());
         self
     }
 
     /// At most `batch` records per statement (at least 1).
+    #[must_use]
     pub fn batch(mut self, batch: u32) -> Self {
         self.purger.batch = batch.max(1);
         self
     }
 
     /// How long to sleep between rounds.
+    #[must_use]
     pub fn every(mut self, every: Duration) -> Self {
         self.purger.every = every;
         self
     }
 
     /// How long to sleep between the batches of one round.
+    #[must_use]
     pub fn pause_between_batches(mut self, pause: Duration) -> Self {
         self.purger.pause = pause;
         self
     }
 
     /// The clock that decides what has expired (use the engine's).
+    #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.purger.clock = clock;
         self
@@ -352,9 +449,16 @@ pub struct PurgerHandle {
 
 impl PurgerHandle {
     /// Stops the purger after its current batch; returns how many records it
-    /// deleted in total.
+    /// deleted in total. (Dropping the handle instead leaves the purger
+    /// running until the runtime shuts down.)
     pub async fn stop(self) -> u64 {
         let _ = self.stop.send(true);
-        self.task.await.unwrap_or(0)
+        match self.task.await {
+            Ok(total) => total,
+            Err(e) => {
+                tracing::error!(error = %e, "the purger task failed");
+                0
+            }
+        }
     }
 }

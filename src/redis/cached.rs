@@ -10,7 +10,9 @@ use ::redis::AsyncCommands;
 use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
 
-use crate::store::admin::{AdminStore, Count, PurgeCursor, PurgeStep, RecordFilter, ScopeStats};
+use crate::store::admin::{
+    AdminStore, CountFilter, PurgeCursor, PurgeStep, RecordFilter, ScopeStats,
+};
 use sqlx::{Database, Pool, Transaction};
 
 use super::error::RedisError;
@@ -303,6 +305,10 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
 /// which errs on the safe side.
 #[async_trait]
 impl<S: AdminStore> AdminStore for CachedStore<S> {
+    async fn check_columns(&self) -> Result<(), StoreError> {
+        self.sql.check_columns().await
+    }
+
     async fn stats(&self, scope: Option<&str>, now_ms: i64) -> Result<Vec<ScopeStats>, StoreError> {
         self.sql.stats(scope, now_ms).await
     }
@@ -311,7 +317,7 @@ impl<S: AdminStore> AdminStore for CachedStore<S> {
         self.sql.find(filter).await
     }
 
-    async fn count(&self, scope: Option<&str>, which: Count) -> Result<u64, StoreError> {
+    async fn count(&self, scope: Option<&str>, which: CountFilter) -> Result<u64, StoreError> {
         self.sql.count(scope, which).await
     }
 

@@ -34,7 +34,7 @@ use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow}
 use sqlx::{Row, Transaction};
 
 use super::admin::{
-    self, AdminStore, Count, Dialect, PurgeCursor, PurgeStep, RecordFilter, ScopeStats,
+    self, AdminStore, CountFilter, Dialect, PurgeCursor, PurgeStep, RecordFilter, ScopeStats,
 };
 use super::claim::{ClaimSteps, Existing, claim_each, claim_one};
 use super::sql::Sql;
@@ -268,16 +268,18 @@ impl SqlStore for MySqlStore {
 
 #[async_trait]
 impl AdminStore for MySqlStore {
+    async fn check_columns(&self) -> Result<(), StoreError> {
+        sqlx::query(&admin::check_sql(&self.table.quoted('`')))
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     async fn stats(&self, scope: Option<&str>, now_ms: i64) -> Result<Vec<ScopeStats>, StoreError> {
-        let sql = admin::stats_sql(Dialect::Question, &self.table.quoted('`'), scope.is_some());
-        let mut query = sqlx::query(&sql);
-        for _ in 0..7 {
-            query = query.bind(now_ms);
-        }
-        if let Some(scope) = scope {
-            query = query.bind(scope);
-        }
-        let rows = query.fetch_all(&self.pool).await?;
+        let stmt = admin::stats_stmt(Dialect::Question, &self.table.quoted('`'), scope, now_ms);
+        let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter()
             .map(|row| {
                 let younger = [
@@ -289,9 +291,9 @@ impl AdminStore for MySqlStore {
                 ];
                 Ok(ScopeStats {
                     scope: utf8(row.try_get("scope")?, "scope")?,
-                    records: row.try_get("records")?,
-                    expired: row.try_get("expired")?,
-                    without_result: row.try_get("without_result")?,
+                    records: admin::count_of(row.try_get("records")?),
+                    expired: admin::count_of(row.try_get("expired")?),
+                    without_result: admin::count_of(row.try_get("without_result")?),
                     oldest_ms: row.try_get("oldest")?,
                     newest_ms: row.try_get("newest")?,
                     age_buckets: admin::buckets(younger, row.try_get("b5")?),
@@ -301,41 +303,19 @@ impl AdminStore for MySqlStore {
     }
 
     async fn find(&self, filter: &RecordFilter) -> Result<Vec<Record>, StoreError> {
-        let sql = admin::find_sql(Dialect::Question, &self.table.quoted('`'), filter);
-        let pattern = filter.source_prefix.as_deref().map(admin::like_prefix);
-        let mut query = sqlx::query(&sql);
-        if let Some(scope) = &filter.scope {
-            query = query.bind(scope);
-        }
-        if let Some(key) = &filter.key {
-            query = query.bind(key);
-        }
-        if let Some(pattern) = &pattern {
-            query = query.bind(pattern);
-        }
-        let rows = query
-            .bind(i64::from(filter.limit))
+        let stmt = admin::find_stmt(Dialect::Question, &self.table.quoted('`'), filter);
+        let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(record_from).collect()
     }
 
-    async fn count(&self, scope: Option<&str>, which: Count) -> Result<u64, StoreError> {
-        let sql = admin::count_sql(
-            Dialect::Question,
-            &self.table.quoted('`'),
-            scope.is_some(),
-            which,
-        );
-        let mut query = sqlx::query_scalar::<_, i64>(&sql);
-        if let Some(scope) = scope {
-            query = query.bind(scope);
-        }
-        if let Some(t) = which.time() {
-            query = query.bind(t);
-        }
-        let n = query.fetch_one(&self.pool).await?;
-        Ok(u64::try_from(n).unwrap_or(0))
+    async fn count(&self, scope: Option<&str>, which: CountFilter) -> Result<u64, StoreError> {
+        let stmt = admin::count_stmt(Dialect::Question, &self.table.quoted('`'), scope, which);
+        let n: i64 = admin::bind_all!(sqlx::query_scalar(&stmt.sql), stmt)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(admin::count_of(n))
     }
 
     async fn purge_created_before(
@@ -345,51 +325,29 @@ impl AdminStore for MySqlStore {
         after: Option<&PurgeCursor>,
         batch: u32,
     ) -> Result<PurgeStep, StoreError> {
-        let batch = batch.max(1);
-        let sql = admin::purge_sql(
-            Dialect::Question,
-            &self.table.quoted('`'),
-            scope.is_some(),
-            after.is_some(),
-        );
-        let mut chunk = sqlx::query(&sql.chunk);
-        if let Some(scope) = scope {
-            chunk = chunk.bind(scope);
-        }
-        if let Some(c) = after {
-            chunk = chunk.bind(&c.scope).bind(&c.scope).bind(&c.key);
-        }
-        let rows = chunk.bind(i64::from(batch)).fetch_all(&self.pool).await?;
+        let t = self.table.quoted('`');
+        let chunk = admin::purge_chunk_stmt(Dialect::Question, &t, scope, after, batch);
+        let rows = admin::bind_all!(sqlx::query(&chunk.sql), chunk)
+            .fetch_all(&self.pool)
+            .await?;
         let Some(last) = rows.last() else {
-            return Ok(PurgeStep {
-                scanned: 0,
-                deleted: 0,
-                next: None,
-            });
+            return Ok(admin::purge_step(0, 0, None, batch));
         };
-        let upper = PurgeCursor {
+        let upto = PurgeCursor {
             scope: utf8(last.try_get("scope")?, "scope")?,
             key: utf8(last.try_get("idem_key")?, "key")?,
         };
-        let mut delete = sqlx::query(&sql.delete).bind(cutoff_ms);
-        if let Some(scope) = scope {
-            delete = delete.bind(scope);
-        }
-        if let Some(c) = after {
-            delete = delete.bind(&c.scope).bind(&c.scope).bind(&c.key);
-        }
-        let deleted = delete
-            .bind(&upper.scope)
-            .bind(&upper.scope)
-            .bind(&upper.key)
-            .execute(&self.pool)
+        let delete =
+            admin::purge_delete_stmt(Dialect::Question, &t, scope, cutoff_ms, after, &upto);
+        // READ COMMITTED, like the claims: InnoDB then locks only the rows it
+        // deletes, not the gaps of the range, so consumers inserting new keys
+        // into it do not wait for the purge.
+        let mut tx = self.pool.begin_with(BEGIN).await?;
+        let deleted = admin::bind_all!(sqlx::query(&delete.sql), delete)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
-        let scanned = rows.len() as u64;
-        Ok(PurgeStep {
-            scanned,
-            deleted,
-            next: (scanned >= u64::from(batch)).then_some(upper),
-        })
+        tx.commit().await?;
+        Ok(admin::purge_step(rows.len(), deleted, Some(upto), batch))
     }
 }

@@ -142,25 +142,29 @@ macro_rules! numbered_admin {
     ($store:ty) => {
         #[async_trait::async_trait]
         impl $crate::store::admin::AdminStore for $store {
+            async fn check_columns(&self) -> Result<(), $crate::store::StoreError> {
+                sqlx::query(&$crate::store::admin::check_sql(&self.table.quoted('"')))
+                    .fetch_all(&self.pool)
+                    .await?;
+                Ok(())
+            }
+
             async fn stats(
                 &self,
                 scope: Option<&str>,
                 now_ms: i64,
             ) -> Result<Vec<$crate::store::admin::ScopeStats>, $crate::store::StoreError> {
                 use sqlx::Row as _;
-                let sql = $crate::store::admin::stats_sql(
-                    $crate::store::admin::Dialect::Numbered,
+                use $crate::store::admin::{self as admin, ScopeStats};
+                let stmt = admin::stats_stmt(
+                    admin::Dialect::Numbered,
                     &self.table.quoted('"'),
-                    scope.is_some(),
+                    scope,
+                    now_ms,
                 );
-                let mut query = sqlx::query(&sql);
-                for _ in 0..7 {
-                    query = query.bind(now_ms);
-                }
-                if let Some(scope) = scope {
-                    query = query.bind(scope);
-                }
-                let rows = query.fetch_all(&self.pool).await?;
+                let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
+                    .fetch_all(&self.pool)
+                    .await?;
                 rows.iter()
                     .map(|row| {
                         let younger = [
@@ -170,14 +174,14 @@ macro_rules! numbered_admin {
                             row.try_get("b3")?,
                             row.try_get("b4")?,
                         ];
-                        Ok($crate::store::admin::ScopeStats {
+                        Ok(ScopeStats {
                             scope: row.try_get("scope")?,
-                            records: row.try_get("records")?,
-                            expired: row.try_get("expired")?,
-                            without_result: row.try_get("without_result")?,
+                            records: admin::count_of(row.try_get("records")?),
+                            expired: admin::count_of(row.try_get("expired")?),
+                            without_result: admin::count_of(row.try_get("without_result")?),
                             oldest_ms: row.try_get("oldest")?,
                             newest_ms: row.try_get("newest")?,
-                            age_buckets: $crate::store::admin::buckets(younger, row.try_get("b5")?),
+                            age_buckets: admin::buckets(younger, row.try_get("b5")?),
                         })
                     })
                     .collect::<Result<_, sqlx::Error>>()
@@ -189,27 +193,10 @@ macro_rules! numbered_admin {
                 filter: &$crate::store::admin::RecordFilter,
             ) -> Result<Vec<$crate::store::Record>, $crate::store::StoreError> {
                 use sqlx::Row as _;
-                let sql = $crate::store::admin::find_sql(
-                    $crate::store::admin::Dialect::Numbered,
-                    &self.table.quoted('"'),
-                    filter,
-                );
-                let pattern = filter
-                    .source_prefix
-                    .as_deref()
-                    .map($crate::store::admin::like_prefix);
-                let mut query = sqlx::query(&sql);
-                if let Some(scope) = &filter.scope {
-                    query = query.bind(scope);
-                }
-                if let Some(key) = &filter.key {
-                    query = query.bind(key);
-                }
-                if let Some(pattern) = &pattern {
-                    query = query.bind(pattern);
-                }
-                let rows = query
-                    .bind(i64::from(filter.limit))
+                use $crate::store::admin;
+                let stmt =
+                    admin::find_stmt(admin::Dialect::Numbered, &self.table.quoted('"'), filter);
+                let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
                     .fetch_all(&self.pool)
                     .await?;
                 rows.iter()
@@ -234,23 +221,19 @@ macro_rules! numbered_admin {
             async fn count(
                 &self,
                 scope: Option<&str>,
-                which: $crate::store::admin::Count,
+                which: $crate::store::admin::CountFilter,
             ) -> Result<u64, $crate::store::StoreError> {
-                let sql = $crate::store::admin::count_sql(
-                    $crate::store::admin::Dialect::Numbered,
+                use $crate::store::admin;
+                let stmt = admin::count_stmt(
+                    admin::Dialect::Numbered,
                     &self.table.quoted('"'),
-                    scope.is_some(),
+                    scope,
                     which,
                 );
-                let mut query = sqlx::query_scalar::<_, i64>(&sql);
-                if let Some(scope) = scope {
-                    query = query.bind(scope);
-                }
-                if let Some(t) = which.time() {
-                    query = query.bind(t);
-                }
-                let n = query.fetch_one(&self.pool).await?;
-                Ok(u64::try_from(n).unwrap_or(0))
+                let n: i64 = admin::bind_all!(sqlx::query_scalar(&stmt.sql), stmt)
+                    .fetch_one(&self.pool)
+                    .await?;
+                Ok(admin::count_of(n))
             }
 
             async fn purge_created_before(
@@ -261,54 +244,33 @@ macro_rules! numbered_admin {
                 batch: u32,
             ) -> Result<$crate::store::admin::PurgeStep, $crate::store::StoreError> {
                 use sqlx::Row as _;
-                let sql = $crate::store::admin::purge_sql(
-                    $crate::store::admin::Dialect::Numbered,
-                    &self.table.quoted('"'),
-                    scope.is_some(),
-                    after.is_some(),
-                );
-                let mut chunk = sqlx::query(&sql.chunk);
-                if let Some(scope) = scope {
-                    chunk = chunk.bind(scope);
-                }
-                if let Some(c) = after {
-                    chunk = chunk.bind(&c.scope).bind(&c.scope).bind(&c.key);
-                }
-                let rows = chunk
-                    .bind(i64::from(batch.max(1)))
+                use $crate::store::admin::{self, PurgeCursor};
+                let t = self.table.quoted('"');
+                let chunk =
+                    admin::purge_chunk_stmt(admin::Dialect::Numbered, &t, scope, after, batch);
+                let rows = admin::bind_all!(sqlx::query(&chunk.sql), chunk)
                     .fetch_all(&self.pool)
                     .await?;
                 let Some(last) = rows.last() else {
-                    return Ok($crate::store::admin::PurgeStep {
-                        scanned: 0,
-                        deleted: 0,
-                        next: None,
-                    });
+                    return Ok(admin::purge_step(0, 0, None, batch));
                 };
-                let upper = $crate::store::admin::PurgeCursor {
+                let upto = PurgeCursor {
                     scope: last.try_get("scope")?,
                     key: last.try_get("idem_key")?,
                 };
-                let mut delete = sqlx::query(&sql.delete).bind(cutoff_ms);
-                if let Some(scope) = scope {
-                    delete = delete.bind(scope);
-                }
-                if let Some(c) = after {
-                    delete = delete.bind(&c.scope).bind(&c.scope).bind(&c.key);
-                }
-                let deleted = delete
-                    .bind(&upper.scope)
-                    .bind(&upper.scope)
-                    .bind(&upper.key)
+                let delete = admin::purge_delete_stmt(
+                    admin::Dialect::Numbered,
+                    &t,
+                    scope,
+                    cutoff_ms,
+                    after,
+                    &upto,
+                );
+                let deleted = admin::bind_all!(sqlx::query(&delete.sql), delete)
                     .execute(&self.pool)
                     .await?
                     .rows_affected();
-                let scanned = rows.len() as u64;
-                Ok($crate::store::admin::PurgeStep {
-                    scanned,
-                    deleted,
-                    next: (scanned >= u64::from(batch.max(1))).then_some(upper),
-                })
+                Ok(admin::purge_step(rows.len(), deleted, Some(upto), batch))
             }
         }
     };

@@ -113,6 +113,13 @@ impl Db {
 
 /// The URL with any password replaced, for error messages.
 pub fn redact(url: &str) -> String {
+    // A password in the query string (`?password=...`): drop the query.
+    let url = match url.split_once('?') {
+        Some((base, query)) if query.to_ascii_lowercase().contains("password") => {
+            return format!("{}?***", redact(base));
+        }
+        _ => url,
+    };
     match (url.find("://"), url.rfind('@')) {
         (Some(start), Some(at)) if at > start => {
             let creds = &url[start + 3..at];
@@ -134,5 +141,9 @@ mod tests {
             "postgres://u:***@h/db"
         );
         assert_eq!(super::redact("sqlite:x.db"), "sqlite:x.db");
+        assert_eq!(
+            super::redact("mysql://u@h/db?password=secret"),
+            "mysql://u@h/db?***"
+        );
     }
 }

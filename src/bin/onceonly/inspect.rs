@@ -118,18 +118,38 @@ fn print_text(r: &Record, now: i64) {
     } else {
         ""
     };
-    out!("scope:       {}", r.scope);
-    out!("key:         {}", r.key);
+    out!("scope:       {}", printable(&r.scope));
+    out!("key:         {}", printable(&r.key));
     out!(
         "fingerprint: {}",
         r.fingerprint.map_or_else(|| "-".to_owned(), |f| f.to_hex())
     );
-    out!("source:      {}", r.source.as_deref().unwrap_or("-"));
+    out!(
+        "source:      {}",
+        printable(r.source.as_deref().unwrap_or("-"))
+    );
     out!("created:     {}", rfc3339(r.created_at_ms));
     out!("expires:     {}{state}", rfc3339(r.expires_at_ms));
     match encoding {
         "none" => out!("result:      - (none stored)"),
-        "utf8" => out!("result:      {}", result.as_str().unwrap_or_default()),
+        "utf8" => out!(
+            "result:      {}",
+            printable(result.as_str().unwrap_or_default())
+        ),
         _ => out!("result:      {result} ({encoding})"),
     }
+}
+
+/// `s` with control characters escaped, so stored bytes cannot drive the terminal.
+fn printable(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
 }

@@ -32,8 +32,8 @@ pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>
     about,
     propagate_version = true,
     after_help = "\
-Every flag also reads an environment variable (shown in each subcommand's
---help), e.g. ONCEONLY_DATABASE_URL. Logs go to stderr; use -v for more."
+--database-url and --table also read ONCEONLY_DATABASE_URL and
+ONCEONLY_TABLE. Logs go to stderr; use -v for more."
 )]
 struct Cli {
     /// More logging on stderr (-v: debug, -vv: trace).

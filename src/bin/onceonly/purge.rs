@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use onceonly::ops::{PurgeMode, PurgeOptions, PurgeProgress, purge};
+use onceonly::ops::{PurgeError, PurgeMode, PurgeOptions, PurgeProgress, purge_in_batches};
 
 use crate::db::{Db, with_store};
 use crate::time::{before_now, now_ms, parse_duration, rfc3339};
@@ -16,13 +16,16 @@ use crate::{CliResult, DbArgs, out};
     group = clap::ArgGroup::new("which").required(true).args(["expired", "older_than"]),
     after_help = "\
 Each batch is one short DELETE of at most --batch rows: never an unbounded
-DELETE, never a table lock. Consumers keep claiming while it runs.
+DELETE, never a table lock. Consumers keep claiming while it runs. Every
+batch commits on its own: interrupting a purge (Ctrl-C) is safe, and running
+it again continues where it stopped.
 
 Retention rule: a record is what makes a redelivery a duplicate. Purge a key
 only after every source that could deliver it again has given up: the
 broker's retention, the payment provider's retry window, and the window in
 which you might replay dead letters. --expired deletes what the engine's
-retention already let go; --older-than deletes by age even if not expired.
+retention already let go; --older-than deletes by age, and refuses to delete
+records that have not expired yet unless --force is given.
 
 Examples:
   onceonly purge --database-url $URL --expired
@@ -49,6 +52,9 @@ pub struct PurgeArgs {
     /// Count what would be deleted; delete nothing.
     #[arg(long)]
     dry_run: bool,
+    /// With --older-than: also delete records that have not expired yet.
+    #[arg(long)]
+    force: bool,
 }
 
 pub async fn run(args: PurgeArgs) -> CliResult {
@@ -60,33 +66,55 @@ pub async fn run(args: PurgeArgs) -> CliResult {
     let mut options = PurgeOptions::new()
         .batch(args.batch)
         .pause_between_batches(args.pause)
-        .dry_run(args.dry_run);
+        .dry_run(args.dry_run)
+        .force(args.force);
     if let Some(s) = &args.scope {
         options = options.scope(s);
     }
     let what = match mode {
         PurgeMode::CreatedBefore(cutoff) => format!("created before {}", rfc3339(cutoff)),
-        _ => "expired".to_owned(),
+        _ => "that expired".to_owned(),
     };
     let bar = ProgressBar::hidden();
     let started = Instant::now();
     let progress = with_store!(&db, |store| {
-        purge(store, mode, &options, now_ms(), |p| show(&bar, p)).await?
+        purge_in_batches(store, mode, &options, now_ms(), |p| show(&bar, p)).await
     });
+    let progress = match progress {
+        Err(PurgeError::WouldDeleteLive { live }) => {
+            return Err(format!(
+                "{live} of the records to purge have not expired yet: deleting them lets a \
+                 redelivery of their keys run again. Check with --dry-run, then pass --force \
+                 to delete them anyway"
+            )
+            .into());
+        }
+        other => other?,
+    };
     bar.finish_and_clear();
     let scope = args
         .scope
         .as_deref()
         .map_or(String::new(), |s| format!(" in scope {s:?}"));
     if progress.dry_run {
+        let live = if progress.live > 0 {
+            format!(
+                ", {} of them not expired yet (a real run needs --force)",
+                progress.live
+            )
+        } else {
+            String::new()
+        };
         out!(
-            "dry run: {} records {what}{scope} would be deleted; nothing was deleted",
-            progress.candidates
+            "dry run: {} {} {what}{scope} would be deleted{live}; nothing was deleted",
+            progress.candidates,
+            records(progress.candidates)
         );
     } else {
         out!(
-            "deleted {} records {what}{scope} in {} batches of at most {} ({} examined) in {:.1}s",
+            "deleted {} {} {what}{scope} in {} batches of at most {} ({} examined) in {:.1}s",
             progress.deleted,
+            records(progress.deleted),
             progress.batches,
             args.batch,
             progress.scanned,
@@ -94,6 +122,10 @@ pub async fn run(args: PurgeArgs) -> CliResult {
         );
     }
     Ok(())
+}
+
+fn records(n: u64) -> &'static str {
+    if n == 1 { "record" } else { "records" }
 }
 
 /// Starts the bar on the first report, then moves it.

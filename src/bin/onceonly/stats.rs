@@ -4,7 +4,7 @@ use clap::Args;
 use onceonly::store::admin::{AGE_BUCKET_LABELS, AdminStore, ScopeStats};
 
 use crate::db::{Db, with_store};
-use crate::time::{age, now_ms, rfc3339};
+use crate::time::{age, now_ms, rfc3339_seconds};
 use crate::{CliResult, DbArgs, out};
 
 /// Records per scope, an age histogram, oldest and newest, expired but not yet purged.
@@ -51,10 +51,11 @@ pub async fn run(args: StatsArgs) -> CliResult {
 }
 
 fn print_table(table: &str, stats: &[ScopeStats]) {
-    let total: i64 = stats.iter().map(|s| s.records).sum();
-    let expired: i64 = stats.iter().map(|s| s.expired).sum();
+    let total: u64 = stats.iter().map(|s| s.records).sum();
+    let expired: u64 = stats.iter().map(|s| s.expired).sum();
+    let scopes = if stats.len() == 1 { "scope" } else { "scopes" };
     out!(
-        "table {table}: {total} records in {} scopes, {expired} expired (purgeable)\n",
+        "table {table}: {total} records in {} {scopes}, {expired} expired (purgeable)\n",
         stats.len()
     );
     let width = stats
@@ -76,7 +77,7 @@ fn print_table(table: &str, stats: &[ScopeStats]) {
         let when = |ms: Option<i64>| {
             ms.map_or_else(
                 || "-".to_owned(),
-                |ms| format!("{} ({} ago)", &rfc3339(ms)[..19], age(ms)),
+                |ms| format!("{} ({} ago)", rfc3339_seconds(ms), age(ms)),
             )
         };
         out!(

@@ -19,10 +19,26 @@ pub fn before_now(age: Duration) -> i64 {
     now_ms().saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// An epoch-ms timestamp as RFC 3339 UTC with milliseconds.
+/// 10000-01-01T00:00:00Z: RFC 3339 has four-digit years.
+const YEAR_10000_MS: i64 = 253_402_300_800_000;
+
+/// An epoch-ms timestamp as RFC 3339 UTC with milliseconds; `never` from
+/// the year 10000 on (a retention of `Duration::MAX`).
 pub fn rfc3339(ms: i64) -> String {
+    if ms >= YEAR_10000_MS {
+        return "never".to_owned();
+    }
     let t = UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
     humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Like [`rfc3339`], to the second.
+pub fn rfc3339_seconds(ms: i64) -> String {
+    let mut s = rfc3339(ms);
+    if s.len() == 24 {
+        s.replace_range(19..23, "");
+    }
+    s
 }
 
 /// A short human age, e.g. `3d 4h`, of a timestamp relative to now.
@@ -52,5 +68,7 @@ mod tests {
     #[test]
     fn timestamps_format() {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_seconds(1_000), "1970-01-01T00:00:01Z");
+        assert_eq!(rfc3339(i64::MAX), "never");
     }
 }
