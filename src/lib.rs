@@ -17,6 +17,7 @@ pub mod http;
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;
 pub mod key;
+pub mod ops;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
