@@ -198,7 +198,10 @@ impl AmqpReplay {
                     position: format!("{}#{}", self.queue, report.scanned),
                     reason: header_text(h, headers::REASON),
                     key: header_text(h, headers::IDEMPOTENCY_KEY),
-                    target: destination(h).map(|(e, r)| format!("{e}/{r}")),
+                    target: destination(h).map(|(e, r)| {
+                        let e = if e.is_empty() { "(default exchange)" } else { e.as_str() };
+                        format!("{e}/{r}")
+                    }),
                 };
                 let first_seen = header_text(h, headers::FIRST_SEEN)
                     .and_then(|t| t.parse().ok())

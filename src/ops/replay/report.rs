@@ -27,7 +27,8 @@ pub struct Letter {
     pub reason: Option<String>,
     /// Its `x-onceonly-idempotency-key`, if any.
     pub key: Option<String>,
-    /// Where it goes back to: `exchange/routing-key` or `topic[/partition]`;
+    /// Where it goes back to: `exchange/routing-key` (`(default exchange)/queue`)
+    /// or `topic[/partition]`;
     /// `None` if that could not be determined.
     pub target: Option<String>,
 }
