@@ -3,9 +3,13 @@
 use std::path::PathBuf;
 use std::process::Output;
 
-/// The `onceonly` binary, built by `cargo test --workspace --all-features`
-/// into the target directory next to the tests.
+/// The `onceonly` binary: `ONCEONLY_BIN` if set, else the one built by
+/// `cargo test --workspace --all-features` into the target directory next
+/// to the tests.
 pub fn onceonly_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("ONCEONLY_BIN") {
+        return PathBuf::from(bin);
+    }
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> -> target/<profile>/onceonly
     let bin = exe
