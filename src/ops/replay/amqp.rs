@@ -1,16 +1,14 @@
 //! Replaying an AMQP dead-letter queue: `basic.get` up to the depth seen at
 //! the start, republish each selected message (publisher confirms,
 //! `mandatory`) and ack it only once confirmed; everything else is
-//! requeued at the end.
+//! requeued at the end by closing the channel.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -105,8 +103,8 @@ impl AmqpReplayBuilder {
 ///
 /// Guarantees: a dead letter is acked only after its copy was confirmed
 /// by the broker and not returned as unroutable; anything else (filtered
-/// out, dry run, failed, not reached) is requeued, at the latest when the
-/// channel closes. The run reads at most as many messages as the queue held
+/// out, dry run, failed, not reached) stays unacked and is requeued when
+/// the run closes its channel (also if the run crashes). The run reads at most as many messages as the queue held
 /// when it started, so letters dead-lettered again meanwhile are not read
 /// twice.
 pub struct AmqpReplay {
@@ -273,16 +271,13 @@ impl AmqpReplay {
             Ok(())
         }
         .await;
-        // Back to the queue, in the order they were read.
-        let requeue = BasicNackOptions {
-            multiple: false,
-            requeue: true,
-        };
-        for delivery in held {
-            if let Err(e) = delivery.acker.nack(requeue).await {
-                tracing::debug!(error = %e, "requeue failed; the broker requeues on channel close");
-            }
-        }
+        // Everything still held goes back to the queue when the source
+        // channel closes, each at its place (classic queues). Closing rather
+        // than nacking: RabbitMQ 4 counts a `nack(requeue)` as a failed
+        // delivery against a quorum queue's delivery limit, a release on
+        // channel close not, so dry runs and filtered runs never push a dead
+        // letter over the limit of a quorum dead-letter queue.
+        let requeued = held.len();
         if let Some(channel) = publisher {
             let _ = tokio::time::timeout(
                 Duration::from_secs(5),
@@ -290,11 +285,18 @@ impl AmqpReplay {
             )
             .await;
         }
-        let _ = tokio::time::timeout(
+        let closed = tokio::time::timeout(
             Duration::from_secs(5),
             source.close(200, "onceonly replay done".into()),
         )
         .await;
+        if !matches!(closed, Ok(Ok(()))) {
+            tracing::debug!(
+                requeued,
+                "source channel close failed; the connection close requeues"
+            );
+        }
+        drop(held);
         outcome.map(|()| report)
     }
 }

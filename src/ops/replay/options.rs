@@ -120,7 +120,7 @@ impl ReplayOptions {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
                 .unwrap_or(0);
-            if !first_seen_ms.is_some_and(|t| t >= since_ms) {
+            if first_seen_ms.is_none_or(|t| t < since_ms) {
                 return false;
             }
         }
