@@ -187,9 +187,31 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
     drain(&s, Arc::clone(&handler)).await;
     assert_eq!(depth(&channel, &s.dlq).await, 1);
 
+    // Replay while the consumer runs: the conflict comes straight back to
+    // the dead-letter queue, and the run must not read it a second time.
+    let stop = CancellationToken::new();
+    let consumer = tokio::spawn(
+        AmqpConsumer::builder(s.store.clone())
+            .url(url())
+            .queue(&s.queue)
+            .key_expr("json:/out_trade_no")
+            .build()
+            .expect("consumer")
+            .run_until(Arc::clone(&handler), stop.clone()),
+    );
     let run = replay(&s, &[]).await;
     assert!(run.success, "{run:?}");
-    let stats = drain(&s, Arc::clone(&handler)).await;
+    assert!(run.stdout.contains("scanned 1, replayed 1"), "{run:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while depth(&channel, &s.dlq).await < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not dead-lettered again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    let stats = consumer.await.unwrap().expect("consumer");
     assert_eq!(stats.dead_lettered, 1, "dead-lettered again");
     assert_eq!(
         handler.ledger.calls.load(Ordering::SeqCst),
@@ -370,6 +392,7 @@ async fn a_failed_republish_leaves_the_letter_and_fails_the_run() {
     publish(&channel, &s.dlq, &[gone_exchange, good, unroutable]).await;
 
     let run = replay(&s, &[]).await;
+    eprintln!("what the operator sees:\n{}{}", run.stdout, run.stderr);
     assert!(!run.success, "{run:?}");
     assert!(
         run.stdout.contains("replayed 1, skipped 0, failed 2"),
