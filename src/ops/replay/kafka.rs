@@ -152,6 +152,9 @@ impl KafkaReplayBuilder {
         self.options.validate()?;
         let mut consumer = ClientConfig::new();
         let mut producer = ClientConfig::new();
+        // One record in flight at a time: do not wait to fill a batch
+        // (overridable).
+        producer.set("linger.ms", "0");
         for c in [&mut consumer, &mut producer] {
             c.set("bootstrap.servers", &brokers);
             for (k, v) in &self.config {
