@@ -1,6 +1,7 @@
-//! The `onceonly` CLI on SQLite, which needs no services. The tests against
-//! PostgreSQL and MariaDB are in `integration-tests/tests/cli.rs`; this file
-//! also makes `cargo test` build the binary they run.
+//! The `onceonly` CLI on SQLite, which needs no services, and the `--help`
+//! of `replay`. The tests against PostgreSQL, MariaDB, RabbitMQ and Kafka are
+//! in `integration-tests/tests/{cli,replay_*}.rs`; this file also makes
+//! `cargo test --workspace --all-features` build the binary they run.
 #![cfg(all(feature = "cli", feature = "sqlite"))]
 
 use std::process::Command;
@@ -231,4 +232,47 @@ async fn live_count(store: &SqliteStore) -> i64 {
         .fetch_one(store.pool())
         .await
         .expect("count")
+}
+
+#[cfg(all(feature = "amqp", feature = "kafka"))]
+fn help(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
+        .args(args)
+        .output()
+        .expect("run onceonly");
+    assert!(out.status.success(), "{args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+#[cfg(all(feature = "amqp", feature = "kafka"))]
+fn replay_help_lists_both_sources_with_examples() {
+    let text = help(&["replay", "--help"]);
+    assert!(text.contains("amqp") && text.contains("kafka"), "{text}");
+    assert!(text.contains("Examples:"), "{text}");
+    for source in ["amqp", "kafka"] {
+        let text = help(&["replay", source, "--help"]);
+        for flag in [
+            "--reason",
+            "--since",
+            "--key",
+            "--limit",
+            "--rate",
+            "--dry-run",
+        ] {
+            assert!(text.contains(flag), "{source}: {flag} missing:\n{text}");
+        }
+        assert!(text.contains("Examples:"), "{text}");
+    }
+}
+
+#[test]
+#[cfg(feature = "amqp")]
+fn bad_flags_are_rejected_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
+        .args(["replay", "amqp", "--queue", "q", "--rate", "0/s"])
+        .output()
+        .expect("run onceonly");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rate must be positive"));
 }

@@ -23,42 +23,6 @@ pub fn example_binary(name: &str) -> PathBuf {
     bin
 }
 
-/// The path of the `onceonly` CLI binary, built next to the tests by
-/// `cargo test --workspace --all-features` (the root package's `tests/cli.rs`
-/// makes cargo build it).
-pub fn cli_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(|profile| profile.join("onceonly"))
-        .expect("target directory layout");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build --all-features --bin onceonly` \
-         (`cargo test --workspace --all-features` builds it too)",
-        bin.display()
-    );
-    bin
-}
-
-/// Runs the `onceonly` CLI with `args` to completion; returns its exit code,
-/// stdout and stderr.
-pub async fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(cli_binary())
-        .args(args)
-        .env_remove("ONCEONLY_DATABASE_URL")
-        .env_remove("ONCEONLY_TABLE")
-        .output()
-        .await
-        .unwrap_or_else(|e| panic!("run onceonly {args:?}: {e}"));
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// A child whose stderr goes to a log file, for failure messages.
 pub struct Logged {
     /// The log file.

@@ -56,3 +56,41 @@ impl Handler<Postgres> for Ledger {
         }
     }
 }
+
+/// The [`Ledger`] behind a downstream that can be down: while `down` is
+/// set every message fails permanently (and is dead-lettered), as in an
+/// outage that outlasts the retries.
+#[derive(Default)]
+pub struct Outage {
+    /// The ledger handler that runs while the downstream is up.
+    pub ledger: Ledger,
+    /// Whether the downstream is down.
+    pub down: std::sync::atomic::AtomicBool,
+}
+
+impl Outage {
+    /// A handler whose downstream is down.
+    pub fn down() -> Self {
+        let h = Self::default();
+        h.down.store(true, Ordering::SeqCst);
+        h
+    }
+}
+
+#[async_trait]
+impl Handler<Postgres> for Outage {
+    type Input = Json<serde_json::Value>;
+    type Output = Receipt;
+
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        input: Json<serde_json::Value>,
+        d: &Delivery,
+    ) -> Result<Receipt, HandlerError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(HandlerError::permanent("downstream unavailable"));
+        }
+        self.ledger.handle(conn, input, d).await
+    }
+}

@@ -11,12 +11,18 @@ use onceonly::{
     Clock as _, Delivery, Engine, HandlerError, Json, KeySpec, MySqlStore, Outcome, PgStore,
     SqlStore, SystemClock, handler_fn,
 };
-use onceonly_integration_tests::child::run_cli;
+use onceonly_integration_tests::cli::onceonly;
 use onceonly_integration_tests::{
     BusinessSql, Pay, mysql_store, mysql_url, pay, pg_store, pg_url, unique,
 };
 
 const DAY_MS: i64 = 86_400_000;
+
+/// Runs the CLI; returns its exit status, stdout and stderr.
+async fn run_cli(args: &[&str]) -> (i32, String, String) {
+    let run = onceonly(args).await;
+    (run.code, run.stdout, run.stderr)
+}
 
 /// Seeds `n` records of `scope` claimed `age_ms` ago that expire at
 /// `expires_offset_ms` from now, with one SQL statement (generated rows).

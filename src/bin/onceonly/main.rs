@@ -5,6 +5,8 @@ mod db;
 mod inspect;
 mod migrate;
 mod purge;
+#[cfg(any(feature = "amqp", feature = "kafka"))]
+mod replay;
 mod stats;
 mod time;
 
@@ -49,6 +51,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     Purge(purge::PurgeArgs),
     Stats(stats::StatsArgs),
+    /// Replay dead letters back to where they came from.
+    #[cfg(any(feature = "amqp", feature = "kafka"))]
+    Replay(replay::ReplayArgs),
 }
 
 /// Where the dedup table lives.
@@ -89,6 +94,8 @@ fn main() -> ExitCode {
             Command::Inspect(a) => inspect::run(a).await,
             Command::Purge(a) => purge::run(a).await.map(|()| ExitCode::SUCCESS),
             Command::Stats(a) => stats::run(a).await.map(|()| ExitCode::SUCCESS),
+            #[cfg(any(feature = "amqp", feature = "kafka"))]
+            Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
         }
     });
     match result {

@@ -1,0 +1,417 @@
+//! `onceonly replay amqp` (the real binary) against RabbitMQ and the AMQP
+//! consumer on PostgreSQL: replayed dead letters dedupe, conflicts stay
+//! conflicts, filters and dry runs leave the queue alone, failures stay.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use onceonly::amqp::{AmqpConsumer, AmqpStats, CancellationToken, headers};
+use onceonly::ops::replay::REPLAYED_FROM;
+use onceonly::{Delivery, Engine, PgStore, SqlStore};
+use onceonly_integration_tests::amqp::{
+    Msg, connect, declare_queue, depth, header, publish, take, url,
+};
+use onceonly_integration_tests::cli::onceonly;
+use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::handler::{Ledger, Outage};
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::ledger::{assert_exact, payment};
+use onceonly_integration_tests::{pg_store, unique};
+use sqlx::PgPool;
+
+struct Setup {
+    queue: String,
+    dlq: String,
+    store: PgStore,
+    pool: PgPool,
+}
+
+async fn setup(name: &str) -> Setup {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let queue = unique(name);
+    let url = pg_schema(name).await;
+    let store = pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    declare_queue(&channel, &format!("{queue}.dlq")).await;
+    Setup {
+        dlq: format!("{queue}.dlq"),
+        queue,
+        pool: store.pool().clone(),
+        store,
+    }
+}
+
+/// Runs the consumer (one handler at a time) until the queue is idle.
+async fn drain<H>(s: &Setup, handler: Arc<H>) -> AmqpStats
+where
+    H: onceonly::Handler<sqlx::Postgres> + 'static,
+{
+    let run = AmqpConsumer::builder(s.store.clone())
+        .url(url())
+        .queue(&s.queue)
+        .key_expr("json:/out_trade_no")
+        .concurrency(1)
+        .exit_when_idle(Duration::from_secs(1))
+        .build()
+        .expect("consumer")
+        .run_until(handler, CancellationToken::new());
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("consumer did not drain within 60 s")
+        .expect("consumer failed")
+}
+
+async fn replay(s: &Setup, extra: &[&str]) -> onceonly_integration_tests::cli::Run {
+    let url = url();
+    let mut args = vec![
+        "replay",
+        "amqp",
+        "--url",
+        url.as_str(),
+        "--queue",
+        s.dlq.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    onceonly(&args).await
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// A dead letter as the consumer writes it, bound back to `queue`.
+fn dead_letter(
+    queue: &str,
+    body: Vec<u8>,
+    reason: &str,
+    key: Option<&str>,
+    first_seen: i64,
+) -> Msg {
+    let mut m = Msg::new(body);
+    m.message_id = Some(unique("mid"));
+    m.correlation_id = Some("corr-1".into());
+    m.headers = vec![
+        (headers::REASON.into(), reason.into()),
+        (headers::ERROR.into(), "boom".into()),
+        (headers::ATTEMPTS.into(), "3".into()),
+        (headers::ORIGINAL_EXCHANGE.into(), String::new()),
+        (headers::ORIGINAL_ROUTING_KEY.into(), queue.into()),
+        (headers::QUEUE.into(), queue.into()),
+        (headers::FIRST_SEEN.into(), first_seen.to_string()),
+        ("trace-id".into(), "t-1".into()),
+    ];
+    if let Some(k) = key {
+        m.headers.push((headers::IDEMPOTENCY_KEY.into(), k.into()));
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
+    let s = setup("rpa_dedup").await;
+    let (_conn, channel) = connect().await;
+    // The downstream is down: four payments end in the dead-letter queue.
+    let mut expected = BTreeMap::new();
+    let mut messages = Vec::new();
+    for i in 1..=4 {
+        let no = format!("K-{i}");
+        messages.push(Msg::new(payment(&no, "acct", 10 * i)));
+        expected.insert(no, ("acct".to_owned(), 10 * i));
+    }
+    publish(&channel, &s.queue, &messages).await;
+    let stats = drain(&s, Arc::new(Outage::down())).await;
+    assert_eq!(stats.dead_lettered, 4);
+    assert_eq!(depth(&channel, &s.dlq).await, 4);
+    // Meanwhile K-1 and K-2 were sent again and went through.
+    let engine = Engine::builder(s.store.clone())
+        .scope(s.queue.as_str())
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let earlier = Ledger::default();
+    for no in ["K-1", "K-2"] {
+        let (account, amount) = &expected[no];
+        let d = Delivery::new(payment(no, account, *amount));
+        assert!(engine.process(&earlier, &d).await.outcome.is_done());
+    }
+
+    let run = replay(&s, &[]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 4"), "{run:?}");
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        0,
+        "replayed letters are acked"
+    );
+    assert_eq!(depth(&channel, &s.queue).await, 4);
+
+    let handler = Arc::new(Outage::default());
+    let stats = drain(&s, Arc::clone(&handler)).await;
+    assert_exact(&s.pool, &expected).await;
+    assert_eq!(
+        handler.ledger.calls.load(Ordering::SeqCst),
+        2,
+        "only K-3 and K-4 ran"
+    );
+    assert_eq!((stats.processed, stats.duplicates), (2, 2));
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        0,
+        "nothing dead-lettered again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
+    let s = setup("rpa_conflict").await;
+    let (_conn, channel) = connect().await;
+    publish(
+        &channel,
+        &s.queue,
+        &[
+            Msg::new(payment("P-1", "alice", 10)),
+            Msg::new(payment("P-1", "alice", 999)),
+        ],
+    )
+    .await;
+    let handler = Arc::new(Outage::default());
+    drain(&s, Arc::clone(&handler)).await;
+    assert_eq!(depth(&channel, &s.dlq).await, 1);
+
+    // Replay while the consumer runs: the conflict comes straight back to
+    // the dead-letter queue, and the run must not read it a second time.
+    let stop = CancellationToken::new();
+    let consumer = tokio::spawn(
+        AmqpConsumer::builder(s.store.clone())
+            .url(url())
+            .queue(&s.queue)
+            .key_expr("json:/out_trade_no")
+            .build()
+            .expect("consumer")
+            .run_until(Arc::clone(&handler), stop.clone()),
+    );
+    let run = replay(&s, &[]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("scanned 1, replayed 1"), "{run:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while depth(&channel, &s.dlq).await < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not dead-lettered again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    let stats = consumer.await.unwrap().expect("consumer");
+    assert_eq!(stats.dead_lettered, 1, "dead-lettered again");
+    assert_eq!(
+        handler.ledger.calls.load(Ordering::SeqCst),
+        1,
+        "the handler never ran for the conflict"
+    );
+    let expected = BTreeMap::from([("P-1".to_owned(), ("alice".to_owned(), 10))]);
+    assert_exact(&s.pool, &expected).await;
+    let dead = take(&channel, &s.dlq, 1, Duration::from_secs(5)).await;
+    assert_eq!(dead.len(), 1);
+    let p = &dead[0].delivery.properties;
+    assert_eq!(
+        header(p, headers::REASON).as_deref(),
+        Some("fingerprint_mismatch")
+    );
+    assert_eq!(header(p, REPLAYED_FROM).as_deref(), Some(s.dlq.as_str()));
+    assert_eq!(dead[0].delivery.data, payment("P-1", "alice", 999));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn filters_dry_run_and_limit_leave_the_rest_in_the_queue() {
+    let s = setup("rpa_filter").await;
+    let (_conn, channel) = connect().await;
+    let now = now_ms();
+    let old = now - 3 * 24 * 3600 * 1000;
+    let q = s.queue.as_str();
+    publish(
+        &channel,
+        &s.dlq,
+        &[
+            dead_letter(q, payment("F-1", "a", 1), "handler_error", Some("F-1"), now),
+            dead_letter(q, b"{not json".to_vec(), "decode_error", None, now),
+            dead_letter(q, payment("F-3", "a", 3), "handler_error", Some("F-3"), old),
+            dead_letter(q, br#"{"amount":4}"#.to_vec(), "bad_key", None, now),
+        ],
+    )
+    .await;
+
+    let run = replay(&s, &["--dry-run"]).await;
+    assert!(run.success, "{run:?}");
+    assert_eq!(
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("would replay "))
+            .count(),
+        4,
+        "{run:?}"
+    );
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        4,
+        "a dry run changes nothing"
+    );
+    assert_eq!(depth(&channel, &s.queue).await, 0);
+
+    let run = replay(&s, &["--key", "F-3", "--dry-run"]).await;
+    assert!(run.success, "{run:?}");
+    assert_eq!(
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("would replay "))
+            .count(),
+        1,
+        "{run:?}"
+    );
+    assert!(run.stdout.contains("key F-3"), "{run:?}");
+
+    let run = replay(&s, &["--reason", "handler_error", "--since", "1h"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 1, skipped 3"), "{run:?}");
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        3,
+        "filtered-out letters stay"
+    );
+    let replayed = take(&channel, &s.queue, 1, Duration::from_secs(5)).await;
+    assert_eq!(replayed.len(), 1);
+    let m = &replayed[0].delivery;
+    assert_eq!(m.data, payment("F-1", "a", 1));
+    let p = &m.properties;
+    for gone in [headers::REASON, headers::ERROR, headers::ATTEMPTS] {
+        assert_eq!(header(p, gone), None, "{gone} stripped");
+    }
+    assert_eq!(header(p, headers::IDEMPOTENCY_KEY).as_deref(), Some("F-1"));
+    assert_eq!(header(p, "trace-id").as_deref(), Some("t-1"));
+    assert_eq!(header(p, REPLAYED_FROM).as_deref(), Some(s.dlq.as_str()));
+    assert_eq!(
+        p.correlation_id().as_ref().map(|c| c.as_str()),
+        Some("corr-1")
+    );
+    assert!(p.message_id().is_some());
+
+    let run = replay(&s, &["--limit", "2", "--rate", "20/s"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 2"), "{run:?}");
+    assert_eq!(depth(&channel, &s.dlq).await, 1, "the limit leaves one");
+    assert_eq!(depth(&channel, &s.queue).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rabbitmq_dead_lettered_messages_go_back_by_x_death() {
+    let s = setup("rpa_xdeath").await;
+    let (_conn, channel) = connect().await;
+    // A work queue dead-lettering by RabbitMQ itself into the DLQ.
+    let work = unique("rpa_work");
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(LongString::from("")),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(LongString::from(s.dlq.as_bytes())),
+    );
+    channel
+        .queue_declare(
+            work.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+    publish(&channel, &work, &[Msg::new(payment("X-1", "a", 1))]).await;
+    let got = channel
+        .basic_get(work.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message");
+    got.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while depth(&channel, &s.dlq).await < 1 {
+        assert!(std::time::Instant::now() < deadline, "not dead-lettered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let run = replay(&s, &[]).await;
+    assert!(run.success, "{run:?}");
+    assert_eq!(depth(&channel, &s.dlq).await, 0);
+    let back = take(&channel, &work, 1, Duration::from_secs(5)).await;
+    assert_eq!(back.len(), 1, "back in the work queue");
+    assert_eq!(back[0].delivery.data, payment("X-1", "a", 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_republish_leaves_the_letter_and_fails_the_run() {
+    let s = setup("rpa_fail").await;
+    let (_conn, channel) = connect().await;
+    let now = now_ms();
+    let mut gone_exchange = dead_letter(
+        &s.queue,
+        payment("G-1", "a", 1),
+        "handler_error",
+        Some("G-1"),
+        now,
+    );
+    gone_exchange.headers[3].1 = unique("no_such_exchange");
+    let good = dead_letter(
+        &s.queue,
+        payment("G-2", "a", 2),
+        "handler_error",
+        Some("G-2"),
+        now,
+    );
+    let unroutable = dead_letter(
+        &unique("no_such_queue"),
+        payment("G-3", "a", 3),
+        "handler_error",
+        Some("G-3"),
+        now,
+    );
+    publish(&channel, &s.dlq, &[gone_exchange, good, unroutable]).await;
+
+    let run = replay(&s, &[]).await;
+    eprintln!("what the operator sees:\n{}{}", run.stdout, run.stderr);
+    assert!(!run.success, "{run:?}");
+    assert!(
+        run.stdout.contains("replayed 1, skipped 0, failed 2"),
+        "{run:?}"
+    );
+    assert!(
+        run.stderr
+            .contains("2 dead letter(s) could not be replayed"),
+        "{run:?}"
+    );
+    assert!(
+        run.stderr.contains("NOT_FOUND") || run.stderr.contains("not found"),
+        "{run:?}"
+    );
+    assert!(run.stderr.contains("unroutable"), "{run:?}");
+    assert_eq!(depth(&channel, &s.dlq).await, 2, "failed letters stay");
+    assert_eq!(
+        depth(&channel, &s.queue).await,
+        1,
+        "the good one went through"
+    );
+}

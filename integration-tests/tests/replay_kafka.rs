@@ -1,0 +1,313 @@
+//! `onceonly replay kafka` (the real binary) against a Kafka-compatible
+//! broker (tansu) and the Kafka consumer on PostgreSQL: replayed dead
+//! letters dedupe, conflicts stay conflicts, dead-letter offsets are
+//! committed only past what is done, filters and dry runs are honoured.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+use onceonly::ops::replay::REPLAYED_FROM;
+use onceonly::{Delivery, Engine, PgStore, SqlStore};
+use onceonly_integration_tests::cli::{Run, onceonly};
+use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::handler::{Ledger, Outage};
+use onceonly_integration_tests::kafka::{
+    Record, brokers, committed, create_topic, header, pg_schema, produce, read_all,
+};
+use onceonly_integration_tests::ledger::{assert_exact, payment};
+use onceonly_integration_tests::{pg_store, unique};
+use rdkafka::Message;
+use sqlx::PgPool;
+
+struct Setup {
+    topic: String,
+    dlt: String,
+    group: String,
+    store: PgStore,
+    pool: PgPool,
+}
+
+async fn setup(name: &str) -> Setup {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let topic = unique(name);
+    let dlt = format!("{topic}.dlt");
+    create_topic(&topic, 1).await;
+    create_topic(&dlt, 1).await;
+    let url = pg_schema(name).await;
+    let store = pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    Setup {
+        group: unique("group"),
+        pool: store.pool().clone(),
+        topic,
+        dlt,
+        store,
+    }
+}
+
+/// Runs the consumer until the topic is idle.
+async fn drain<H>(s: &Setup, handler: Arc<H>)
+where
+    H: onceonly::Handler<sqlx::Postgres> + 'static,
+{
+    let run = KafkaConsumer::builder(s.store.clone())
+        .brokers(brokers())
+        .group_id(&s.group)
+        .topic(&s.topic)
+        .key_expr("json:/out_trade_no")
+        .consumer_config("session.timeout.ms", "6000")
+        // One record per batch on the dead-letter topic (tansu, see
+        // integration-tests/src/kafka.rs).
+        .producer_config("batch.num.messages", "1")
+        .exit_when_idle(Duration::from_secs(2))
+        .build()
+        .expect("consumer")
+        .run_until(handler, CancellationToken::new());
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("consumer did not drain within 60 s")
+        .expect("consumer failed");
+}
+
+async fn replay(s: &Setup, group: &str, extra: &[&str]) -> Run {
+    let brokers = brokers();
+    let mut args = vec![
+        "replay",
+        "kafka",
+        "--brokers",
+        brokers.as_str(),
+        "--topic",
+        s.dlt.as_str(),
+        "--group",
+        group,
+    ];
+    args.extend_from_slice(extra);
+    onceonly(&args).await
+}
+
+/// A dead letter as the consumer writes it.
+fn dead_letter(topic: &str, key: &str, body: Vec<u8>, reason: &str) -> Record {
+    Record::new(key, body)
+        .header("trace-id", "t-1")
+        .header(headers::ORIGINAL_TOPIC, topic)
+        .header(headers::ORIGINAL_PARTITION, "0")
+        .header(headers::ORIGINAL_OFFSET, "7")
+        .header(headers::REASON, reason)
+        .header(headers::ERROR, "boom")
+        .header(headers::ATTEMPTS, "3")
+        .header(headers::IDEMPOTENCY_KEY, key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replayed_dead_letters_dedupe_and_commit_the_dead_letter_offsets() {
+    let s = setup("rpk_dedup").await;
+    let mut expected = BTreeMap::new();
+    let mut records = Vec::new();
+    for i in 1..=4 {
+        let no = format!("K-{i}");
+        records.push(Record::new(no.clone(), payment(&no, "acct", 10 * i)));
+        expected.insert(no, ("acct".to_owned(), 10 * i));
+    }
+    produce(&s.topic, &records).await;
+    // The downstream is down: all four are dead-lettered.
+    drain(&s, Arc::new(Outage::down())).await;
+    assert_eq!(read_all(&s.dlt, 1, 4, Duration::from_secs(10)).len(), 4);
+    // Meanwhile K-1 and K-2 were sent again and went through.
+    let engine = Engine::builder(s.store.clone())
+        .scope(s.group.as_str())
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let earlier = Ledger::default();
+    for no in ["K-1", "K-2"] {
+        let (account, amount) = &expected[no];
+        let d = Delivery::new(payment(no, account, *amount));
+        assert!(engine.process(&earlier, &d).await.outcome.is_done());
+    }
+
+    let group = unique("replay");
+    let run = replay(&s, &group, &[]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 4"), "{run:?}");
+    assert_eq!(
+        committed(&group, &s.dlt, 1)[&0],
+        4,
+        "dead-letter offsets committed"
+    );
+    // A second run finds nothing left.
+    let run = replay(&s, &group, &[]).await;
+    assert!(run.stdout.contains("scanned 0"), "{run:?}");
+
+    let handler = Arc::new(Outage::default());
+    drain(&s, Arc::clone(&handler)).await;
+    assert_exact(&s.pool, &expected).await;
+    assert_eq!(
+        handler.ledger.calls.load(Ordering::SeqCst),
+        2,
+        "only K-3 and K-4 ran"
+    );
+    assert_eq!(
+        read_all(&s.dlt, 1, 5, Duration::from_secs(2)).len(),
+        4,
+        "nothing dead-lettered again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
+    let s = setup("rpk_conflict").await;
+    produce(
+        &s.topic,
+        &[
+            Record::new("P-1", payment("P-1", "alice", 10)),
+            Record::new("P-1", payment("P-1", "alice", 999)),
+        ],
+    )
+    .await;
+    let handler = Arc::new(Outage::default());
+    drain(&s, Arc::clone(&handler)).await;
+    assert_eq!(read_all(&s.dlt, 1, 1, Duration::from_secs(10)).len(), 1);
+
+    let group = unique("replay");
+    let run = replay(&s, &group, &[]).await;
+    assert!(run.success, "{run:?}");
+    drain(&s, Arc::clone(&handler)).await;
+    let dead = read_all(&s.dlt, 1, 2, Duration::from_secs(10));
+    assert_eq!(dead.len(), 2, "dead-lettered again");
+    assert_eq!(
+        header(&dead[1], headers::REASON),
+        Some("fingerprint_mismatch")
+    );
+    assert_eq!(
+        dead[1].payload(),
+        Some(payment("P-1", "alice", 999).as_slice())
+    );
+    assert_eq!(handler.ledger.calls.load(Ordering::SeqCst), 1);
+    let expected = BTreeMap::from([("P-1".to_owned(), ("alice".to_owned(), 10))]);
+    assert_exact(&s.pool, &expected).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn filters_dry_run_and_limit_commit_only_what_is_done() {
+    let s = setup("rpk_filter").await;
+    let t = s.topic.as_str();
+    produce(
+        &s.dlt,
+        &[
+            dead_letter(t, "F-0", payment("F-0", "a", 1), "handler_error"),
+            dead_letter(t, "F-1", b"{not json".to_vec(), "decode_error"),
+            dead_letter(t, "F-2", payment("F-2", "a", 2), "handler_error"),
+            dead_letter(t, "F-3", br#"{"amount":3}"#.to_vec(), "bad_key"),
+        ],
+    )
+    .await;
+
+    // Dry run: prints, publishes and commits nothing.
+    let group = unique("replay");
+    let run = replay(&s, &group, &["--dry-run"]).await;
+    assert!(run.success, "{run:?}");
+    let would = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("would replay "))
+        .count();
+    assert_eq!(would, 4, "{run:?}");
+    assert_eq!(
+        committed(&group, &s.dlt, 1)[&0],
+        -1,
+        "a dry run commits nothing"
+    );
+
+    // Only decode_error: replayed, but not committed past the skipped F-0.
+    let run = replay(&s, &group, &["--reason", "decode_error"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 1, skipped 3"), "{run:?}");
+    assert!(
+        run.stdout.contains("1 replayed but not committed"),
+        "{run:?}"
+    );
+    assert!(
+        committed(&group, &s.dlt, 1)[&0] <= 0,
+        "nothing committed past F-0"
+    );
+    let back = read_all(&s.topic, 1, 1, Duration::from_secs(10));
+    assert_eq!(back.len(), 1);
+    let m = &back[0];
+    assert_eq!(m.key(), Some("F-1".as_bytes()));
+    assert_eq!(m.payload(), Some(b"{not json".as_slice()));
+    assert_eq!(header(m, "trace-id"), Some("t-1"));
+    for gone in [
+        headers::REASON,
+        headers::ERROR,
+        headers::ATTEMPTS,
+        headers::ORIGINAL_TOPIC,
+    ] {
+        assert_eq!(header(m, gone), None, "{gone} stripped");
+    }
+    assert_eq!(
+        header(m, REPLAYED_FROM),
+        Some(format!("{}/0/1", s.dlt).as_str())
+    );
+
+    // --limit 1 on a fresh group: F-0 replayed and committed, nothing more.
+    let limited = unique("replay");
+    let run = replay(&s, &limited, &["--limit", "1"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("scanned 1, replayed 1"), "{run:?}");
+    assert_eq!(committed(&limited, &s.dlt, 1)[&0], 1);
+
+    // handler_error with --commit-skipped: F-0 and F-2 replayed, the
+    // skipped ones committed past too.
+    let skipping = unique("replay");
+    let run = replay(
+        &s,
+        &skipping,
+        &[
+            "--reason",
+            "handler_error",
+            "--commit-skipped",
+            "--rate",
+            "50/s",
+        ],
+    )
+    .await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 2, skipped 2"), "{run:?}");
+    assert_eq!(committed(&skipping, &s.dlt, 1)[&0], 4);
+    assert_eq!(read_all(&s.topic, 1, 4, Duration::from_secs(10)).len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_record_that_cannot_be_replayed_stops_its_partition_and_fails_the_run() {
+    let s = setup("rpk_fail").await;
+    let t = s.topic.as_str();
+    produce(
+        &s.dlt,
+        &[
+            dead_letter(t, "G-0", payment("G-0", "a", 1), "handler_error"),
+            // Not a onceonly dead letter: no original topic.
+            Record::new("G-1", payment("G-1", "a", 2)).header(headers::REASON, "handler_error"),
+            dead_letter(t, "G-2", payment("G-2", "a", 3), "handler_error"),
+        ],
+    )
+    .await;
+    let group = unique("replay");
+    let run = replay(&s, &group, &[]).await;
+    assert!(!run.success, "{run:?}");
+    assert!(
+        run.stdout.contains("replayed 1, skipped 0, failed 1"),
+        "{run:?}"
+    );
+    assert!(run.stderr.contains("could not be replayed"), "{run:?}");
+    assert!(run.stderr.contains(headers::ORIGINAL_TOPIC), "{run:?}");
+    assert_eq!(
+        committed(&group, &s.dlt, 1)[&0],
+        1,
+        "committed up to the failed record"
+    );
+    let back = read_all(&s.topic, 1, 2, Duration::from_secs(3));
+    assert_eq!(back.len(), 1, "G-2 waits behind the failed record");
+}

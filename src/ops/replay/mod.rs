@@ -1,0 +1,62 @@
+//! Replaying dead letters back to where they came from (features `amqp`,
+//! `kafka`): the library behind `onceonly replay`.
+//!
+//! A dead letter is a message the consumer could not process: a handler
+//! error after the retries, a key reused with another payload
+//! (`fingerprint_mismatch`), a missing key, an undecodable body. Once the
+//! cause is fixed (a bug deployed, a downstream service back), replay sends
+//! them back to the original exchange and routing key ([`AmqpReplay`]) or
+//! topic ([`KafkaReplay`]), where the onceonly consumer processes them like
+//! any delivery:
+//! - a key that was committed in the meantime (the message was sent again
+//!   and went through) is a **duplicate**: acknowledged, nothing doubled;
+//! - a key never committed is processed **once**;
+//! - a key reused with another payload is still a **conflict**: dead-lettered
+//!   again with `fingerprint_mismatch`, never a success.
+//!
+//! So replaying is always safe against dedup, as long as the dedup records
+//! are still retained (the retention must exceed the replay horizon).
+//!
+//! Selection ([`ReplayOptions`]): by reason, idempotency key, first-seen
+//! time, a limit, a rate, and a dry run. What is not replayed stays where it
+//! is; see [`AmqpReplay`] and [`KafkaReplay`] for how each transport keeps
+//! it, and [`Report`] for the counts. Progress callbacks
+//! ([`AmqpReplayBuilder::on_progress`], [`KafkaReplayBuilder::on_progress`])
+//! feed progress bars.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), onceonly::ops::replay::ReplayError> {
+//! use onceonly::ops::replay::{AmqpReplay, ReplayOptions};
+//! let report = AmqpReplay::builder()
+//!     .url("amqp://guest:guest@127.0.0.1:5672/%2f")
+//!     .queue("orders.dlq")
+//!     .options(ReplayOptions::new().reason("handler_error").limit(100))
+//!     .build()?
+//!     .run()
+//!     .await?;
+//! println!("{} replayed, {} failed", report.replayed, report.failed);
+//! # Ok(()) }
+//! ```
+
+#[cfg(feature = "amqp")]
+mod amqp;
+mod error;
+#[cfg(feature = "kafka")]
+mod kafka;
+mod options;
+mod report;
+
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub use amqp::{AmqpReplay, AmqpReplayBuilder};
+pub use error::ReplayError;
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use kafka::{DEFAULT_GROUP, KafkaReplay, KafkaReplayBuilder};
+pub use options::ReplayOptions;
+pub use report::{Action, Failure, Letter, Progress, ProgressFn, Report};
+
+/// Header added to every replayed copy: where it was replayed from (the
+/// dead-letter queue, or `<topic>/<partition>/<offset>` of the dead-letter
+/// topic).
+pub const REPLAYED_FROM: &str = "x-onceonly-replayed-from";

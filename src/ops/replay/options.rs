@@ -1,0 +1,194 @@
+//! What to replay and how fast: filters, limit, rate, dry run.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::ReplayError;
+
+/// Settings shared by the AMQP and Kafka replays. All filters must match
+/// for a dead letter to be replayed; repeated values of one filter are
+/// alternatives (`reason A or B`).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct ReplayOptions {
+    pub(crate) reasons: Vec<String>,
+    pub(crate) keys: Vec<String>,
+    pub(crate) since: Option<SystemTime>,
+    pub(crate) limit: Option<u64>,
+    pub(crate) rate: Option<f64>,
+    pub(crate) dry_run: bool,
+    pub(crate) publish_timeout: Option<Duration>,
+}
+
+impl ReplayOptions {
+    /// Replays everything, as fast as the broker confirms.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only dead letters with this `x-onceonly-reason` (call again to allow
+    /// several), e.g. `handler_error`.
+    #[must_use]
+    pub fn reason(mut self, reason: impl Into<String>) -> Self {
+        self.reasons.push(reason.into());
+        self
+    }
+
+    /// Only dead letters with this `x-onceonly-idempotency-key` (call again
+    /// to allow several).
+    #[must_use]
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.keys.push(key.into());
+        self
+    }
+
+    /// Only dead letters first seen at or after `since`: by the
+    /// `x-onceonly-first-seen` header, else the message timestamp. A dead
+    /// letter with neither does not match.
+    #[must_use]
+    pub fn since(mut self, since: SystemTime) -> Self {
+        self.since = Some(since);
+        self
+    }
+
+    /// Acts on at most `n` matching dead letters (replayed or failed), then
+    /// stops reading.
+    #[must_use]
+    pub fn limit(mut self, n: u64) -> Self {
+        self.limit = Some(n);
+        self
+    }
+
+    /// At most `per_second` republishes per second (evenly spaced).
+    #[must_use]
+    pub fn rate(mut self, per_second: f64) -> Self {
+        self.rate = Some(per_second);
+        self
+    }
+
+    /// Reads and filters, reports what would be replayed, and leaves every
+    /// dead letter where it is (nothing published, acked or committed).
+    #[must_use]
+    pub fn dry_run(mut self, dry_run: bool) -> Self {
+        self.dry_run = dry_run;
+        self
+    }
+
+    /// How long one republish may wait for the broker's confirmation
+    /// (default 30 s); past it, the dead letter counts as failed.
+    #[must_use]
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = Some(timeout);
+        self
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.publish_timeout.unwrap_or(Duration::from_secs(30))
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ReplayError> {
+        if let Some(rate) = self.rate {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(ReplayError::Config(format!(
+                    "rate must be a positive number of messages per second, got {rate}"
+                )));
+            }
+        }
+        if self.publish_timeout == Some(Duration::ZERO) {
+            return Err(ReplayError::Config(
+                "publish timeout must not be zero".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a dead letter with these attributes is selected.
+    pub(crate) fn matches(
+        &self,
+        reason: Option<&str>,
+        key: Option<&str>,
+        first_seen_ms: Option<i64>,
+    ) -> bool {
+        if !self.reasons.is_empty() && !reason.is_some_and(|r| self.reasons.iter().any(|x| x == r))
+        {
+            return false;
+        }
+        if !self.keys.is_empty() && !key.is_some_and(|k| self.keys.iter().any(|x| x == k)) {
+            return false;
+        }
+        if let Some(since) = self.since {
+            let since_ms = since
+                .duration_since(UNIX_EPOCH)
+                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+                .unwrap_or(0);
+            if first_seen_ms.is_none_or(|t| t < since_ms) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether `acted` matching letters reach the limit.
+    pub(crate) fn limit_reached(&self, acted: u64) -> bool {
+        self.limit.is_some_and(|n| acted >= n)
+    }
+
+    pub(crate) fn pacer(&self) -> Pacer {
+        Pacer {
+            interval: self.rate.filter(|_| !self.dry_run).map(|r| {
+                let mut i = tokio::time::interval(Duration::from_secs_f64(1.0 / r));
+                i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                i
+            }),
+        }
+    }
+}
+
+/// Spaces republishes evenly when a rate is set.
+pub(crate) struct Pacer {
+    interval: Option<tokio::time::Interval>,
+}
+
+impl Pacer {
+    /// Waits for the next slot (the first is immediate).
+    pub(crate) async fn wait(&mut self) {
+        if let Some(i) = &mut self.interval {
+            i.tick().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_combine_with_and_values_with_or() {
+        let o = ReplayOptions::new()
+            .reason("handler_error")
+            .reason("decode_error");
+        assert!(o.matches(Some("decode_error"), None, None));
+        assert!(!o.matches(Some("fingerprint_mismatch"), None, None));
+        assert!(!o.matches(None, None, None), "no reason header: no match");
+        let o = o.key("K-1");
+        assert!(o.matches(Some("handler_error"), Some("K-1"), None));
+        assert!(!o.matches(Some("handler_error"), Some("K-2"), None));
+        let since = UNIX_EPOCH + Duration::from_millis(10_000);
+        let o = ReplayOptions::new().since(since);
+        assert!(o.matches(None, None, Some(10_000)));
+        assert!(!o.matches(None, None, Some(9_999)));
+        assert!(!o.matches(None, None, None), "undated: no match");
+        assert!(ReplayOptions::new().matches(None, None, None));
+    }
+
+    #[test]
+    fn bad_rate_is_a_config_error() {
+        for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(
+                ReplayOptions::new().rate(rate).validate(),
+                Err(ReplayError::Config(_))
+            ));
+        }
+        assert!(ReplayOptions::new().rate(0.5).validate().is_ok());
+        assert!(ReplayOptions::new().limit(0).limit_reached(0));
+    }
+}
