@@ -21,6 +21,7 @@ pub mod key;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 pub mod store;
+pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use delivery::Delivery;

@@ -76,7 +76,7 @@ mod offsets;
 mod partition;
 mod worker;
 
-pub use builder::KafkaConsumerBuilder;
+pub use builder::{DEFAULT_STATISTICS_INTERVAL, KafkaConsumerBuilder};
 pub use consumer::KafkaConsumer;
 pub use dead_letter::headers;
 pub use error::ConsumerError;
