@@ -22,6 +22,8 @@
 
 #[path = "support/ledger.rs"]
 mod ledger;
+#[path = "support/metrics.rs"]
+mod metrics_endpoint;
 #[path = "support/webhook_app.rs"]
 mod webhook_app;
 
@@ -46,6 +48,8 @@ struct Args {
     /// Shared secret: enables HMAC signature checks on the callback route.
     #[arg(long, env = "WEBHOOK_SECRET")]
     secret: Option<String>,
+    #[command(flatten)]
+    metrics: metrics_endpoint::MetricsArgs,
 }
 
 #[tokio::main]
@@ -55,6 +59,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_target(false)
         .init();
     let args = Args::parse();
+    args.metrics.install()?;
     let app = if args.database_url.starts_with("postgres") {
         #[cfg(feature = "postgres")]
         {
