@@ -220,6 +220,7 @@ impl Telemetry {
     }
 
     /// One delivery dead-lettered. Rare: the handle is resolved per call.
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
     pub(crate) fn dead_lettered(&self, reason: &'static str) {
         metrics::counter!(
             DEAD_LETTERED_TOTAL,

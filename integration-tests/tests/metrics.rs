@@ -14,9 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use metrics::{
-    Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use metrics_util::registry::{AtomicStorage, Registry};
 use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::kafka::KafkaConsumer;
@@ -176,7 +174,9 @@ async fn engine_counts_each_outcome_by_scope_and_transport() {
         engine.process(&h, &d("A", "alice", 10)).await,
         engine.process(&h, &d("A", "alice", 10)).await,
         engine.process(&h, &d("A", "alice", 99)).await,
-        engine.process(&h, &Delivery::new(&b"{\"amount\":1}"[..])).await,
+        engine
+            .process(&h, &Delivery::new(&b"{\"amount\":1}"[..]))
+            .await,
         engine.process(&h, &d("B", "broken", 10)).await,
         engine.process_with_retry(&h, &d("F", "flaky", 10)).await,
     ]
@@ -465,8 +465,7 @@ impl tracing::field::Visit for Fields {
     }
 
     fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        self.0
-            .insert(field.name().to_owned(), format!("{value:?}"));
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
     }
 }
 
@@ -480,10 +479,10 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Captured {
     }
 
     fn on_record(&self, id: &Id, values: &SpanRecord<'_>, ctx: Context<'_, S>) {
-        if let Some(span) = ctx.span(id) {
-            if let Some(fields) = span.extensions_mut().get_mut::<Fields>() {
-                values.record(fields);
-            }
+        if let Some(span) = ctx.span(id)
+            && let Some(fields) = span.extensions_mut().get_mut::<Fields>()
+        {
+            values.record(fields);
         }
     }
 
@@ -493,24 +492,24 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Captured {
         if msg.0.get("message").map(String::as_str) != Some("inside handler") {
             return;
         }
-        if let Some(scope) = ctx.event_scope(event) {
-            for span in scope.from_root() {
-                if span.name() == "onceonly.delivery" {
-                    if let Some(fields) = span.extensions().get::<Fields>() {
-                        self.in_handler.lock().unwrap().push(fields.0.clone());
-                    }
-                }
+        let Some(scope) = ctx.event_scope(event) else {
+            return;
+        };
+        for span in scope.from_root() {
+            if span.name() == "onceonly.delivery"
+                && let Some(fields) = span.extensions().get::<Fields>()
+            {
+                self.in_handler.lock().unwrap().push(fields.0.clone());
             }
         }
     }
 
     fn on_close(&self, id: Id, ctx: Context<'_, S>) {
-        if let Some(span) = ctx.span(&id) {
-            if span.name() == "onceonly.delivery" {
-                if let Some(fields) = span.extensions().get::<Fields>() {
-                    self.closed.lock().unwrap().push(fields.0.clone());
-                }
-            }
+        if let Some(span) = ctx.span(&id)
+            && span.name() == "onceonly.delivery"
+            && let Some(fields) = span.extensions().get::<Fields>()
+        {
+            self.closed.lock().unwrap().push(fields.0.clone());
         }
     }
 }
@@ -550,9 +549,8 @@ async fn delivery_span_wraps_the_handler_and_hashes_keys_when_asked() {
             .build()
             .unwrap()
     };
-    let delivery = |no: &str| {
-        Delivery::new(payment(no, "alice", 1)).with_source(format!("test/{no}"))
-    };
+    let delivery =
+        |no: &str| Delivery::new(payment(no, "alice", 1)).with_source(format!("test/{no}"));
     build(false).process(&Noisy, &delivery("plain-1")).await;
     build(true).process(&Noisy, &delivery("secret-1")).await;
     build(true).process(&Noisy, &delivery("secret-1")).await;

@@ -94,6 +94,7 @@ impl<S: SqlStore> Engine<S> {
     }
 
     /// The metric handles and span settings of this engine.
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
     pub(crate) fn telemetry(&self) -> &Telemetry {
         &self.inner.telemetry
     }

@@ -142,7 +142,9 @@ where
     }
     let source = format!("{} {}", req.method(), req.uri().path());
     let span = cfg.telemetry.span(Some(&source));
-    handle_in_span(cfg, inner, req, source).instrument(span).await
+    handle_in_span(cfg, inner, req, source)
+        .instrument(span)
+        .await
 }
 
 /// Counts `kind`, records it on the current span, and answers `response`.
@@ -434,7 +436,8 @@ where
             ),
         );
     }
-    cfg.telemetry.outcome(&Span::current(), OutcomeKind::Processed);
+    cfg.telemetry
+        .outcome(&Span::current(), OutcomeKind::Processed);
     match rest {
         None => {
             head.headers.remove(header::CONTENT_LENGTH);
