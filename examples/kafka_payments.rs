@@ -15,6 +15,9 @@
 //! cargo run --example kafka_payments --features kafka,postgres -- --help
 //! cargo run --example kafka_payments --features kafka,postgres -- --exit-when-idle 10
 //! ```
+//!
+//! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
+//! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
 #[path = "support/ledger.rs"]
 mod ledger;

@@ -19,6 +19,9 @@
 //! curl -i localhost:3000/orders -H 'Idempotency-Key: 4b1e...' -H 'content-type: application/json' \
 //!      -d '{"account":"alice","amount":500}'
 //! ```
+//!
+//! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
+//! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
 #[path = "support/ledger.rs"]
 mod ledger;

@@ -239,39 +239,56 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
     ledger::postgres::create_tables(store.pool()).await.unwrap();
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
-    let messages = [
-        Msg::new(payment("A", "alice", 10)),
-        Msg::new(payment("B", "bob", 20)),
-        Msg::new(payment("A", "alice", 10)),
-        Msg::new(payment("A", "alice", 99)),
-        Msg::new(&b"not json"[..]),
-        Msg::new(&b"{\"amount\":1}"[..]),
-        Msg::new(payment("X", "broken", 1)),
-        Msg::new(payment("F", "flaky", 1)),
-    ];
-    publish(&channel, &queue, &messages).await;
-
-    let consumer = AmqpConsumer::builder(store.clone())
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        // One at a time: A is processed before its duplicate and its conflict.
-        .concurrency(1)
-        .retry(
-            RetryPolicy::default()
-                .max_attempts(2)
-                .initial_delay(Duration::from_millis(100)),
+    let consumer = || {
+        AmqpConsumer::builder(store.clone())
+            .url(url())
+            .queue(&queue)
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(2)
+                    .initial_delay(Duration::from_millis(100)),
+            )
+            .exit_when_idle(Duration::from_secs(2))
+            .build()
+            .unwrap()
+    };
+    let drain = |consumer: AmqpConsumer<onceonly::PgStore>| async move {
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            consumer.run_until(Arc::new(Ledger::default()), CancellationToken::new()),
         )
-        .exit_when_idle(Duration::from_secs(2))
-        .build()
-        .unwrap();
-    let stats = tokio::time::timeout(
-        Duration::from_secs(120),
-        consumer.run_until(Arc::new(Ledger::default()), CancellationToken::new()),
+        .await
+        .expect("consumer did not drain within 120 s")
+        .expect("consumer failed")
+    };
+    // Two runs: A is committed before its duplicate and its conflicting
+    // reuse arrive (concurrent handlers give no order within one run).
+    publish(
+        &channel,
+        &queue,
+        &[
+            Msg::new(payment("A", "alice", 10)),
+            Msg::new(payment("B", "bob", 20)),
+        ],
     )
-    .await
-    .expect("consumer did not drain within 120 s")
-    .expect("consumer failed");
+    .await;
+    let first = drain(consumer()).await;
+    assert_eq!(first.processed, 2);
+    publish(
+        &channel,
+        &queue,
+        &[
+            Msg::new(payment("A", "alice", 10)),
+            Msg::new(payment("A", "alice", 99)),
+            Msg::new(&b"not json"[..]),
+            Msg::new(&b"{\"amount\":1}"[..]),
+            Msg::new(payment("X", "broken", 1)),
+            Msg::new(payment("F", "flaky", 1)),
+        ],
+    )
+    .await;
+    let stats = drain(consumer()).await;
 
     assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
     let dlq = depth(&channel, &format!("{queue}.dlq")).await;
@@ -568,6 +585,12 @@ async fn delivery_span_wraps_the_handler_and_hashes_keys_when_asked() {
     );
     assert!(!hashed.contains("secret"));
 
+    // The SQLite driver's worker thread may hold a clone of the last span
+    // a little longer: wait for all three to close.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while captured.closed.lock().unwrap().len() < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let closed = captured.closed.lock().unwrap().clone();
     let summary: Vec<(&str, &str)> = closed
         .iter()

@@ -126,38 +126,44 @@ where
     let telemetry = env.engine.telemetry();
     for (envelope, delivery) in batch.iter().zip(&deliveries) {
         let batched = reports.as_mut().and_then(Iterator::next);
-        if batched.is_none() && stopped {
-            return;
-        }
-        // One span per record, over its processing, retries and dead letter.
-        let span = env.engine.delivery_span(delivery);
-        let done = async {
-            // Without a committed batch, each record is processed and
-            // settled before the next one starts: partition (or key) order
-            // holds even when a record is retried.
-            let report = match batched {
-                Some(report) => {
-                    // Counted by the batch; only the span learns of it here.
-                    let current = Span::current();
-                    if let Some(key) = &report.key {
-                        telemetry.record_key(&current, key.as_str());
+        let done = match batched {
+            // Committed in the batch, which counted it and traced it in
+            // its own span: nothing left to do.
+            Some(report) if report.outcome.is_done() => true,
+            None if stopped => return,
+            batched => {
+                // One span per record, over its processing, retries and
+                // dead letter.
+                let span = env.engine.delivery_span(delivery);
+                async {
+                    // Without a committed batch, each record is processed
+                    // and settled before the next one starts: partition (or
+                    // key) order holds even when a record is retried.
+                    let report = match batched {
+                        Some(report) => {
+                            // Counted by the batch; only the span learns of it.
+                            let current = Span::current();
+                            if let Some(key) = &report.key {
+                                telemetry.record_key(&current, key.as_str());
+                            }
+                            Telemetry::record_outcome(&current, report.outcome.kind());
+                            report
+                        }
+                        None => env.engine.process_in_span(&env.handler, delivery).await,
+                    };
+                    // Once the partition stops, records already committed in
+                    // this batch are still final; the others are abandoned,
+                    // stay uncommitted and are redelivered to the next owner.
+                    if stopped {
+                        report.outcome.is_done()
+                    } else {
+                        settle(env, partition, envelope, delivery, report).await
                     }
-                    Telemetry::record_outcome(&current, report.outcome.kind());
-                    report
                 }
-                None => env.engine.process_in_span(&env.handler, delivery).await,
-            };
-            // Once the partition stops, records already committed in this
-            // batch are still final; the others are abandoned, stay
-            // uncommitted and are redelivered to the next owner.
-            if stopped {
-                report.outcome.is_done()
-            } else {
-                settle(env, partition, envelope, delivery, report).await
+                .instrument(span)
+                .await
             }
-        }
-        .instrument(span)
-        .await;
+        };
         if done {
             partition.finish(envelope.offset());
         } else {
