@@ -31,7 +31,9 @@
 //! Duplicates are counted apart from errors (`outcome="duplicate"`) and
 //! logged at `debug` only. Over HTTP, a request whose key is still being
 //! processed by another request (409) also counts as `duplicate`, and a
-//! handler's 4xx that is not stored counts as `rejected`.
+//! handler's 4xx that is not stored counts as `rejected`; requests that
+//! bypass the layer (another method, or no key where the key is optional)
+//! are not counted.
 //!
 //! # Tracing
 //!
