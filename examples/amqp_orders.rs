@@ -14,9 +14,14 @@
 //! cargo run --example amqp_orders --features amqp,postgres -- --help
 //! cargo run --example amqp_orders --features amqp,postgres -- --exit-when-idle 10
 //! ```
+//!
+//! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
+//! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
 #[path = "support/ledger.rs"]
 mod ledger;
+#[path = "support/metrics.rs"]
+mod metrics_endpoint;
 
 use std::time::Duration;
 
@@ -57,6 +62,8 @@ struct Args {
     /// Exit 0 once nothing arrived and nothing ran for SECS seconds.
     #[arg(long, env = "EXIT_WHEN_IDLE", value_name = "SECS")]
     exit_when_idle: Option<u64>,
+    #[command(flatten)]
+    metrics: metrics_endpoint::MetricsArgs,
 }
 
 #[tokio::main]
@@ -66,6 +73,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_target(false)
         .init();
     let args = Args::parse();
+    args.metrics.install()?;
 
     let store = ledger::postgres::open(&args.database_url).await?;
 

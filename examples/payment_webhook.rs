@@ -19,9 +19,14 @@
 //! curl -i localhost:3000/orders -H 'Idempotency-Key: 4b1e...' -H 'content-type: application/json' \
 //!      -d '{"account":"alice","amount":500}'
 //! ```
+//!
+//! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
+//! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
 #[path = "support/ledger.rs"]
 mod ledger;
+#[path = "support/metrics.rs"]
+mod metrics_endpoint;
 #[path = "support/webhook_app.rs"]
 mod webhook_app;
 
@@ -46,6 +51,8 @@ struct Args {
     /// Shared secret: enables HMAC signature checks on the callback route.
     #[arg(long, env = "WEBHOOK_SECRET")]
     secret: Option<String>,
+    #[command(flatten)]
+    metrics: metrics_endpoint::MetricsArgs,
 }
 
 #[tokio::main]
@@ -55,6 +62,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_target(false)
         .init();
     let args = Args::parse();
+    args.metrics.install()?;
     let app = if args.database_url.starts_with("postgres") {
         #[cfg(feature = "postgres")]
         {

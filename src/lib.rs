@@ -22,6 +22,7 @@ pub mod ops;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 pub mod store;
+pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use delivery::Delivery;

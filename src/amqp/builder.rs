@@ -181,7 +181,12 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             ));
         }
         let scope = self.scope.unwrap_or_else(|| queue.clone());
-        let engine = self.engine.scope(scope).retry(self.retry).build()?;
+        let engine = self
+            .engine
+            .scope(scope)
+            .retry(self.retry)
+            .transport(crate::telemetry::TRANSPORT_AMQP)
+            .build()?;
         let dead_letter = self.dead_letter.unwrap_or_else(|| DeadLetterTarget {
             exchange: String::new(),
             routing_key: format!("{queue}.dlq"),

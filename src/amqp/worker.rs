@@ -7,6 +7,7 @@ use lapin::options::BasicAckOptions;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::ConsumerError;
 use super::headers;
@@ -37,7 +38,8 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// What to publish before the ack.
 enum Next {
     Reply(Option<Vec<u8>>, bool),
-    Retry(String),
+    /// The retry queue and the failure's reason code.
+    Retry(String, &'static str),
     DeadLetter {
         reason: &'static str,
         error: String,
@@ -45,12 +47,30 @@ enum Next {
     },
 }
 
-/// Handles one delivery. Returns without acking when the consumer stops
-/// or the channel dies first: the broker then redelivers the message.
+/// Handles one delivery in its `onceonly.delivery` span. Returns without
+/// acking when the consumer stops or the channel dies first: the broker
+/// then redelivers the message.
 pub(crate) async fn handle<S, H>(
     env: &Env<S, H>,
     channel: &Channel,
     message: lapin::message::Delivery,
+    stop: &CancellationToken,
+) where
+    S: SqlStore,
+    H: Handler<S::Db>,
+{
+    let delivery = to_delivery(&env.topology.queue, &message);
+    let span = env.engine.delivery_span(&delivery);
+    handle_in_span(env, channel, message, &delivery, stop)
+        .instrument(span)
+        .await;
+}
+
+async fn handle_in_span<S, H>(
+    env: &Env<S, H>,
+    channel: &Channel,
+    message: lapin::message::Delivery,
+    delivery: &crate::Delivery,
     stop: &CancellationToken,
 ) where
     S: SqlStore,
@@ -62,15 +82,14 @@ pub(crate) async fn handle<S, H>(
         .and_then(|t| t.parse().ok())
         .unwrap_or(0);
     let attempt = prior.saturating_add(1);
-    let delivery = to_delivery(&env.topology.queue, &message);
-    let mut report = env.engine.process(&env.handler, &delivery).await;
+    let mut report = env.engine.process_in_span(&env.handler, delivery).await;
     let mut outage = OutageBackoff::new();
     while matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure()) {
         tracing::warn!(queue = %env.topology.queue, error = ?report.outcome.reason(), "database unavailable, retrying the message");
         if !sleep_unless(stop, outage.next_delay()).await || !channel.status().connected() {
             return;
         }
-        report = env.engine.process(&env.handler, &delivery).await;
+        report = env.engine.process_in_span(&env.handler, delivery).await;
     }
     let next = match &report.outcome {
         Outcome::Processed { result } => {
@@ -79,14 +98,13 @@ pub(crate) async fn handle<S, H>(
         }
         Outcome::Duplicate { result } => {
             bump(&env.counters.duplicates);
-            tracing::debug!(key = ?report.key, "duplicate acknowledged without running the handler");
             Next::Reply(
                 result.as_ref().and_then(|r| serde_json::to_vec(r).ok()),
                 true,
             )
         }
         Outcome::Failed(f) if f.is_retryable() => match env.topology.retry_queue(attempt) {
-            Some(queue) => Next::Retry(queue.name.clone()),
+            Some(queue) => Next::Retry(queue.name.clone(), f.reason()),
             None => dead_letter(&report.outcome, attempt),
         },
         Outcome::Rejected(_) => dead_letter(&report.outcome, 0),
@@ -100,7 +118,7 @@ pub(crate) async fn handle<S, H>(
             }
             true
         }
-        Next::Retry(queue) => {
+        Next::Retry(queue, reason) => {
             let mut h = carried_headers(props.headers().as_ref(), &message, first_seen);
             set_int(&mut h, headers::ATTEMPTS, i64::from(attempt));
             let ok = publish_until_confirmed(
@@ -115,7 +133,8 @@ pub(crate) async fn handle<S, H>(
             .await;
             if ok {
                 bump(&env.counters.retried);
-                tracing::debug!(key = ?key, attempt, queue = %queue, "retry scheduled");
+                env.engine.telemetry().retried(reason);
+                tracing::debug!(attempt, queue = %queue, "retry scheduled");
             }
             ok
         }
@@ -146,7 +165,8 @@ pub(crate) async fn handle<S, H>(
             .await;
             if ok {
                 bump(&env.counters.dead_lettered);
-                tracing::warn!(queue = %env.topology.queue, key = ?key, reason, error = %error, "message dead-lettered");
+                env.engine.telemetry().dead_lettered(reason);
+                tracing::warn!(queue = %env.topology.queue, reason, error = %error, "message dead-lettered");
             }
             ok
         }
@@ -158,11 +178,11 @@ pub(crate) async fn handle<S, H>(
         Ok(true) => bump(&env.counters.acked),
         Ok(false) => {
             bump(&env.counters.acks_lost);
-            tracing::warn!(queue = %env.topology.queue, key = ?key, "ack not sent: the channel is gone; the broker redelivers and dedup absorbs it");
+            tracing::warn!(queue = %env.topology.queue, "ack not sent: the channel is gone; the broker redelivers and dedup absorbs it");
         }
         Err(e) => {
             bump(&env.counters.acks_lost);
-            tracing::warn!(queue = %env.topology.queue, key = ?key, error = %e, "ack failed; the broker redelivers and dedup absorbs it");
+            tracing::warn!(queue = %env.topology.queue, error = %e, "ack failed; the broker redelivers and dedup absorbs it");
         }
     }
 }

@@ -15,6 +15,7 @@ use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdemKey;
 use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+use tracing::{Instrument, Span};
 
 /// A delivery that passed key derivation and decoding.
 struct Ready<'d, I> {
@@ -23,6 +24,7 @@ struct Ready<'d, I> {
     key: IdemKey,
     fingerprint: Option<Fingerprint>,
     input: Option<I>,
+    span: Span,
 }
 
 impl<S: SqlStore> Engine<S> {
@@ -65,8 +67,9 @@ impl<S: SqlStore> Engine<S> {
         H: Handler<S::Db>,
     {
         let mut reports: Vec<Option<Report<H::Output>>> = deliveries.iter().map(|_| None).collect();
+        let spans: Vec<Span> = deliveries.iter().map(|d| self.delivery_span(d)).collect();
         let mut ready = Vec::with_capacity(deliveries.len());
-        for (index, delivery) in deliveries.iter().enumerate() {
+        for ((index, delivery), span) in deliveries.iter().enumerate().zip(&spans) {
             let key = match self.inner.key.derive(delivery) {
                 Ok(key) => key,
                 Err(e) => {
@@ -74,6 +77,7 @@ impl<S: SqlStore> Engine<S> {
                     continue;
                 }
             };
+            self.inner.telemetry.record_key(span, key.as_str());
             let fingerprint = self.inner.fingerprint.compute(delivery);
             // A cache tier answers completed keys without any SQL.
             if let Some(hit) = self
@@ -98,6 +102,7 @@ impl<S: SqlStore> Engine<S> {
                     fingerprint,
                     key,
                     input: Some(input),
+                    span: span.clone(),
                 }),
                 Err(e) => reports[index] = Some(report(Some(key), Outcome::Rejected(e.into()))),
             }
@@ -108,7 +113,13 @@ impl<S: SqlStore> Engine<S> {
                 reports[item.index] = Some(report(Some(item.key.clone()), outcome));
             }
         }
-        Some(reports.into_iter().flatten().collect())
+        let reports: Vec<_> = reports.into_iter().flatten().collect();
+        // Counted only once the batch committed; a rolled-back batch is
+        // counted delivery by delivery by whoever processes it next.
+        for (report, span) in reports.iter().zip(&spans) {
+            self.inner.telemetry.outcome(span, report.outcome.kind());
+        }
+        Some(reports)
     }
 
     /// The single-transaction path; `None` means "rolled back, go one by one".
@@ -154,6 +165,7 @@ impl<S: SqlStore> Engine<S> {
                     let run = match item.input.take() {
                         Some(input) => {
                             self.run_claimed(&mut tx, handler, item.delivery, &item.key, input)
+                                .instrument(item.span.clone())
                                 .await
                         }
                         None => Err(Failure::Store(StoreError::Corrupt(
@@ -166,7 +178,7 @@ impl<S: SqlStore> Engine<S> {
                             Outcome::Processed { result: output }
                         }
                         Err(failure) => {
-                            tracing::debug!(key = %item.key, error = %failure, "failure inside a batch, processing one by one");
+                            tracing::debug!(parent: &item.span, error = %failure, "failure inside a batch, processing one by one");
                             drop(tx.rollback().await);
                             return None;
                         }
@@ -183,7 +195,7 @@ impl<S: SqlStore> Engine<S> {
                         result: stored
                             .get(first)
                             .and_then(Option::as_deref)
-                            .and_then(|b| decode_stored(&item.key, b)),
+                            .and_then(decode_stored),
                     },
                 },
                 other => {
@@ -197,7 +209,7 @@ impl<S: SqlStore> Engine<S> {
         }
         // A failed commit is ambiguous; processing one by one settles it:
         // committed keys come back as duplicates, the others are processed.
-        tx.commit().await.ok()?;
+        self.commit(tx).await.ok()?;
         // Owned copies: inputs need not be `Sync`, so no reference to
         // `ready` is held across the awaits.
         let done: Vec<(IdemKey, Option<Fingerprint>, Vec<u8>)> = ready

@@ -8,6 +8,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{KeySpec, KeySpecError};
 use crate::store::{SqlStore, StoreError, validate_scope};
+use crate::telemetry::Telemetry;
 
 /// The default retention of dedup records: 7 days (Kafka's default log
 /// retention). It must outlast the longest redelivery or replay horizon.
@@ -44,6 +45,8 @@ pub struct EngineBuilder<S> {
     retry: RetryPolicy,
     transient_retries: u32,
     clock: Arc<dyn Clock>,
+    transport: &'static str,
+    hash_keys: bool,
 }
 
 impl<S: SqlStore> EngineBuilder<S> {
@@ -57,6 +60,8 @@ impl<S: SqlStore> EngineBuilder<S> {
             retry: RetryPolicy::default(),
             transient_retries: 3,
             clock: Arc::new(SystemClock),
+            transport: crate::telemetry::TRANSPORT_ENGINE,
+            hash_keys: false,
         }
     }
 
@@ -122,7 +127,27 @@ impl<S: SqlStore> EngineBuilder<S> {
         self
     }
 
-    /// Checks the configuration and builds the engine.
+    /// The `transport` label of this engine's metrics and spans (default
+    /// `engine`). The Kafka, AMQP and HTTP builders set their own; set it
+    /// when you drive the engine from a transport of yours.
+    #[must_use]
+    pub fn transport(mut self, name: &'static str) -> Self {
+        self.transport = name;
+        self
+    }
+
+    /// Record a hash of each key in traces instead of the key itself
+    /// (default `false`): `sha256:` and the first 16 hex digits of its
+    /// SHA-256. Keys such as e-mail addresses or account numbers are
+    /// personal data; the hash still correlates the lines of one key.
+    #[must_use]
+    pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
+        self.hash_keys = hash;
+        self
+    }
+
+    /// Checks the configuration and builds the engine. Metric handles are
+    /// resolved here: install the metrics recorder before.
     pub fn build(self) -> Result<Engine<S>, BuildError> {
         let scope = self.scope.ok_or(BuildError::MissingScope)?;
         validate_scope(&scope)?;
@@ -131,9 +156,11 @@ impl<S: SqlStore> EngineBuilder<S> {
         if self.retention.is_zero() {
             return Err(BuildError::ZeroRetention);
         }
+        let telemetry = Telemetry::new(&scope, self.transport, self.hash_keys);
         Ok(Engine {
             inner: Arc::new(Inner {
                 store: self.store,
+                telemetry,
                 scope,
                 key,
                 fingerprint: self.fingerprint,
@@ -185,6 +212,15 @@ macro_rules! forward_engine_settings {
         #[must_use]
         pub fn retention(mut self, retention: std::time::Duration) -> Self {
             self.engine = self.engine.retention(retention);
+            self
+        }
+
+        /// Record a hash of each key in traces instead of the key itself
+        /// (default `false`); see
+        /// [`EngineBuilder::hash_keys_in_traces`].
+        #[must_use]
+        pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
+            self.engine = self.engine.hash_keys_in_traces(hash);
             self
         }
 

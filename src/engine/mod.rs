@@ -14,15 +14,17 @@ mod retry;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
+use tracing::{Instrument, Span};
 
 use crate::clock::Clock;
 use crate::delivery::Delivery;
 use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{IdemKey, KeySpec};
 use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+use crate::telemetry::Telemetry;
 
 #[cfg(any(feature = "kafka", feature = "amqp"))]
 pub(crate) use builder::forward_engine_settings;
@@ -50,6 +52,7 @@ impl<S: SqlStore> Clone for Engine<S> {
 
 struct Inner<S> {
     store: S,
+    telemetry: Telemetry,
     scope: String,
     key: KeySpec,
     fingerprint: FingerprintSpec,
@@ -90,11 +93,54 @@ impl<S: SqlStore> Engine<S> {
         self.inner.retention
     }
 
+    /// The metric handles and span settings of this engine.
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    pub(crate) fn telemetry(&self) -> &Telemetry {
+        &self.inner.telemetry
+    }
+
+    /// A new `onceonly.delivery` span for `delivery` (see
+    /// [`telemetry`](crate::telemetry)), for transports that keep one span
+    /// over retries, dead-lettering and acknowledgement.
+    pub(crate) fn delivery_span(&self, delivery: &Delivery) -> Span {
+        self.inner.telemetry.span(delivery.source())
+    }
+
     /// Processes one delivery in one attempt (transient database errors such
     /// as deadlocks are retried internally a few times; handler failures are
     /// not). Transports that schedule their own retries call this and use
     /// [`Engine::retry_policy`].
+    ///
+    /// Runs in a new `onceonly.delivery` span and counts the outcome (see
+    /// [`telemetry`](crate::telemetry)).
     pub async fn process<H>(&self, handler: &H, delivery: &Delivery) -> Report<H::Output>
+    where
+        H: Handler<S::Db>,
+    {
+        let span = self.delivery_span(delivery);
+        self.process_in_span(handler, delivery)
+            .instrument(span)
+            .await
+    }
+
+    /// [`Engine::process`] in the current span (a transport's delivery
+    /// span): records the key and outcome there and counts the outcome.
+    pub(crate) async fn process_in_span<H>(
+        &self,
+        handler: &H,
+        delivery: &Delivery,
+    ) -> Report<H::Output>
+    where
+        H: Handler<S::Db>,
+    {
+        let report = self.process_untraced(handler, delivery).await;
+        self.inner
+            .telemetry
+            .outcome(&Span::current(), report.outcome.kind());
+        report
+    }
+
+    async fn process_untraced<H>(&self, handler: &H, delivery: &Delivery) -> Report<H::Output>
     where
         H: Handler<S::Db>,
     {
@@ -102,6 +148,9 @@ impl<S: SqlStore> Engine<S> {
             Ok(key) => key,
             Err(e) => return report(None, Outcome::Rejected(e.into())),
         };
+        self.inner
+            .telemetry
+            .record_key(&Span::current(), key.as_str());
         let mut decoded = Some(H::Input::from_delivery(delivery));
         let fingerprint = self.inner.fingerprint.compute(delivery);
         let mut transient = 0;
@@ -123,7 +172,7 @@ impl<S: SqlStore> Engine<S> {
                     if e.is_transient() && transient < self.inner.transient_retries =>
                 {
                     transient += 1;
-                    tracing::debug!(key = %key, error = %e, "transient store error, retrying the transaction");
+                    tracing::debug!(error = %e, "transient store error, retrying the transaction");
                     tokio::time::sleep(Duration::from_millis(20 * u64::from(transient))).await;
                 }
                 _ => return report(Some(key), outcome),
@@ -133,28 +182,39 @@ impl<S: SqlStore> Engine<S> {
 
     /// Processes one delivery, retrying retryable failures in-process with
     /// the engine's [`RetryPolicy`] (sleeping between attempts). The report
-    /// carries the number of attempts made.
+    /// carries the number of attempts made. All attempts run in one
+    /// `onceonly.delivery` span; each retry is counted.
     pub async fn process_with_retry<H>(&self, handler: &H, delivery: &Delivery) -> Report<H::Output>
     where
         H: Handler<S::Db>,
     {
-        let mut attempts = 1;
-        loop {
-            let mut report = self.process(handler, delivery).await;
-            report.attempts = attempts;
-            let delay = match &report.outcome {
-                Outcome::Failed(f) if f.is_retryable() => self.inner.retry.delay_after(attempts),
-                _ => None,
-            };
-            match delay {
-                Some(delay) => {
-                    tracing::debug!(key = ?report.key, attempts, ?delay, "retrying");
-                    tokio::time::sleep(delay).await;
-                    attempts += 1;
+        let span = self.delivery_span(delivery);
+        async {
+            let mut attempts = 1;
+            loop {
+                let mut report = self.process_in_span(handler, delivery).await;
+                report.attempts = attempts;
+                let delay = match &report.outcome {
+                    Outcome::Failed(f) if f.is_retryable() => {
+                        self.inner.retry.delay_after(attempts)
+                    }
+                    _ => None,
+                };
+                match delay {
+                    Some(delay) => {
+                        self.inner
+                            .telemetry
+                            .retried(report.outcome.reason().unwrap_or("handler_error"));
+                        tracing::debug!(attempts, ?delay, "retrying");
+                        tokio::time::sleep(delay).await;
+                        attempts += 1;
+                    }
+                    None => return report,
                 }
-                None => return report,
             }
         }
+        .instrument(span)
+        .await
     }
 
     async fn attempt<H>(
@@ -200,7 +260,7 @@ impl<S: SqlStore> Engine<S> {
             // A failed commit is ambiguous (it may have reached the
             // database); reporting it as a failure leads to a redelivery,
             // and the claim then tells whether it had committed.
-            Ok((output, bytes)) => match tx.commit().await {
+            Ok((output, bytes)) => match self.commit(tx).await {
                 Ok(()) => {
                     inner
                         .store
@@ -238,9 +298,12 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        let started = Instant::now();
         let output = AssertUnwindSafe(handler.handle(conn, input, delivery))
             .catch_unwind()
-            .await
+            .await;
+        self.inner.telemetry.handler_time(started.elapsed());
+        let output = output
             .map_err(|panic| Failure::Panic(panic_message(panic.as_ref())))?
             .map_err(Failure::Handler)?;
         let bytes = serde_json::to_vec(&output).map_err(Failure::Encode)?;
@@ -250,6 +313,14 @@ impl<S: SqlStore> Engine<S> {
             .await
             .map_err(Failure::Store)?;
         Ok((output, bytes))
+    }
+
+    /// Commits the claim transaction, timing it.
+    async fn commit(&self, tx: sqlx::Transaction<'static, S::Db>) -> Result<(), sqlx::Error> {
+        let started = Instant::now();
+        let committed = tx.commit().await;
+        self.inner.telemetry.commit_time(started.elapsed());
+        committed
     }
 }
 
@@ -261,7 +332,7 @@ fn settled<T: serde::de::DeserializeOwned>(
 ) -> Outcome<T> {
     match claim {
         Claim::Duplicate { result } => Outcome::Duplicate {
-            result: result.and_then(|bytes| decode_stored(key, &bytes)),
+            result: result.and_then(|bytes| decode_stored(&bytes)),
         },
         Claim::Conflict { stored } => Outcome::Conflict {
             stored,
@@ -282,11 +353,11 @@ fn report<T>(key: Option<IdemKey>, outcome: Outcome<T>) -> Report<T> {
     }
 }
 
-fn decode_stored<T: serde::de::DeserializeOwned>(key: &IdemKey, bytes: &[u8]) -> Option<T> {
+fn decode_stored<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
     match serde_json::from_slice(bytes) {
         Ok(value) => Some(value),
         Err(e) => {
-            tracing::warn!(key = %key, error = %e, "stored result does not decode as the handler's output");
+            tracing::warn!(error = %e, "stored result does not decode as the handler's output");
             None
         }
     }

@@ -12,6 +12,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{KeySpec, KeySpecError};
 use crate::store::{SqlStore, StoreError, validate_scope};
+use crate::telemetry::{TRANSPORT_HTTP, Telemetry};
 
 /// The authenticated caller, put into request extensions by your auth
 /// middleware (before the layer runs). Keys are scoped per principal: one
@@ -131,6 +132,7 @@ pub(crate) struct Config<S> {
     pub(crate) on_store_error: OnStoreError,
     pub(crate) principal: PrincipalFn,
     pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) telemetry: Telemetry,
 }
 
 /// Builds an [`IdempotencyLayer`]: start with
@@ -139,6 +141,7 @@ pub(crate) struct Config<S> {
 pub struct IdempotencyLayerBuilder<S> {
     cfg: Config<S>,
     key: Result<KeySpec, KeySpecError>,
+    hash_keys: bool,
 }
 
 impl<S: SqlStore> IdempotencyLayerBuilder<S> {
@@ -154,6 +157,8 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             // a repeated notification must get the ack, not a conflict.
             Mode::Callback { .. } => (vec![Method::POST], FingerprintSpec::Disabled),
         };
+        // Resolved again by `build`, with the recorder installed then.
+        let telemetry = Telemetry::new(&scope, TRANSPORT_HTTP, false);
         Self {
             cfg: Config {
                 store,
@@ -186,8 +191,10 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                     parts.extensions.get::<Principal>().map(|p| p.0.clone())
                 }),
                 clock: Arc::new(SystemClock),
+                telemetry,
             },
             key,
+            hash_keys: false,
         }
     }
 
@@ -313,7 +320,18 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         self
     }
 
-    /// Validates the settings.
+    /// Record a hash of each key in traces instead of the key itself
+    /// (default `false`); see
+    /// [`EngineBuilder::hash_keys_in_traces`](crate::EngineBuilder::hash_keys_in_traces).
+    #[must_use]
+    pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
+        self.hash_keys = hash;
+        self
+    }
+
+    /// Validates the settings. Metric handles (label `transport="http"`,
+    /// `scope` the layer's scope without the per-principal suffix) are
+    /// resolved here: install the metrics recorder before.
     pub fn build(mut self) -> Result<IdempotencyLayer<S>, HttpBuildError> {
         validate_scope(&self.cfg.scope)?;
         if self.cfg.scope.len() > 90 {
@@ -325,6 +343,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         let key = self.key?;
         key.validate()?;
         self.cfg.key = key;
+        self.cfg.telemetry = Telemetry::new(&self.cfg.scope, TRANSPORT_HTTP, self.hash_keys);
         Ok(IdempotencyLayer::from_config(self.cfg))
     }
 }

@@ -6,6 +6,7 @@ use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, Response, StatusCode, header};
@@ -16,12 +17,14 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 use tower::{Layer, Service, ServiceExt};
+use tracing::{Instrument, Span};
 
 use super::config::{Ack, Config, IdempotencyLayerBuilder, InFlight, Mode, OnStoreError};
 use super::problem::{problem, problem_retry_after};
 use super::stored::StoredResponse;
 use super::tx::TxSlot;
 use crate::delivery::Delivery;
+use crate::engine::OutcomeKind;
 use crate::fingerprint::Fingerprint;
 use crate::key::{KeyError, KeySpec};
 use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
@@ -137,23 +140,55 @@ where
     if !cfg.methods.contains(req.method()) {
         return pass(inner, req).await;
     }
+    let source = format!("{} {}", req.method(), req.uri().path());
+    let span = cfg.telemetry.span(Some(&source));
+    handle_in_span(cfg, inner, req, source)
+        .instrument(span)
+        .await
+}
+
+/// Counts `kind`, records it on the current span, and answers `response`.
+fn outcome<S>(cfg: &Config<S>, kind: OutcomeKind, response: Response<Body>) -> Response<Body> {
+    cfg.telemetry.outcome(&Span::current(), kind);
+    response
+}
+
+async fn handle_in_span<S, I>(
+    cfg: &Config<S>,
+    inner: I,
+    req: Request<Body>,
+    source: String,
+) -> Response<Body>
+where
+    S: SqlStore,
+    I: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send,
+    I::Future: Send,
+{
     let (parts, body) = req.into_parts();
     let bytes = match Limited::new(body, cfg.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.is::<LengthLimitError>() => {
-            return problem(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body-too-large",
-                "Request body too large",
-                &format!("the limit is {} bytes", cfg.max_request_body),
+            return outcome(
+                cfg,
+                OutcomeKind::Rejected,
+                problem(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body-too-large",
+                    "Request body too large",
+                    &format!("the limit is {} bytes", cfg.max_request_body),
+                ),
             );
         }
         Err(e) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "unreadable-body",
-                "Request body could not be read",
-                &e.to_string(),
+            return outcome(
+                cfg,
+                OutcomeKind::Rejected,
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "unreadable-body",
+                    "Request body could not be read",
+                    &e.to_string(),
+                ),
             );
         }
     };
@@ -162,11 +197,15 @@ where
         let now_secs = u64::try_from(now_ms / 1000).unwrap_or(0);
         if let Err(e) = check.verify(&parts.headers, &bytes, now_secs) {
             tracing::warn!(path = %parts.uri.path(), error = %e, "callback signature refused");
-            return problem(
-                StatusCode::UNAUTHORIZED,
-                "bad-signature",
-                "Signature check failed",
-                &e.to_string(),
+            return outcome(
+                cfg,
+                OutcomeKind::Rejected,
+                problem(
+                    StatusCode::UNAUTHORIZED,
+                    "bad-signature",
+                    "Signature check failed",
+                    &e.to_string(),
+                ),
             );
         }
     }
@@ -181,29 +220,37 @@ where
             return pass(inner, Request::from_parts(parts, Body::from(bytes))).await;
         }
         Err(e @ KeyError::MissingMetadata { .. }) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "missing-idempotency-key",
-                "Idempotency-Key missing",
-                &e.to_string(),
+            return outcome(
+                cfg,
+                OutcomeKind::Rejected,
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "missing-idempotency-key",
+                    "Idempotency-Key missing",
+                    &e.to_string(),
+                ),
             );
         }
         Err(e) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-idempotency-key",
-                "Invalid idempotency key",
-                &e.to_string(),
+            return outcome(
+                cfg,
+                OutcomeKind::Rejected,
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "invalid-idempotency-key",
+                    "Invalid idempotency key",
+                    &e.to_string(),
+                ),
             );
         }
     };
+    cfg.telemetry.record_key(&Span::current(), key.as_str());
     let fingerprint = cfg
         .fingerprint
         .compute(&delivery)
         .map(|fp| bind_to_request(&parts, &fp));
     let scope = scope_for(&cfg.scope, principal.as_deref());
 
-    let source = format!("{} {}", parts.method, parts.uri.path());
     let request = ClaimRequest {
         key: key.as_str(),
         fingerprint: fingerprint.as_ref(),
@@ -211,7 +258,7 @@ where
     };
     // A cache tier answers completed keys without any SQL.
     if let Some(hit) = cfg.store.cached(&scope, key.as_str()).await {
-        tracing::debug!(key = %key, scope = %scope, "answered from the cache tier");
+        tracing::debug!("answered from the cache tier");
         return settled(cfg, hit.classify(&request));
     }
     let mut tx = match cfg.store.begin().await {
@@ -260,7 +307,7 @@ where
         Claim::Claimed => {}
         other => {
             drop(tx.rollback().await);
-            tracing::debug!(key = %key, scope = %scope, "duplicate or reused key");
+            tracing::debug!("duplicate or reused key");
             return settled(cfg, other);
         }
     }
@@ -269,7 +316,9 @@ where
     let slot = TxSlot(Arc::new(Mutex::new(Some(tx))));
     let mut req = Request::from_parts(parts, Body::from(bytes));
     req.extensions_mut().insert(slot.clone());
-    let outcome = AssertUnwindSafe(inner.oneshot(req)).catch_unwind().await;
+    let started = Instant::now();
+    let handled = AssertUnwindSafe(inner.oneshot(req)).catch_unwind().await;
+    cfg.telemetry.handler_time(started.elapsed());
     // A handler that kept its guard (moved into a spawned task or a
     // streaming body) holds the transaction hostage: give up after a while;
     // the transaction rolls back when the guard is finally dropped.
@@ -278,24 +327,32 @@ where
         Err(_) => None,
     };
     let Some(mut tx) = tx else {
-        return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "transaction-gone",
-            "Transaction unavailable",
-            "the idempotency transaction disappeared",
+        return outcome(
+            cfg,
+            OutcomeKind::Failed,
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "transaction-gone",
+                "Transaction unavailable",
+                "the idempotency transaction disappeared",
+            ),
         );
     };
-    let response = match outcome {
+    let response = match handled {
         Ok(Ok(response)) => response,
         Ok(Err(never)) => match never {},
         Err(_) => {
             drop(tx.rollback().await);
-            tracing::error!(key = %key, "handler panicked; rolled back, nothing stored");
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "handler-panicked",
-                "Internal error",
-                "the request was rolled back; it may be retried with the same key",
+            tracing::error!("handler panicked; rolled back, nothing stored");
+            return outcome(
+                cfg,
+                OutcomeKind::Failed,
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "handler-panicked",
+                    "Internal error",
+                    "the request was rolled back; it may be retried with the same key",
+                ),
             );
         }
     };
@@ -307,7 +364,12 @@ where
         // 5xx (and 4xx unless stored): roll back the writes and the claim,
         // so the client may retry with the same key.
         drop(tx.rollback().await);
-        return response;
+        let kind = if status.is_client_error() {
+            OutcomeKind::Rejected
+        } else {
+            OutcomeKind::Failed
+        };
+        return outcome(cfg, kind, response);
     }
     let (mut head, body) = response.into_parts();
     // Read at most the storable size; a longer (or endless) body is stored
@@ -316,11 +378,15 @@ where
         Ok(read) => read,
         Err(e) => {
             drop(tx.rollback().await);
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "response-unreadable",
-                "Response could not be read",
-                &e,
+            return outcome(
+                cfg,
+                OutcomeKind::Failed,
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "response-unreadable",
+                    "Response could not be read",
+                    &e,
+                ),
             );
         }
     };
@@ -338,7 +404,10 @@ where
         cfg.store
             .complete(&mut tx, &scope, key.as_str(), &encoded)
             .await?;
-        tx.commit().await.map_err(StoreError::from)
+        let started = Instant::now();
+        let committed = tx.commit().await;
+        cfg.telemetry.commit_time(started.elapsed());
+        committed.map_err(StoreError::from)
     }
     .await;
     if committed.is_ok() {
@@ -354,15 +423,21 @@ where
             .await;
     }
     if let Err(e) = committed {
-        tracing::error!(key = %key, error = %e, "storing the response failed; answering 503");
-        return problem_retry_after(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "Could not record the result",
-            "the outcome is unknown; retry with the same key to get it",
-            5,
+        tracing::error!(error = %e, "storing the response failed; answering 503");
+        return outcome(
+            cfg,
+            OutcomeKind::Failed,
+            problem_retry_after(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Could not record the result",
+                "the outcome is unknown; retry with the same key to get it",
+                5,
+            ),
         );
     }
+    cfg.telemetry
+        .outcome(&Span::current(), OutcomeKind::Processed);
     match rest {
         None => {
             head.headers.remove(header::CONTENT_LENGTH);
@@ -403,6 +478,11 @@ async fn read_up_to(mut body: Body, max: usize) -> Result<(Bytes, Option<Body>),
 /// The answer for a key that is already completed: the replay (or the
 /// callback ack), or `422` if it was completed for another request.
 fn settled<S>(cfg: &Config<S>, claim: Claim) -> Response<Body> {
+    let kind = match &claim {
+        Claim::Duplicate { .. } => OutcomeKind::Duplicate,
+        _ => OutcomeKind::Conflict,
+    };
+    cfg.telemetry.outcome(&Span::current(), kind);
     match claim {
         Claim::Duplicate { result } => {
             match (
@@ -428,7 +508,10 @@ fn settled<S>(cfg: &Config<S>, claim: Claim) -> Response<Body> {
     }
 }
 
+/// A repeat of a key another request is processing: counted as a duplicate.
 fn in_flight<S>(cfg: &Config<S>) -> Response<Body> {
+    cfg.telemetry
+        .outcome(&Span::current(), OutcomeKind::Duplicate);
     let retry_after = match cfg.in_flight {
         InFlight::Conflict {
             retry_after_secs, ..
@@ -463,6 +546,8 @@ async fn store_down<S, I>(
 where
     I: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
 {
+    // Failing open or not, the request got no dedup.
+    cfg.telemetry.outcome(&Span::current(), OutcomeKind::Failed);
     if !error.is_outage() {
         // Not an outage (a missing table, a corrupt record): failing open
         // would hide a bug behind duplicate effects.

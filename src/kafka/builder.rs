@@ -13,6 +13,9 @@ use crate::fingerprint::FingerprintSpec;
 use crate::key::KeySpec;
 use crate::store::SqlStore;
 
+/// The default [`KafkaConsumerBuilder::statistics_interval`]: 5 s.
+pub const DEFAULT_STATISTICS_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Builds a [`KafkaConsumer`]. Required: [`brokers`](Self::brokers),
 /// [`group_id`](Self::group_id), at least one [`topic`](Self::topic) and a
 /// key ([`key`](Self::key) or [`key_expr`](Self::key_expr)).
@@ -29,6 +32,7 @@ pub struct KafkaConsumerBuilder<S> {
     batch_size: usize,
     linger: Duration,
     commit_interval: Duration,
+    statistics_interval: Duration,
     exit_when_idle: Option<Duration>,
     common: Vec<(String, String)>,
     consumer: Vec<(String, String)>,
@@ -50,6 +54,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             batch_size: 1,
             linger: Duration::from_millis(5),
             commit_interval: Duration::from_millis(500),
+            statistics_interval: DEFAULT_STATISTICS_INTERVAL,
             exit_when_idle: None,
             common: Vec::new(),
             consumer: Vec::new(),
@@ -158,6 +163,18 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
+    /// How often librdkafka reports statistics, from which the
+    /// [`onceonly_kafka_consumer_lag`](crate::telemetry::KAFKA_CONSUMER_LAG)
+    /// gauge is set per topic and partition (default 5 s, librdkafka's
+    /// `statistics.interval.ms`; the report is computed on librdkafka's
+    /// own thread from data it already has, with no extra broker round
+    /// trip). `Duration::ZERO` turns the statistics, and the gauge, off.
+    #[must_use]
+    pub fn statistics_interval(mut self, interval: Duration) -> Self {
+        self.statistics_interval = interval;
+        self
+    }
+
     /// Stop once a partition was assigned, every fetched record is final and
     /// committed, and nothing arrived for `idle`. For batch jobs and tests.
     #[must_use]
@@ -221,7 +238,11 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             }
         }
         let scope = self.scope.unwrap_or_else(|| group.clone());
-        let engine = self.engine.scope(scope.clone()).build()?;
+        let engine = self
+            .engine
+            .scope(scope.clone())
+            .transport(crate::telemetry::TRANSPORT_KAFKA)
+            .build()?;
 
         let mut consumer = ClientConfig::new();
         consumer
@@ -231,6 +252,11 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             .set("enable.partition.eof", "false")
             // Bounds librdkafka's prefetch per consumer (default 64 MiB).
             .set("queued.max.messages.kbytes", "16384");
+        if !self.statistics_interval.is_zero() {
+            // At least 1 ms: librdkafka reads 0 as "off".
+            let ms = self.statistics_interval.as_millis().max(1);
+            consumer.set("statistics.interval.ms", ms.to_string());
+        }
         let mut producer = ClientConfig::new();
         producer
             .set("bootstrap.servers", &brokers)

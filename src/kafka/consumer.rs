@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::ConsumerError;
 use super::builder::KafkaConsumerBuilder;
-use super::context::{DedupContext, commit};
+use super::context::{ConsumerLag, DedupContext, commit};
 use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
 use super::partition::{Dispatched, Registry, Spawner, Tp, lock};
@@ -119,6 +119,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
         let consumer: BaseConsumer<DedupContext> =
             self.config.create_with_context(DedupContext {
                 registry: Arc::clone(&registry),
+                lag: ConsumerLag::new(env.engine.scope()),
             })?;
         let topics: Vec<&str> = self.settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;

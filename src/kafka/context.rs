@@ -3,18 +3,67 @@
 
 use std::sync::Arc;
 
+use metrics::SharedString;
+use rdkafka::Statistics;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::partition::{Registry, Tp};
+use crate::telemetry::{KAFKA_CONSUMER_LAG, LABEL_PARTITION, LABEL_SCOPE, LABEL_TOPIC};
 
-/// The consumer's context: owns the partition registry.
+/// The consumer's context: owns the partition registry, and turns
+/// librdkafka's statistics into the consumer-lag gauge.
 pub(crate) struct DedupContext {
     pub(crate) registry: Arc<Registry>,
+    pub(crate) lag: ConsumerLag,
 }
 
-impl ClientContext for DedupContext {}
+impl ClientContext for DedupContext {
+    /// Called on librdkafka's thread every `statistics.interval.ms`.
+    fn stats(&self, statistics: Statistics) {
+        self.lag.update(&statistics);
+    }
+}
+
+/// Sets [`KAFKA_CONSUMER_LAG`] per topic and partition from librdkafka's
+/// statistics: `consumer_lag` is the high watermark (the last stable
+/// offset under `read_committed`) minus the committed offset, which
+/// onceonly moves only behind finished records.
+pub(crate) struct ConsumerLag {
+    scope: SharedString,
+}
+
+impl ConsumerLag {
+    pub(crate) fn new(scope: &str) -> Self {
+        Self {
+            scope: SharedString::from(Arc::<str>::from(scope)),
+        }
+    }
+
+    /// Partitions this member does not fetch report a lag of -1 (unknown)
+    /// and are skipped: their gauge keeps its last value until the
+    /// partition is assigned again, here or to another member.
+    pub(crate) fn update(&self, statistics: &Statistics) {
+        for (topic, t) in &statistics.topics {
+            for (&partition, p) in &t.partitions {
+                // -1 is librdkafka's internal "unassigned" partition.
+                if partition < 0 || p.consumer_lag < 0 {
+                    continue;
+                }
+                #[allow(clippy::cast_precision_loss)]
+                let lag = p.consumer_lag as f64;
+                metrics::gauge!(
+                    KAFKA_CONSUMER_LAG,
+                    LABEL_SCOPE => self.scope.clone(),
+                    LABEL_TOPIC => topic.clone(),
+                    LABEL_PARTITION => partition.to_string(),
+                )
+                .set(lag);
+            }
+        }
+    }
+}
 
 impl ConsumerContext for DedupContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

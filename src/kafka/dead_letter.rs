@@ -42,7 +42,7 @@ pub mod headers {
 
 /// Why a record is dead-lettered.
 pub(crate) struct DeadLetter<'a> {
-    pub(crate) reason: &'a str,
+    pub(crate) reason: &'static str,
     pub(crate) error: String,
     pub(crate) attempts: u32,
     pub(crate) key: Option<&'a str>,

@@ -60,6 +60,14 @@
 //! shuts down the same way on SIGINT/SIGTERM, [`KafkaConsumer::run_until`] on a
 //! cancellation token, then leaves the group.
 //!
+//! # Observability
+//!
+//! Each record runs in a `onceonly.delivery` span (retries and dead letter
+//! included) and is counted with `transport="kafka"`; the consumer lag per
+//! partition is the gauge `onceonly_kafka_consumer_lag`, from librdkafka's
+//! statistics every [`statistics_interval`] (see [`crate::telemetry`]).
+//!
+//! [`statistics_interval`]: KafkaConsumerBuilder::statistics_interval
 //! [`key_concurrency`]: KafkaConsumerBuilder::key_concurrency
 //! [`max_in_flight`]: KafkaConsumerBuilder::max_in_flight
 //! [`batch_size`]: KafkaConsumerBuilder::batch_size
@@ -76,7 +84,7 @@ mod offsets;
 mod partition;
 mod worker;
 
-pub use builder::KafkaConsumerBuilder;
+pub use builder::{DEFAULT_STATISTICS_INTERVAL, KafkaConsumerBuilder};
 pub use consumer::KafkaConsumer;
 pub use dead_letter::headers;
 pub use error::ConsumerError;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, Span};
 
 use rdkafka::Message;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -18,6 +19,7 @@ use super::partition::{Partition, lock};
 use crate::consumer_support::{OutageBackoff, sleep_unless};
 use crate::engine::{Engine, Handler, Outcome, Report};
 use crate::store::SqlStore;
+use crate::telemetry::Telemetry;
 
 /// What every worker of a consumer shares.
 pub(crate) struct Env<S: SqlStore, H> {
@@ -121,22 +123,46 @@ where
     };
     let mut reports = batched.map(Vec::into_iter);
     let mut stopped = false;
+    let telemetry = env.engine.telemetry();
     for (envelope, delivery) in batch.iter().zip(&deliveries) {
-        // Without a committed batch, each record is processed and settled
-        // before the next one starts: partition (or key) order holds even
-        // when a record is retried.
-        let report = match reports.as_mut().and_then(Iterator::next) {
-            Some(report) => report,
+        let batched = reports.as_mut().and_then(Iterator::next);
+        let done = match batched {
+            // Committed in the batch, which counted it and traced it in
+            // its own span: nothing left to do.
+            Some(report) if report.outcome.is_done() => true,
             None if stopped => return,
-            None => env.engine.process(&env.handler, delivery).await,
-        };
-        // Once the partition stops, records already committed in this batch
-        // are still final; the others are abandoned, stay uncommitted and
-        // are redelivered to the next owner.
-        let done = if stopped {
-            report.outcome.is_done()
-        } else {
-            settle(env, partition, envelope, delivery, report).await
+            batched => {
+                // One span per record, over its processing, retries and
+                // dead letter.
+                let span = env.engine.delivery_span(delivery);
+                async {
+                    // Without a committed batch, each record is processed
+                    // and settled before the next one starts: partition (or
+                    // key) order holds even when a record is retried.
+                    let report = match batched {
+                        Some(report) => {
+                            // Counted by the batch; only the span learns of it.
+                            let current = Span::current();
+                            if let Some(key) = &report.key {
+                                telemetry.record_key(&current, key.as_str());
+                            }
+                            Telemetry::record_outcome(&current, report.outcome.kind());
+                            report
+                        }
+                        None => env.engine.process_in_span(&env.handler, delivery).await,
+                    };
+                    // Once the partition stops, records already committed in
+                    // this batch are still final; the others are abandoned,
+                    // stay uncommitted and are redelivered to the next owner.
+                    if stopped {
+                        report.outcome.is_done()
+                    } else {
+                        settle(env, partition, envelope, delivery, report).await
+                    }
+                }
+                .instrument(span)
+                .await
+            }
         };
         if done {
             partition.finish(envelope.offset());
@@ -170,18 +196,19 @@ where
                 if !sleep_unless(&partition.stop, outage.next_delay()).await {
                     return false;
                 }
-                report = env.engine.process(&env.handler, delivery).await;
+                report = env.engine.process_in_span(&env.handler, delivery).await;
                 continue;
             }
             Outcome::Failed(f) if f.is_retryable() => {
                 match env.engine.retry_policy().delay_after(attempts) {
                     Some(delay) => {
-                        tracing::debug!(key = ?report.key, attempts, ?delay, error = %f, "retrying the record");
+                        env.engine.telemetry().retried(f.reason());
+                        tracing::debug!(attempts, ?delay, error = %f, "retrying the record");
                         if !sleep_unless(&partition.stop, delay).await {
                             return false;
                         }
                         attempts += 1;
-                        report = env.engine.process(&env.handler, delivery).await;
+                        report = env.engine.process_in_span(&env.handler, delivery).await;
                         continue;
                     }
                     None => dead_letter_of(&report.outcome, attempts),
@@ -220,6 +247,7 @@ async fn publish<S: SqlStore, H>(
     loop {
         match env.dead_letters.publish(envelope, letter).await {
             Ok(()) => {
+                env.engine.telemetry().dead_lettered(letter.reason);
                 tracing::warn!(
                     topic = %partition.topic,
                     partition = partition.partition,

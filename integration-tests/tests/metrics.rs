@@ -1,0 +1,607 @@
+//! Metrics and traces of real deliveries: the engine on PostgreSQL, the
+//! AMQP consumer on RabbitMQ, the Kafka lag gauge on Kafka, the Prometheus
+//! endpoint of the `payment_webhook` example, and the delivery span.
+//!
+//! Its own test binary: it installs a process-wide metrics recorder. The
+//! recorder reads values without resetting them (metrics-util's
+//! `DebuggingRecorder` snapshots swap counters to zero, which would race
+//! between tests running in parallel); each test uses its own scope, so
+//! its counters are its own.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use metrics_util::registry::{AtomicStorage, Registry};
+use onceonly::amqp::{AmqpConsumer, CancellationToken};
+use onceonly::kafka::KafkaConsumer;
+use onceonly::telemetry::{
+    COMMIT_DURATION_SECONDS, DEAD_LETTERED_TOTAL, DELIVERIES_TOTAL, HANDLER_DURATION_SECONDS,
+    KAFKA_CONSUMER_LAG, RETRIED_TOTAL,
+};
+use onceonly::{Delivery, Engine, Handler, HandlerError, Json, RetryPolicy, SqlStore};
+use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
+use onceonly_integration_tests::child::Logged;
+use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::handler::Ledger;
+use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
+use onceonly_integration_tests::ledger::payment;
+use onceonly_integration_tests::{pg_store, sqlite_store, unique};
+use sqlx::{Sqlite, SqliteConnection};
+use tracing::span::{Attributes, Id, Record as SpanRecord};
+use tracing::{Event, Subscriber};
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+
+// ---------------------------------------------------------------- recorder
+
+type Metrics = Registry<Key, AtomicStorage>;
+
+struct TestRecorder(Arc<Metrics>);
+
+impl Recorder for TestRecorder {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::from_arc(self.0.get_or_create_counter(key, Arc::clone))
+    }
+
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::from_arc(self.0.get_or_create_gauge(key, Arc::clone))
+    }
+
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::from_arc(self.0.get_or_create_histogram(key, Arc::clone))
+    }
+}
+
+/// The process-wide recorder, installed on first use (before any engine is
+/// built: handles are resolved at build time).
+fn metrics() -> &'static Metrics {
+    static METRICS: OnceLock<Arc<Metrics>> = OnceLock::new();
+    METRICS.get_or_init(|| {
+        let registry = Arc::new(Registry::atomic());
+        metrics::set_global_recorder(TestRecorder(Arc::clone(&registry)))
+            .unwrap_or_else(|_| panic!("another metrics recorder is installed"));
+        registry
+    })
+}
+
+fn matches(key: &Key, name: &str, labels: &[(&str, &str)]) -> bool {
+    key.name() == name
+        && labels
+            .iter()
+            .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+}
+
+/// The sum of the counters named `name` having all of `labels`.
+fn counter(name: &str, labels: &[(&str, &str)]) -> u64 {
+    metrics()
+        .get_counter_handles()
+        .iter()
+        .filter(|(k, _)| matches(k, name, labels))
+        .map(|(_, v)| v.load(Ordering::SeqCst))
+        .sum()
+}
+
+/// Samples recorded in the histograms named `name` having all of `labels`.
+fn samples(name: &str, labels: &[(&str, &str)]) -> usize {
+    metrics()
+        .get_histogram_handles()
+        .iter()
+        .filter(|(k, _)| matches(k, name, labels))
+        .map(|(_, h)| h.data().len())
+        .sum()
+}
+
+fn gauge(name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    metrics()
+        .get_gauge_handles()
+        .iter()
+        .find(|(k, _)| matches(k, name, labels))
+        .map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
+}
+
+/// The deliveries of `scope` over `transport`, by outcome.
+fn outcomes(scope: &str, transport: &str) -> BTreeMap<&'static str, u64> {
+    ["processed", "duplicate", "conflict", "rejected", "failed"]
+        .into_iter()
+        .map(|outcome| {
+            let n = counter(
+                DELIVERIES_TOTAL,
+                &[
+                    ("scope", scope),
+                    ("transport", transport),
+                    ("outcome", outcome),
+                ],
+            );
+            (outcome, n)
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+fn by_reason(name: &str, scope: &str, transport: &str) -> BTreeMap<&'static str, u64> {
+    [
+        "fingerprint_mismatch",
+        "bad_key",
+        "decode_error",
+        "handler_error",
+        "store_error",
+    ]
+    .into_iter()
+    .map(|reason| {
+        let labels = [
+            ("scope", scope),
+            ("transport", transport),
+            ("reason", reason),
+        ];
+        (reason, counter(name, &labels))
+    })
+    .filter(|(_, n)| *n > 0)
+    .collect()
+}
+
+// ---------------------------------------------------------------- engine
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_counts_each_outcome_by_scope_and_transport() {
+    metrics();
+    let url = pg_schema("mxeng").await;
+    let store = pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let scope = unique("mxeng");
+    let engine = Engine::builder(store.clone())
+        .scope(scope.as_str())
+        .key_expr("json:/out_trade_no")
+        .retry(
+            RetryPolicy::default()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(10)),
+        )
+        .build()
+        .unwrap();
+    let h = Ledger::default();
+    let d = |no: &str, account: &str, amount: i64| Delivery::new(payment(no, account, amount));
+
+    let kinds = [
+        engine.process(&h, &d("A", "alice", 10)).await,
+        engine.process(&h, &d("A", "alice", 10)).await,
+        engine.process(&h, &d("A", "alice", 99)).await,
+        engine
+            .process(&h, &Delivery::new(&b"{\"amount\":1}"[..]))
+            .await,
+        engine.process(&h, &d("B", "broken", 10)).await,
+        engine.process_with_retry(&h, &d("F", "flaky", 10)).await,
+    ]
+    .map(|r| r.outcome.kind().as_str());
+    assert_eq!(
+        kinds,
+        [
+            "processed",
+            "duplicate",
+            "conflict",
+            "rejected",
+            "failed",
+            "failed"
+        ]
+    );
+    let batch = [d("C", "carol", 5), d("D", "dave", 6), d("C", "carol", 5)];
+    let reports = engine.process_batch(&h, &batch).await;
+    assert!(reports.iter().all(|r| r.outcome.is_done()));
+
+    // The business effect: one row per processed key, nothing else.
+    let charged: Vec<String> = ledger::postgres::charges(store.pool())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(account, _, _)| account)
+        .collect();
+    assert_eq!(charged.len(), 3, "A, C and D were charged: {charged:?}");
+
+    assert_eq!(
+        outcomes(&scope, "engine"),
+        BTreeMap::from([
+            ("processed", 3),
+            ("duplicate", 2),
+            ("conflict", 1),
+            ("rejected", 1),
+            // broken once, flaky three times
+            ("failed", 4),
+        ])
+    );
+    assert_eq!(
+        by_reason(RETRIED_TOTAL, &scope, "engine"),
+        BTreeMap::from([("handler_error", 2)])
+    );
+    let labels = [("scope", scope.as_str()), ("transport", "engine")];
+    // A, broken, flaky x3, then C and D in the batch.
+    assert_eq!(samples(HANDLER_DURATION_SECONDS, &labels), 7);
+    // A's transaction and the batch's.
+    assert_eq!(samples(COMMIT_DURATION_SECONDS, &labels), 2);
+}
+
+// ---------------------------------------------------------------- AMQP
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
+    metrics();
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let queue = unique("mxamqp");
+    let url_pg = pg_schema("mxamqp").await;
+    let store = pg_store(&url_pg, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    let consumer = || {
+        AmqpConsumer::builder(store.clone())
+            .url(url())
+            .queue(&queue)
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(2)
+                    .initial_delay(Duration::from_millis(100)),
+            )
+            .exit_when_idle(Duration::from_secs(2))
+            .build()
+            .unwrap()
+    };
+    let drain = |consumer: AmqpConsumer<onceonly::PgStore>| async move {
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            consumer.run_until(Arc::new(Ledger::default()), CancellationToken::new()),
+        )
+        .await
+        .expect("consumer did not drain within 120 s")
+        .expect("consumer failed")
+    };
+    // Two runs: A is committed before its duplicate and its conflicting
+    // reuse arrive (concurrent handlers give no order within one run).
+    publish(
+        &channel,
+        &queue,
+        &[
+            Msg::new(payment("A", "alice", 10)),
+            Msg::new(payment("B", "bob", 20)),
+        ],
+    )
+    .await;
+    let first = drain(consumer()).await;
+    assert_eq!(first.processed, 2);
+    publish(
+        &channel,
+        &queue,
+        &[
+            Msg::new(payment("A", "alice", 10)),
+            Msg::new(payment("A", "alice", 99)),
+            Msg::new(&b"not json"[..]),
+            Msg::new(&b"{\"amount\":1}"[..]),
+            Msg::new(payment("X", "broken", 1)),
+            Msg::new(payment("F", "flaky", 1)),
+        ],
+    )
+    .await;
+    let stats = drain(consumer()).await;
+
+    assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
+    let dlq = depth(&channel, &format!("{queue}.dlq")).await;
+    assert_eq!(u64::from(dlq), stats.dead_lettered);
+    assert!(stats.retried >= 1, "flaky was retried: {stats:?}");
+    assert_eq!(
+        outcomes(&queue, "amqp"),
+        BTreeMap::from([
+            ("processed", 2),
+            ("duplicate", 1),
+            ("conflict", 1),
+            ("rejected", 2),
+            // broken once, flaky on its first try and on each retry
+            ("failed", 2 + stats.retried),
+        ])
+    );
+    assert_eq!(
+        by_reason(RETRIED_TOTAL, &queue, "amqp"),
+        BTreeMap::from([("handler_error", stats.retried)])
+    );
+    assert_eq!(
+        by_reason(DEAD_LETTERED_TOTAL, &queue, "amqp"),
+        BTreeMap::from([
+            ("fingerprint_mismatch", 1),
+            ("decode_error", 1),
+            ("bad_key", 1),
+            // broken, and flaky once its retries ran out
+            ("handler_error", 2),
+        ])
+    );
+    assert_eq!(dlq, 5);
+}
+
+// ---------------------------------------------------------------- Kafka lag
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kafka_consumer_lag_gauge_reaches_zero_once_everything_is_committed() {
+    metrics();
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let topic = unique("mxlag");
+    let group = unique("mxlag_group");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlt"), 1).await;
+    let records: Vec<Record> = (0..5)
+        .map(|i| {
+            let no = format!("L-{i}");
+            Record::new(no.clone(), payment(&no, "lara", 1 + i))
+        })
+        .collect();
+    produce(&topic, &records).await;
+    let url_pg = pg_schema("mxlag").await;
+    let store = pg_store(&url_pg, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+
+    let consumer = KafkaConsumer::builder(store)
+        .brokers(onceonly_integration_tests::kafka::brokers())
+        .group_id(&group)
+        .topic(&topic)
+        .key_expr("json:/out_trade_no")
+        .commit_interval(Duration::from_millis(100))
+        .statistics_interval(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let handler = Arc::new(Ledger::default());
+    let stop = CancellationToken::new();
+    let run = tokio::spawn(consumer.run_until(Arc::clone(&handler), stop.clone()));
+
+    let labels = [
+        ("scope", group.as_str()),
+        ("topic", topic.as_str()),
+        ("partition", "0"),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let done = handler.calls.load(Ordering::SeqCst) == 5
+            && committed(&group, &topic, 1).get(&0) == Some(&5);
+        if done && gauge(KAFKA_CONSUMER_LAG, &labels) == Some(0.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lag gauge {:?} not 0 within 60 s (handler calls {}, committed {:?})",
+            gauge(KAFKA_CONSUMER_LAG, &labels),
+            handler.calls.load(Ordering::SeqCst),
+            committed(&group, &topic, 1),
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    assert_eq!(
+        outcomes(&group, "kafka"),
+        BTreeMap::from([("processed", 5)])
+    );
+}
+
+// ---------------------------------------------------------------- Prometheus
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payment_webhook_example_serves_prometheus_counters() {
+    let dir = tempfile::tempdir().unwrap();
+    let (app, prom) = (free_port(), free_port());
+    let child = Logged::new("mxprom");
+    let _server = child.spawn(
+        "payment_webhook",
+        &[
+            "--listen".into(),
+            format!("127.0.0.1:{app}"),
+            "--metrics-addr".into(),
+            format!("127.0.0.1:{prom}"),
+            "--database-url".into(),
+            format!("sqlite://{}", dir.path().join("webhook.db").display()),
+        ],
+    );
+    let client = reqwest::Client::new();
+    let body = serde_json::json!({ "out_trade_no": "P-1", "account": "alice", "amount": 5 });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut posted = 0;
+    while posted < 2 {
+        match client
+            .post(format!("http://127.0.0.1:{app}/webhooks/payments"))
+            .json(&body)
+            .send()
+            .await
+        {
+            Ok(r) => {
+                assert!(r.status().is_success(), "{}", r.status());
+                posted += 1;
+            }
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the example did not answer within 60 s: {e}\n{}",
+                    child.tail()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let text = client
+        .get(format!("http://127.0.0.1:{prom}/metrics"))
+        .send()
+        .await
+        .and_then(|r| r.error_for_status())
+        .unwrap_or_else(|e| panic!("metrics endpoint: {e}\n{}", child.tail()))
+        .text()
+        .await
+        .unwrap();
+    let value = |outcome: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with(DELIVERIES_TOTAL)
+                    && l.contains("scope=\"payment-callbacks\"")
+                    && l.contains("transport=\"http\"")
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .map(str::to_owned)
+    };
+    assert_eq!(value("processed").as_deref(), Some("1"), "{text}");
+    assert_eq!(value("duplicate").as_deref(), Some("1"), "{text}");
+    assert!(
+        text.contains(&format!("# HELP {DELIVERIES_TOTAL}")),
+        "described: {text}"
+    );
+}
+
+// ---------------------------------------------------------------- spans
+
+/// Fields of `onceonly.delivery` spans: as seen by events inside them, and
+/// when they close.
+#[derive(Default, Clone)]
+struct Captured {
+    in_handler: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
+    closed: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
+}
+
+#[derive(Default)]
+struct Fields(BTreeMap<String, String>);
+
+impl tracing::field::Visit for Fields {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+}
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Captured {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(fields);
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &SpanRecord<'_>, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id)
+            && let Some(fields) = span.extensions_mut().get_mut::<Fields>()
+        {
+            values.record(fields);
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let mut msg = Fields::default();
+        event.record(&mut msg);
+        if msg.0.get("message").map(String::as_str) != Some("inside handler") {
+            return;
+        }
+        let Some(scope) = ctx.event_scope(event) else {
+            return;
+        };
+        for span in scope.from_root() {
+            if span.name() == "onceonly.delivery"
+                && let Some(fields) = span.extensions().get::<Fields>()
+            {
+                self.in_handler.lock().unwrap().push(fields.0.clone());
+            }
+        }
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(&id)
+            && span.name() == "onceonly.delivery"
+            && let Some(fields) = span.extensions().get::<Fields>()
+        {
+            self.closed.lock().unwrap().push(fields.0.clone());
+        }
+    }
+}
+
+struct Noisy;
+
+#[async_trait]
+impl Handler<Sqlite> for Noisy {
+    type Input = Json<serde_json::Value>;
+    type Output = ();
+
+    async fn handle(
+        &self,
+        _conn: &mut SqliteConnection,
+        _input: Json<serde_json::Value>,
+        _d: &Delivery,
+    ) -> Result<(), HandlerError> {
+        tracing::info!("inside handler");
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn delivery_span_wraps_the_handler_and_hashes_keys_when_asked() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::registry().with(captured.clone());
+    // Current-thread runtime: the guard covers every poll of this test.
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_store(&dir.path().join("spans.db"), "onceonly_keys").await;
+    let scope = unique("mxspan");
+    let build = |hash: bool| {
+        Engine::builder(store.clone())
+            .scope(scope.as_str())
+            .key_expr("json:/out_trade_no")
+            .hash_keys_in_traces(hash)
+            .build()
+            .unwrap()
+    };
+    let delivery =
+        |no: &str| Delivery::new(payment(no, "alice", 1)).with_source(format!("test/{no}"));
+    build(false).process(&Noisy, &delivery("plain-1")).await;
+    build(true).process(&Noisy, &delivery("secret-1")).await;
+    build(true).process(&Noisy, &delivery("secret-1")).await;
+
+    let in_handler = captured.in_handler.lock().unwrap().clone();
+    assert_eq!(in_handler.len(), 2, "the duplicate did not run the handler");
+    assert_eq!(in_handler[0]["scope"], scope);
+    assert_eq!(in_handler[0]["transport"], "engine");
+    assert_eq!(in_handler[0]["source"], "test/plain-1");
+    assert_eq!(in_handler[0]["key"], "plain-1");
+    let hashed = &in_handler[1]["key"];
+    assert!(
+        hashed.starts_with("sha256:") && hashed.len() == "sha256:".len() + 16,
+        "{hashed}"
+    );
+    assert!(!hashed.contains("secret"));
+
+    // The SQLite driver's worker thread may hold a clone of the last span
+    // a little longer: wait for all three to close.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while captured.closed.lock().unwrap().len() < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let closed = captured.closed.lock().unwrap().clone();
+    let summary: Vec<(&str, &str)> = closed
+        .iter()
+        .map(|f| (f["key"].as_str(), f["outcome"].as_str()))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("plain-1", "processed"),
+            (hashed.as_str(), "processed"),
+            (hashed.as_str(), "duplicate"),
+        ]
+    );
+}

@@ -1,0 +1,285 @@
+//! Metrics and tracing: the metric names, their labels, and the one place
+//! that records them.
+//!
+//! # Metrics
+//!
+//! onceonly records through the [`metrics`] facade: without a recorder
+//! installed every call is a no-op, and the application picks the exporter
+//! (Prometheus, StatsD, OpenTelemetry, ...). **Install the recorder before
+//! building engines, consumers and layers**: their metric handles are
+//! resolved once, when they are built, so that nothing is allocated per
+//! delivery.
+//!
+//! | name | type | labels | meaning |
+//! |---|---|---|---|
+//! | [`onceonly_deliveries_total`](DELIVERIES_TOTAL) | counter | `scope`, `transport`, `outcome` | one per processing attempt, by [outcome](crate::OutcomeKind): `processed`, `duplicate`, `conflict`, `rejected`, `failed` |
+//! | [`onceonly_retried_total`](RETRIED_TOTAL) | counter | `scope`, `transport`, `reason` | retries scheduled after a retryable failure |
+//! | [`onceonly_dead_lettered_total`](DEAD_LETTERED_TOTAL) | counter | `scope`, `transport`, `reason` | deliveries dead-lettered (publish confirmed) |
+//! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
+//! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
+//! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
+//!
+//! `transport` is `kafka`, `amqp`, `http`, or `engine` when an
+//! [`Engine`](crate::Engine) is driven directly (see
+//! [`EngineBuilder::transport`](crate::EngineBuilder::transport)). `reason`
+//! is a dead-letter reason code ([`Outcome::reason`](crate::Outcome::reason)):
+//! `fingerprint_mismatch`, `bad_key`, `decode_error`, `handler_error`,
+//! `store_error`.
+//!
+//! One scheme, one counter: a delivery retried twice and then processed
+//! counts `failed` twice and `processed` once, and `retried` twice.
+//! Duplicates are counted apart from errors (`outcome="duplicate"`) and
+//! logged at `debug` only. Over HTTP, a request whose key is still being
+//! processed by another request (409) also counts as `duplicate`, and a
+//! handler's 4xx that is not stored counts as `rejected`; requests that
+//! bypass the layer (another method, or no key where the key is optional)
+//! are not counted.
+//!
+//! # Tracing
+//!
+//! Each delivery runs in a span named [`SPAN_NAME`] (`onceonly.delivery`, at
+//! `INFO`) with the fields `scope`, `transport`, `source`, `key` and, once
+//! known, `outcome`. The handler runs inside it, so its own events carry
+//! those fields. Keys can be personal data: with
+//! [`EngineBuilder::hash_keys_in_traces`](crate::EngineBuilder::hash_keys_in_traces)
+//! the `key` field is `sha256:` and the first 16 hex digits of the key's
+//! SHA-256 instead.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{Counter, Histogram, SharedString};
+use sha2::{Digest, Sha256};
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::engine::OutcomeKind;
+
+/// Counter of processing attempts by outcome.
+pub const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
+/// Counter of retries scheduled, by reason.
+pub const RETRIED_TOTAL: &str = "onceonly_retried_total";
+/// Counter of deliveries dead-lettered, by reason.
+pub const DEAD_LETTERED_TOTAL: &str = "onceonly_dead_lettered_total";
+/// Histogram of handler run times, in seconds.
+pub const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
+/// Histogram of claim-transaction commit times, in seconds.
+pub const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
+/// Gauge of Kafka consumer lag per topic and partition, in records.
+pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
+
+/// Label: the dedup scope.
+pub const LABEL_SCOPE: &str = "scope";
+/// Label: the transport (`kafka`, `amqp`, `http`, `engine`).
+pub const LABEL_TRANSPORT: &str = "transport";
+/// Label: the outcome (see [`OutcomeKind::as_str`]).
+pub const LABEL_OUTCOME: &str = "outcome";
+/// Label: a dead-letter or retry reason code.
+pub const LABEL_REASON: &str = "reason";
+/// Label: a Kafka topic.
+pub const LABEL_TOPIC: &str = "topic";
+/// Label: a Kafka partition number.
+pub const LABEL_PARTITION: &str = "partition";
+
+/// The name of the span each delivery runs in.
+pub const SPAN_NAME: &str = "onceonly.delivery";
+
+/// The transport label of an engine driven directly.
+pub const TRANSPORT_ENGINE: &str = "engine";
+/// The transport label of the Kafka consumer.
+pub const TRANSPORT_KAFKA: &str = "kafka";
+/// The transport label of the AMQP consumer.
+pub const TRANSPORT_AMQP: &str = "amqp";
+/// The transport label of the HTTP layer.
+pub const TRANSPORT_HTTP: &str = "http";
+
+/// Registers units and descriptions of every onceonly metric with the
+/// installed recorder (exporters show them as `# HELP`). Optional; call it
+/// once after installing the recorder.
+pub fn describe_metrics() {
+    use metrics::Unit;
+    metrics::describe_counter!(
+        DELIVERIES_TOTAL,
+        Unit::Count,
+        "Processing attempts by outcome: processed, duplicate, conflict, rejected, failed"
+    );
+    metrics::describe_counter!(
+        RETRIED_TOTAL,
+        Unit::Count,
+        "Retries scheduled after a retryable failure, by reason"
+    );
+    metrics::describe_counter!(
+        DEAD_LETTERED_TOTAL,
+        Unit::Count,
+        "Deliveries dead-lettered (publish confirmed), by reason"
+    );
+    metrics::describe_histogram!(
+        HANDLER_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time spent in the user's handler"
+    );
+    metrics::describe_histogram!(
+        COMMIT_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time of the claim transaction's commit"
+    );
+    metrics::describe_gauge!(
+        KAFKA_CONSUMER_LAG,
+        Unit::Count,
+        "Records between the committed offset and the high watermark"
+    );
+}
+
+const OUTCOMES: [OutcomeKind; 5] = [
+    OutcomeKind::Processed,
+    OutcomeKind::Duplicate,
+    OutcomeKind::Conflict,
+    OutcomeKind::Rejected,
+    OutcomeKind::Failed,
+];
+
+/// The metric handles and span settings of one scope and transport,
+/// resolved once when an engine, consumer or layer is built.
+#[derive(Clone)]
+pub(crate) struct Telemetry {
+    scope: SharedString,
+    transport: &'static str,
+    hash_keys: bool,
+    outcomes: [Counter; 5],
+    handler: Histogram,
+    commit: Histogram,
+}
+
+impl Telemetry {
+    /// Resolves the handles of `scope` and `transport` with the recorder
+    /// installed now.
+    pub(crate) fn new(scope: &str, transport: &'static str, hash_keys: bool) -> Self {
+        let scope = SharedString::from(Arc::<str>::from(scope));
+        let outcomes = OUTCOMES.map(|kind| {
+            metrics::counter!(
+                DELIVERIES_TOTAL,
+                LABEL_SCOPE => scope.clone(),
+                LABEL_TRANSPORT => transport,
+                LABEL_OUTCOME => kind.as_str(),
+            )
+        });
+        let handler = metrics::histogram!(
+            HANDLER_DURATION_SECONDS,
+            LABEL_SCOPE => scope.clone(),
+            LABEL_TRANSPORT => transport,
+        );
+        let commit = metrics::histogram!(
+            COMMIT_DURATION_SECONDS,
+            LABEL_SCOPE => scope.clone(),
+            LABEL_TRANSPORT => transport,
+        );
+        Self {
+            scope,
+            transport,
+            hash_keys,
+            outcomes,
+            handler,
+            commit,
+        }
+    }
+
+    /// Counts one outcome and records it on `span`; a duplicate is logged
+    /// at `debug` (it is not an error).
+    pub(crate) fn outcome(&self, span: &Span, kind: OutcomeKind) {
+        if let Some(i) = OUTCOMES.iter().position(|k| *k == kind) {
+            self.outcomes[i].increment(1);
+        }
+        Self::record_outcome(span, kind);
+        if kind == OutcomeKind::Duplicate {
+            tracing::debug!("duplicate: already committed, handler not run");
+        }
+    }
+
+    /// Records `kind` on `span` without counting it (already counted).
+    pub(crate) fn record_outcome(span: &Span, kind: OutcomeKind) {
+        span.record("outcome", kind.as_str());
+    }
+
+    /// Time spent in the handler.
+    pub(crate) fn handler_time(&self, elapsed: Duration) {
+        self.handler.record(elapsed.as_secs_f64());
+    }
+
+    /// Time of a commit.
+    pub(crate) fn commit_time(&self, elapsed: Duration) {
+        self.commit.record(elapsed.as_secs_f64());
+    }
+
+    /// One retry scheduled. Rare: the handle is resolved per call.
+    pub(crate) fn retried(&self, reason: &'static str) {
+        metrics::counter!(
+            RETRIED_TOTAL,
+            LABEL_SCOPE => self.scope.clone(),
+            LABEL_TRANSPORT => self.transport,
+            LABEL_REASON => reason,
+        )
+        .increment(1);
+    }
+
+    /// One delivery dead-lettered. Rare: the handle is resolved per call.
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    pub(crate) fn dead_lettered(&self, reason: &'static str) {
+        metrics::counter!(
+            DEAD_LETTERED_TOTAL,
+            LABEL_SCOPE => self.scope.clone(),
+            LABEL_TRANSPORT => self.transport,
+            LABEL_REASON => reason,
+        )
+        .increment(1);
+    }
+
+    /// A new delivery span (see the [module documentation](self)).
+    pub(crate) fn span(&self, source: Option<&str>) -> Span {
+        tracing::info_span!(
+            "onceonly.delivery",
+            scope = &*self.scope,
+            transport = self.transport,
+            source,
+            key = Empty,
+            outcome = Empty,
+        )
+    }
+
+    /// Records the key on `span`, hashed if so configured.
+    pub(crate) fn record_key(&self, span: &Span, key: &str) {
+        if span.is_disabled() {
+            return;
+        }
+        if self.hash_keys {
+            span.record("key", hashed_key(key).as_str());
+        } else {
+            span.record("key", key);
+        }
+    }
+}
+
+/// `sha256:` and the first 16 hex digits of the key's SHA-256.
+pub(crate) fn hashed_key(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    format!("sha256:{}", hex::encode(&digest[..8]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashed_keys_are_a_stable_prefix() {
+        // SHA-256("abc") = ba7816bf8f01cfea...
+        assert_eq!(hashed_key("abc"), "sha256:ba7816bf8f01cfea");
+    }
+
+    #[test]
+    fn outcome_table_matches_the_kinds() {
+        let names: Vec<_> = OUTCOMES.iter().map(OutcomeKind::as_str).collect();
+        assert_eq!(
+            names,
+            ["processed", "duplicate", "conflict", "rejected", "failed"]
+        );
+    }
+}
