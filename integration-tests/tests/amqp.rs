@@ -356,3 +356,36 @@ async fn a_declared_quorum_queue_works_the_same() {
     assert_eq!(depth(&channel, &s.queue).await, 0);
     assert_eq!(depth(&channel, &format!("{}.dlq", s.queue)).await, 1);
 }
+
+/// With `concurrency(1)` deliveries run strictly in queue order, even with a
+/// large prefetch on a multi-threaded runtime: the ledger's insertion order
+/// is the publish order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrency_one_processes_in_queue_order() {
+    let s = setup("aorder").await;
+    let nos: Vec<String> = (0..300).map(|i| format!("O-{i:04}")).collect();
+    let messages: Vec<Msg> = nos
+        .iter()
+        .enumerate()
+        .map(|(i, no)| Msg::new(payment(no, &format!("acct-{}", i % 7), 1)))
+        .collect();
+    let (_conn, channel) = connect().await;
+    publish(&channel, &s.queue, &messages).await;
+    drain(
+        consumer(&s).concurrency(1).prefetch(100),
+        Arc::new(Ledger::default()),
+    )
+    .await;
+    let order: Vec<String> = sqlx::query_scalar("SELECT out_trade_no FROM ledger ORDER BY id")
+        .fetch_all(&s.pool)
+        .await
+        .unwrap();
+    assert_eq!(order.len(), nos.len(), "every message processed once");
+    let first = order.iter().zip(&nos).position(|(got, want)| got != want);
+    assert_eq!(
+        first,
+        None,
+        "processed out of queue order from position {first:?}: {:?}",
+        first.map(|i| &order[i..(i + 5).min(order.len())])
+    );
+}

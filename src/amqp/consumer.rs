@@ -10,7 +10,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -186,22 +186,29 @@ where
             .min(idle_check)
             .max(Duration::from_millis(1)),
     );
+    // A delivery is taken from the stream only with a permit in hand, so
+    // deliveries start in the order they arrived (with `concurrency(1)`,
+    // strictly one after the other); the rest wait, unacked, in the
+    // prefetch buffer.
+    let mut permit: Option<OwnedSemaphorePermit> = None;
     let end: Result<End, ConsumerError> = loop {
         tokio::select! {
             () = shutdown.cancelled() => break Ok(End::Stopped),
-            next = consumer.next() => match next {
+            p = Arc::clone(&permits).acquire_owned(), if permit.is_none() => match p {
+                Ok(p) => permit = Some(p),
+                // Closed only after this loop.
+                Err(_) => break Ok(End::Stopped),
+            },
+            next = consumer.next(), if permit.is_some() => match next {
                 Some(Ok(message)) => {
                     *idle_since = Instant::now();
                     let env = Arc::clone(env);
                     let channel = channel.clone();
-                    let permits = Arc::clone(&permits);
                     let stop = stop.clone();
+                    let held = permit.take();
                     tasks.spawn(async move {
-                        // Closed only if the session is over: then leave the
-                        // message unacked for redelivery.
-                        if let Ok(_permit) = permits.acquire_owned().await {
-                            handle(&env, &channel, message, &stop).await;
-                        }
+                        let _held = held;
+                        handle(&env, &channel, message, &stop).await;
                     });
                 }
                 // The broker closed the channel (an ack timeout, a refused
