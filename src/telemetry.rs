@@ -18,6 +18,7 @@
 //! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
 //! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
+//! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
 //!
 //! `transport` is `kafka`, `amqp`, `http`, or `engine` when an
 //! [`Engine`](crate::Engine) is driven directly (see
@@ -68,6 +69,11 @@ pub const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
 /// Gauge of Kafka consumer lag per topic and partition, in records.
 pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
 
+/// Counter of dedup records deleted by purges, by table.
+pub const PURGED_TOTAL: &str = "onceonly_purged_total";
+
+/// Label: the dedup table (`schema.table`).
+pub const LABEL_TABLE: &str = "table";
 /// Label: the dedup scope.
 pub const LABEL_SCOPE: &str = "scope";
 /// Label: the transport (`kafka`, `amqp`, `http`, `engine`).
@@ -122,6 +128,11 @@ pub fn describe_metrics() {
         COMMIT_DURATION_SECONDS,
         Unit::Seconds,
         "Time of the claim transaction's commit"
+    );
+    metrics::describe_counter!(
+        PURGED_TOTAL,
+        Unit::Count,
+        "Dedup records deleted by purges (Purger, purge_in_batches), by table"
     );
     metrics::describe_gauge!(
         KAFKA_CONSUMER_LAG,
@@ -281,5 +292,12 @@ mod tests {
             names,
             ["processed", "duplicate", "conflict", "rejected", "failed"]
         );
+    }
+}
+
+/// Counts `n` records purged from `table`.
+pub(crate) fn purged(table: &crate::store::TableName, n: u64) {
+    if n > 0 {
+        metrics::counter!(PURGED_TOTAL, LABEL_TABLE => table.to_string()).increment(n);
     }
 }

@@ -20,7 +20,7 @@ use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::kafka::KafkaConsumer;
 use onceonly::telemetry::{
     COMMIT_DURATION_SECONDS, DEAD_LETTERED_TOTAL, DELIVERIES_TOTAL, HANDLER_DURATION_SECONDS,
-    KAFKA_CONSUMER_LAG, RETRIED_TOTAL,
+    KAFKA_CONSUMER_LAG, PURGED_TOTAL, RETRIED_TOTAL,
 };
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
@@ -146,6 +146,45 @@ fn by_reason(name: &str, scope: &str, transport: &str) -> BTreeMap<&'static str,
     })
     .filter(|(_, n)| *n > 0)
     .collect()
+}
+
+// ---------------------------------------------------------------- purge
+
+/// Purges count what they delete, by table: the background purger and the
+/// one-off batched purge alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_count_deleted_records_by_table() {
+    metrics();
+    let url = pg_schema("mxpurge").await;
+    let table = unique("mxpurge");
+    let store = pg_store(&url, &table).await;
+    let qualified = store.table().to_string();
+    let engine = Engine::builder(store.clone())
+        .scope("s")
+        .key_expr("json:/out_trade_no")
+        .retention(Duration::from_millis(1))
+        .build()
+        .unwrap();
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let h = Ledger::default();
+    for i in 0..25 {
+        let d = Delivery::new(payment(&format!("P-{i}"), "alice", 1));
+        assert!(engine.process(&h, &d).await.outcome.is_done());
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let now = onceonly::Clock::now_ms(&onceonly::SystemClock);
+    let options = onceonly::ops::PurgeOptions::new().batch(10);
+    let progress = onceonly::ops::purge_in_batches(
+        &store,
+        onceonly::ops::PurgeMode::Expired,
+        &options,
+        now,
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(progress.deleted, 25);
+    assert_eq!(counter(PURGED_TOTAL, &[("table", qualified.as_str())]), 25);
 }
 
 // ---------------------------------------------------------------- engine

@@ -26,6 +26,7 @@ use tokio::sync::watch;
 use crate::clock::{Clock, SystemClock};
 use crate::store::admin::{AdminStore, CountFilter, PurgeCursor};
 use crate::store::{SqlStore, StoreError, validate_scope};
+use crate::telemetry;
 
 /// Which records a purge deletes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,6 +199,7 @@ where
     match mode {
         PurgeMode::Expired => loop {
             let deleted = retrying(|| store.purge_expired(scope, now_ms, options.batch)).await?;
+            telemetry::purged(store.table(), deleted);
             progress.batches += 1;
             progress.deleted += deleted;
             progress.scanned += deleted;
@@ -214,6 +216,7 @@ where
                     store.purge_created_before(scope, cutoff, cursor.as_ref(), options.batch)
                 })
                 .await?;
+                telemetry::purged(store.table(), step.deleted);
                 progress.batches += 1;
                 progress.deleted += step.deleted;
                 progress.scanned += step.scanned;
@@ -344,6 +347,7 @@ impl<S: SqlStore> Purger<S> {
                 .store
                 .purge_expired(self.scope.as_deref(), now_ms, self.batch)
                 .await?;
+            telemetry::purged(self.store.table(), deleted);
             *total += deleted;
             if deleted < u64::from(self.batch) {
                 return Ok(());
