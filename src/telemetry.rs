@@ -275,6 +275,13 @@ pub(crate) fn hashed_key(key: &str) -> String {
     format!("sha256:{}", hex::encode(&digest[..8]))
 }
 
+/// Counts `n` records purged from `table`.
+pub(crate) fn purged(table: &crate::store::TableName, n: u64) {
+    if n > 0 {
+        metrics::counter!(PURGED_TOTAL, LABEL_TABLE => table.to_string()).increment(n);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,12 +299,5 @@ mod tests {
             names,
             ["processed", "duplicate", "conflict", "rejected", "failed"]
         );
-    }
-}
-
-/// Counts `n` records purged from `table`.
-pub(crate) fn purged(table: &crate::store::TableName, n: u64) {
-    if n > 0 {
-        metrics::counter!(PURGED_TOTAL, LABEL_TABLE => table.to_string()).increment(n);
     }
 }
