@@ -415,3 +415,70 @@ async fn a_failed_republish_leaves_the_letter_and_fails_the_run() {
         "the good one went through"
     );
 }
+
+/// A dead letter whose original exchange fans out: by default the copy goes
+/// back to that exchange (every bound queue gets it again); `--to-queue`
+/// sends it only to the queue that dead-lettered it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn to_queue_replays_only_to_the_dead_lettering_queue() {
+    use lapin::ExchangeKind;
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    let s = setup("rpa_toq").await;
+    let (_conn, channel) = connect().await;
+    let fanout = unique("rpa_fan");
+    let other = unique("rpa_other");
+    declare_queue(&channel, &other).await;
+    channel
+        .exchange_declare(
+            fanout.as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for q in [&s.queue, &other] {
+        channel
+            .queue_bind(
+                q.as_str().into(),
+                fanout.as_str().into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    let letter = |no: &str| {
+        let mut m = dead_letter(
+            &s.queue,
+            payment(no, "a", 1),
+            "handler_error",
+            Some(no),
+            now_ms(),
+        );
+        m.headers[3].1 = fanout.clone();
+        m.headers[4].1 = String::new();
+        m
+    };
+    publish(&channel, &s.dlq, &[letter("F-1")]).await;
+    let run = replay(&s, &["--to-queue"]).await;
+    assert!(run.success, "{run:?}");
+    assert_eq!(
+        depth(&channel, &s.queue).await,
+        1,
+        "the copy went to its queue"
+    );
+    assert_eq!(depth(&channel, &other).await, 0, "and to no other queue");
+    assert_eq!(depth(&channel, &s.dlq).await, 0);
+
+    publish(&channel, &s.dlq, &[letter("F-2")]).await;
+    let run = replay(&s, &[]).await;
+    assert!(run.success, "{run:?}");
+    assert_eq!(depth(&channel, &s.queue).await, 2);
+    assert_eq!(
+        depth(&channel, &other).await,
+        1,
+        "through the original fanout exchange every bound queue gets a copy"
+    );
+}

@@ -42,8 +42,9 @@ impl ConsumerLag {
     }
 
     /// Partitions this member does not fetch report a lag of -1 (unknown)
-    /// and are skipped: their gauge keeps its last value until the
-    /// partition is assigned again, here or to another member.
+    /// and are skipped; revoked partitions are set to 0 by
+    /// [`revoked`](Self::revoked), so that a member's series does not keep
+    /// a stale lag once another member owns the partition.
     pub(crate) fn update(&self, statistics: &Statistics) {
         for (topic, t) in &statistics.topics {
             for (&partition, p) in &t.partitions {
@@ -61,6 +62,20 @@ impl ConsumerLag {
                 )
                 .set(lag);
             }
+        }
+    }
+
+    /// Zeroes the gauges of partitions this member no longer owns (the
+    /// `metrics` facade cannot delete a series).
+    pub(crate) fn revoked(&self, partitions: &[Tp]) {
+        for (topic, partition) in partitions {
+            metrics::gauge!(
+                KAFKA_CONSUMER_LAG,
+                LABEL_SCOPE => self.scope.clone(),
+                LABEL_TOPIC => topic.clone(),
+                LABEL_PARTITION => partition.to_string(),
+            )
+            .set(0.0);
         }
     }
 }
@@ -91,6 +106,7 @@ impl ConsumerContext for DedupContext {
                         }
                     }
                 }
+                self.lag.revoked(&tps);
                 tracing::info!(partitions = ?tps, "partitions revoked");
             }
             Rebalance::Assign(_) => {}

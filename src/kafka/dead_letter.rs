@@ -99,7 +99,18 @@ impl DeadLetterer {
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
         let attempts = letter.attempts.to_string();
-        let first_seen = envelope.first_seen_ms.to_string();
+        // A replayed record keeps the first-seen time of its first failure.
+        let first_seen = m
+            .headers()
+            .and_then(|hs| {
+                hs.iter()
+                    .find(|h| h.key == headers::FIRST_SEEN)
+                    .and_then(|h| h.value)
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+            .unwrap_or(envelope.first_seen_ms)
+            .to_string();
         let text: [(&str, Option<&[u8]>); 10] = [
             (headers::ORIGINAL_TOPIC, Some(m.topic().as_bytes())),
             (headers::ORIGINAL_PARTITION, Some(partition.as_bytes())),

@@ -215,7 +215,7 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
                 None => {
                     // Not ours (a shared prefix?): a miss, SQL decides.
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(scope, key, "unexpected value in the Redis tier; asking SQL");
+                    tracing::warn!(scope, "unexpected value in the Redis tier; asking SQL");
                     None
                 }
             },
@@ -225,7 +225,7 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
             }
             Err(e) => {
                 self.failed();
-                tracing::warn!(error = %e, scope, key, "Redis lookup failed; asking SQL (Redis skipped for 1 s)");
+                tracing::warn!(error = %e, scope, "Redis lookup failed; asking SQL (Redis skipped for 1 s)");
                 None
             }
         }
@@ -252,7 +252,7 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
         };
         if let Err(e) = written {
             self.failed();
-            tracing::warn!(error = %e, key = done.key, "Redis write after commit failed; SQL still has the record");
+            tracing::warn!(error = %e, scope = done.scope, "Redis write after commit failed; SQL still has the record");
         }
     }
 

@@ -81,8 +81,9 @@ struct Selection {
     /// fingerprint_mismatch, bad_key, decode_error.
     #[arg(long, value_name = "REASON")]
     reason: Vec<String>,
-    /// Only dead letters first seen since: an RFC 3339 time
-    /// (2026-11-29T08:00:00Z) or a duration ago (90m, 2h, 1day). Undated
+    /// Only dead letters first seen since: a UTC time
+    /// (2026-11-29T08:00:00Z; no offsets other than Z, a time without a
+    /// zone is read as UTC) or a duration ago (90m, 2h, 1day). Undated
     /// ones do not match.
     #[arg(long, value_name = "TIME|DURATION", value_parser = parse_since)]
     since: Option<SystemTime>,
@@ -117,6 +118,11 @@ struct AmqpArgs {
     /// The dead-letter queue, e.g. orders.dlq.
     #[arg(long)]
     queue: String,
+    /// Send copies straight to the queue that dead-lettered them (default
+    /// exchange) instead of the original exchange, which may fan out to
+    /// other queues.
+    #[arg(long)]
+    to_queue: bool,
     #[command(flatten)]
     selection: Selection,
 }
@@ -155,6 +161,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), BoxError> {
             let replay = onceonly::ops::replay::AmqpReplay::builder()
                 .url(a.url)
                 .queue(&a.queue)
+                .to_queue(a.to_queue)
                 .options(options(&a.selection))
                 .on_progress(ui.callback())
                 .build()?;
@@ -315,7 +322,10 @@ fn parse_since(s: &str) -> Result<SystemTime, String> {
         return Ok(t);
     }
     let ago = humantime::parse_duration(s).map_err(|_| {
-        format!("{s:?} is neither an RFC 3339 time (2026-11-29T08:00:00Z) nor a duration (2h)")
+        format!(
+            "{s:?} is neither a UTC time (2026-11-29T08:00:00Z; offsets other than Z are not \
+             supported) nor a duration (2h)"
+        )
     })?;
     SystemTime::now()
         .checked_sub(ago)

@@ -28,6 +28,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct AmqpReplayBuilder {
     url: Option<String>,
     queue: Option<String>,
+    to_queue: bool,
     options: ReplayOptions,
     progress: Option<ProgressFn>,
 }
@@ -63,6 +64,19 @@ impl AmqpReplayBuilder {
         self
     }
 
+    /// Send each copy straight to the queue that dead-lettered it (through
+    /// the default exchange, from `x-onceonly-queue` or the `x-death`
+    /// entry's `queue`) instead of to its original exchange and routing
+    /// key. Use it when the original exchange fans out (fanout or topic
+    /// exchanges, several bound queues): a copy sent there reaches every
+    /// bound queue again, and consumers that do not dedupe would see it
+    /// twice.
+    #[must_use]
+    pub fn to_queue(mut self, to_queue: bool) -> Self {
+        self.to_queue = to_queue;
+        self
+    }
+
     /// Called after each dead letter.
     #[must_use]
     pub fn on_progress(mut self, f: impl Fn(&super::Progress) + Send + Sync + 'static) -> Self {
@@ -83,6 +97,7 @@ impl AmqpReplayBuilder {
         Ok(AmqpReplay {
             url,
             queue,
+            to_queue: self.to_queue,
             options: self.options,
             progress: self.progress,
         })
@@ -94,7 +109,10 @@ impl AmqpReplayBuilder {
 /// The destination of each message is `x-onceonly-original-exchange` /
 /// `-routing-key` (written by the onceonly consumer), or else the first
 /// entry of RabbitMQ's `x-death` header (`exchange`, first of
-/// `routing-keys`), for queues fed by RabbitMQ's own dead-lettering.
+/// `routing-keys`), for queues fed by RabbitMQ's own dead-lettering. With
+/// [`to_queue`](AmqpReplayBuilder::to_queue) it is the queue that
+/// dead-lettered the message, through the default exchange: the original
+/// exchange may fan out to other queues.
 ///
 /// The replayed copy keeps body and properties (message id, correlation id,
 /// reply-to, content type, timestamp, …) and headers, minus
@@ -110,6 +128,7 @@ impl AmqpReplayBuilder {
 pub struct AmqpReplay {
     url: String,
     queue: String,
+    to_queue: bool,
     options: ReplayOptions,
     progress: Option<ProgressFn>,
 }
@@ -196,7 +215,7 @@ impl AmqpReplay {
                     position: format!("{}#{}", self.queue, report.scanned),
                     reason: header_text(h, headers::REASON),
                     key: header_text(h, headers::IDEMPOTENCY_KEY),
-                    target: destination(h).map(|(e, r)| {
+                    target: destination(h, self.to_queue).map(|(e, r)| {
                         let e = if e.is_empty() { "(default exchange)" } else { e.as_str() };
                         format!("{e}/{r}")
                     }),
@@ -220,9 +239,13 @@ impl AmqpReplay {
                     continue;
                 }
                 acted += 1;
-                let Some((exchange, routing_key)) = destination(h) else {
+                let Some((exchange, routing_key)) = destination(h, self.to_queue) else {
                     held.push(delivery);
-                    let error = "no destination: neither x-onceonly-original-exchange/-routing-key nor x-death headers".to_owned();
+                    let error = if self.to_queue {
+                        "no destination: neither an x-onceonly-queue nor an x-death header".to_owned()
+                    } else {
+                        "no destination: neither x-onceonly-original-exchange/-routing-key nor x-death headers".to_owned()
+                    };
                     record(&mut report, self.progress.as_ref(), letter, Action::Failed, Some(error));
                     continue;
                 };
@@ -318,8 +341,12 @@ async fn open_publisher(conn: &Connection) -> Result<Channel, ReplayError> {
     Ok(channel)
 }
 
-/// `(exchange, routing key)` the message was first published to.
-fn destination(h: Option<&FieldTable>) -> Option<(String, String)> {
+/// `(exchange, routing key)` the message was first published to or, with
+/// `to_queue`, the default exchange and the queue that dead-lettered it.
+fn destination(h: Option<&FieldTable>, to_queue: bool) -> Option<(String, String)> {
+    if to_queue {
+        return dead_lettering_queue(h).map(|q| (String::new(), q));
+    }
     if let Some(rk) = header_text(h, headers::ORIGINAL_ROUTING_KEY) {
         let exchange = header_text(h, headers::ORIGINAL_EXCHANGE).unwrap_or_default();
         return Some((exchange, rk));
@@ -340,6 +367,20 @@ fn destination(h: Option<&FieldTable>) -> Option<(String, String)> {
         _ => return None,
     };
     Some((exchange, rk))
+}
+
+/// The queue that dead-lettered the message: ours, or the first `x-death` entry's.
+fn dead_lettering_queue(h: Option<&FieldTable>) -> Option<String> {
+    if let Some(q) = header_text(h, headers::QUEUE) {
+        return Some(q);
+    }
+    let AMQPValue::FieldArray(deaths) = h?.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(first) = deaths.as_slice().first()? else {
+        return None;
+    };
+    header_text(Some(first), "queue")
 }
 
 /// Headers dropped from the replayed copy: the verdict of the failed run
@@ -420,7 +461,10 @@ mod tests {
         let mut h = FieldTable::default();
         set_text(&mut h, headers::ORIGINAL_EXCHANGE, "ex");
         set_text(&mut h, headers::ORIGINAL_ROUTING_KEY, "rk");
-        assert_eq!(destination(Some(&h)), Some(("ex".into(), "rk".into())));
+        assert_eq!(
+            destination(Some(&h), false),
+            Some(("ex".into(), "rk".into()))
+        );
 
         let mut death = FieldTable::default();
         set_text(&mut death, "exchange", "");
@@ -436,10 +480,11 @@ mod tests {
             AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
         );
         assert_eq!(
-            destination(Some(&h)),
+            destination(Some(&h), false),
             Some((String::new(), "orders".into()))
         );
-        assert_eq!(destination(None), None);
+        assert_eq!(destination(None, false), None);
+        assert_eq!(destination(None, true), None);
     }
 
     #[test]

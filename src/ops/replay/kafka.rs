@@ -443,7 +443,9 @@ impl KafkaReplay {
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
             for header in original.iter() {
-                if !header.key.starts_with(headers::PREFIX) {
+                // The failure verdict and coordinates go; the first-seen
+                // time stays, as on AMQP, so `--since` means the same there.
+                if !header.key.starts_with(headers::PREFIX) || header.key == headers::FIRST_SEEN {
                     h = h.insert(header);
                 }
             }

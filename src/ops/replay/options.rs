@@ -87,9 +87,12 @@ impl ReplayOptions {
 
     pub(crate) fn validate(&self) -> Result<(), ReplayError> {
         if let Some(rate) = self.rate {
-            if !(rate.is_finite() && rate > 0.0) {
+            // Between one a day and a million a second: the pacing
+            // interval stays a representable, non-zero duration.
+            if !(rate.is_finite() && (1.0 / 86_400.0..=1_000_000.0).contains(&rate)) {
                 return Err(ReplayError::Config(format!(
-                    "rate must be a positive number of messages per second, got {rate}"
+                    "rate must be a positive number of messages per second, at most 1000000 \
+                     and at least one a day, got {rate}"
                 )));
             }
         }
@@ -182,7 +185,7 @@ mod tests {
 
     #[test]
     fn bad_rate_is_a_config_error() {
-        for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        for rate in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e-20, 1e10] {
             assert!(matches!(
                 ReplayOptions::new().rate(rate).validate(),
                 Err(ReplayError::Config(_))
