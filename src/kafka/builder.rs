@@ -130,9 +130,12 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    /// Records of one partition fetched and not yet final (default 1000).
-    /// Beyond it the partition is paused until its workers catch up, which
-    /// bounds memory whatever the backlog.
+    /// Records of one partition fetched and not yet final (default 1000, and
+    /// at least twice the [batch size](Self::batch_size), so that the next
+    /// batch is fetched while one is processed). Beyond it the partition is
+    /// paused until its workers are down to half the bound, which bounds
+    /// memory whatever the backlog without pausing and resuming at every
+    /// record.
     #[must_use]
     pub fn max_in_flight(mut self, records: usize) -> Self {
         self.max_in_flight = records;
@@ -294,7 +297,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             Settings {
                 topics: self.topics,
                 key_concurrency: self.key_concurrency,
-                max_in_flight: self.max_in_flight.max(self.batch_size),
+                max_in_flight: self.max_in_flight.max(self.batch_size.saturating_mul(2)),
                 batch_size: self.batch_size,
                 linger: self.linger,
                 commit_interval: self.commit_interval,

@@ -140,10 +140,15 @@ impl Registry {
     }
 
     /// Moves held records to their workers as room frees up; returns the
-    /// partitions whose held records are all out, to resume fetching.
+    /// partitions to resume fetching: those whose held records are all out
+    /// and whose workers are down to half the bound. The hysteresis matters:
+    /// librdkafka drops what it prefetched for a paused partition and
+    /// fetches it again on resume, so resuming at the bound itself would
+    /// pause and refetch at nearly every record.
     pub(crate) fn release_held(&self) -> Vec<Tp> {
         let mut state = lock(&self.state);
         let mut resume = Vec::new();
+        let low_water = self.max_in_flight / 2;
         for (tp, slot) in state.slots.iter_mut().filter(|(_, s)| s.paused) {
             while lock(&slot.shared.tracker).in_flight() < self.max_in_flight {
                 match slot.held.pop_front() {
@@ -151,7 +156,7 @@ impl Registry {
                     None => break,
                 }
             }
-            if slot.held.is_empty() {
+            if slot.held.is_empty() && lock(&slot.shared.tracker).in_flight() <= low_water {
                 slot.paused = false;
                 resume.push(tp.clone());
             }
