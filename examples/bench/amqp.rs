@@ -2,7 +2,7 @@
 //! ack after the insert commits) vs `onceonly::amqp::AmqpConsumer`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -306,7 +306,9 @@ pub async fn consume(
             let m: Msg = serde_json::from_slice(&delivery.data)?;
             let mut tx = db.begin().await?;
             business_write(&mut tx, &m).await?;
+            let t = Instant::now();
             tx.commit().await?;
+            super::child::add_time(&super::child::COMMIT_NANOS, t);
             delivery.acker.ack(BasicAckOptions::default()).await?;
             Ok::<_, super::common::BoxError>(())
         });

@@ -3,6 +3,9 @@
 //! stops gracefully when its stdin closes. Running them apart from the
 //! producer lets the parent read the consumer's own peak RSS.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
 use onceonly::{Delivery, Handler, HandlerError, Json};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, Postgres};
@@ -16,14 +19,7 @@ use super::ledger::Payment;
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ChildSpec {
     /// Kafka consumer: plain rdkafka (`dedup: false`) or onceonly.
-    Kafka {
-        dedup: bool,
-        brokers: String,
-        topic: String,
-        group: String,
-        db_url: String,
-        batch: usize,
-    },
+    Kafka(KafkaSpec),
     /// AMQP consumer: plain lapin (`dedup: false`) or onceonly.
     Amqp {
         dedup: bool,
@@ -43,6 +39,21 @@ pub enum ChildSpec {
     },
 }
 
+/// A Kafka consumer child.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct KafkaSpec {
+    /// onceonly (`true`) or the plain rdkafka baseline.
+    pub dedup: bool,
+    pub brokers: String,
+    pub topic: String,
+    pub group: String,
+    pub db_url: String,
+    /// Records per transaction.
+    pub batch: usize,
+    /// onceonly's `max_in_flight` (its default if `None`).
+    pub max_in_flight: Option<usize>,
+}
+
 /// Runs the child described by `spec` until its stdin closes.
 pub async fn run(spec: &str) -> Res<()> {
     let spec: ChildSpec = serde_json::from_str(spec)?;
@@ -59,15 +70,9 @@ pub async fn run(spec: &str) -> Res<()> {
         }
         on_eof.cancel();
     });
-    match spec {
-        ChildSpec::Kafka {
-            dedup,
-            brokers,
-            topic,
-            group,
-            db_url,
-            batch,
-        } => super::kafka::consume(dedup, &brokers, &topic, &group, &db_url, batch, stop).await,
+    let started = std::time::Instant::now();
+    let result = match spec {
+        ChildSpec::Kafka(spec) => super::kafka::consume(&spec, stop).await,
         ChildSpec::Amqp {
             dedup,
             url,
@@ -93,7 +98,35 @@ pub async fn run(spec: &str) -> Res<()> {
             )
             .await
         }
+    };
+    if std::env::var_os("BENCH_PROFILE").is_some() {
+        let n = WRITES.load(Ordering::Relaxed);
+        let busy = Duration::from_nanos(WRITE_NANOS.load(Ordering::Relaxed));
+        let commits = Duration::from_nanos(COMMIT_NANOS.load(Ordering::Relaxed));
+        eprintln!(
+            "profile: {n} business writes took {:.0} ms in all ({:.0} µs each); baseline commits {:.0} ms; child alive {:.0} ms",
+            busy.as_secs_f64() * 1e3,
+            busy.as_secs_f64() * 1e6 / n.max(1) as f64,
+            commits.as_secs_f64() * 1e3,
+            started.elapsed().as_secs_f64() * 1e3,
+        );
     }
+    result
+}
+
+/// Business writes made and the time they took (`BENCH_PROFILE=1` prints
+/// them when the child stops: a timing breakdown of where the time goes).
+static WRITES: AtomicU64 = AtomicU64::new(0);
+static WRITE_NANOS: AtomicU64 = AtomicU64::new(0);
+/// Time the baseline consumers spent in `COMMIT`.
+pub static COMMIT_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Adds the time since `t` to a profile counter.
+pub fn add_time(counter: &AtomicU64, t: Instant) {
+    counter.fetch_add(
+        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
 }
 
 /// A consumer message: a payment plus its send time.
@@ -109,6 +142,7 @@ pub struct Msg {
 /// account balance, and the send time for the observer, in the caller's
 /// transaction.
 pub async fn business_write(conn: &mut PgConnection, m: &Msg) -> sqlx::Result<()> {
+    let t = Instant::now();
     let p = Payment {
         out_trade_no: m.out_trade_no.clone(),
         account: m.account.clone(),
@@ -119,6 +153,8 @@ pub async fn business_write(conn: &mut PgConnection, m: &Msg) -> sqlx::Result<()
         .bind(m.sent_us)
         .execute(conn)
         .await?;
+    WRITES.fetch_add(1, Ordering::Relaxed);
+    add_time(&WRITE_NANOS, t);
     Ok(())
 }
 

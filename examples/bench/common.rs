@@ -81,10 +81,10 @@ impl Sizes {
                 memory: 200_000,
             },
             Mode::Full => Self {
-                backlog: 10_000,
+                backlog: 5_000,
                 paced: 600,
                 paced_rate: 200,
-                requests: 10_000,
+                requests: 5_000,
                 http_clients: 32,
                 growth: vec![0, 1_000_000, 10_000_000],
                 growth_claims: 3_000,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use onceonly::{PgStore, SqlStore};
 
-use super::child::ChildSpec;
+use super::child::{ChildSpec, KafkaSpec};
 use super::common::{Bench, Child, Observer, Plan, Res, business_tables, ledger_counts, pool};
 use super::kafka::{create_topics, delete_topics, produce, producer};
 use super::stats::Table;
@@ -36,14 +36,15 @@ pub async fn run(b: &mut Bench) -> Res<()> {
 
         let observer = Observer::start(db.clone());
         let started = Instant::now();
-        let mut child = Child::spawn(&ChildSpec::Kafka {
+        let mut child = Child::spawn(&ChildSpec::Kafka(KafkaSpec {
             dedup: true,
             brokers: b.services.brokers.clone(),
             topic: topic.clone(),
             group: format!("{topic}-group"),
             db_url: schema.url.clone(),
             batch: BATCH,
-        })
+            max_in_flight: None,
+        }))
         .await?;
         // Sample RSS as it drains (VmHWM is the peak anyway; the samples
         // show whether it grows with the backlog).
