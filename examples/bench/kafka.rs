@@ -55,12 +55,16 @@ pub async fn run(b: &mut Bench) -> Res<()> {
             if batch > 1 && i == 0 {
                 variants.push((true, Some(UNPAUSED)));
             }
-            for (dedup, max_in_flight) in variants {
-                let mut runs = Vec::new();
-                for r in 0..b.runs {
+            // Runs interleave the variants (baseline, onceonly, baseline,
+            // ...), so drifting load on the shared machine hits both alike.
+            let mut results: Vec<Vec<RunResult>> = variants.iter().map(|_| Vec::new()).collect();
+            for r in 0..b.runs {
+                for (v, &(dedup, max_in_flight)) in variants.iter().enumerate() {
                     let seed = 1000 + r as u64;
-                    runs.push(one_run(b, dedup, batch, max_in_flight, dup, seed).await?);
+                    results[v].push(one_run(b, dedup, batch, max_in_flight, dup, seed).await?);
                 }
+            }
+            for ((dedup, max_in_flight), runs) in variants.into_iter().zip(results) {
                 let m = Measured::combine(&runs);
                 let name = match (dedup, max_in_flight) {
                     (false, _) => "baseline (no dedup)".to_owned(),
