@@ -24,9 +24,9 @@ use super::common::{
 use super::stats::Table;
 
 /// Unacked messages the broker sends ahead (both consumers).
-const PREFETCH: u16 = 32;
+pub const PREFETCH: u16 = 32;
 /// Messages handled at once (both consumers).
-const CONCURRENCY: usize = 8;
+pub const CONCURRENCY: usize = 8;
 
 pub async fn run(b: &mut Bench) -> Res<()> {
     for (i, dup) in b.dups.clone().into_iter().enumerate() {
@@ -83,7 +83,7 @@ pub async fn run(b: &mut Bench) -> Res<()> {
     Ok(())
 }
 
-async fn connect(url: &str) -> Res<(Connection, Channel)> {
+pub async fn connect(url: &str) -> Res<(Connection, Channel)> {
     let conn = Connection::connect(url, ConnectionProperties::default())
         .await
         .map_err(|e| {
@@ -93,7 +93,7 @@ async fn connect(url: &str) -> Res<(Connection, Channel)> {
     Ok((conn, channel))
 }
 
-async fn declare(channel: &Channel, queue: &str, passive: bool) -> Res<u32> {
+pub async fn declare(channel: &Channel, queue: &str, passive: bool) -> Res<u32> {
     Ok(channel
         .queue_declare(
             queue.into(),
@@ -109,7 +109,7 @@ async fn declare(channel: &Channel, queue: &str, passive: bool) -> Res<u32> {
 }
 
 /// Publishes persistent messages, each confirmed, in windows of 1000.
-async fn publish(channel: &Channel, queue: &str, keys: &[String]) -> Res<()> {
+pub async fn publish(channel: &Channel, queue: &str, keys: &[String]) -> Res<()> {
     for chunk in keys.chunks(1000) {
         let mut confirms = Vec::with_capacity(chunk.len());
         for key in chunk {

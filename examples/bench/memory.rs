@@ -1,53 +1,57 @@
-//! Memory: the onceonly Kafka consumer (batches of 100) drains a backlog
-//! produced before it starts (1M messages with `--full`); its peak RSS
-//! (VmHWM of the child process) must stay bounded: fetching pauses a
-//! partition with 1000 records in flight.
+//! Memory: the onceonly AMQP consumer drains a backlog published before it
+//! starts (1M persistent messages with `--full`); its peak RSS (VmHWM of
+//! the child process) must stay bounded by the prefetch, not the backlog.
+//!
+//! AMQP rather than Kafka: tansu (the local Kafka broker) slows down on
+//! large topics when a consumer pauses and resumes a partition (onceonly's
+//! in-flight bound), to about 100 records/s at 1M records, which would make
+//! a 1M drain take hours.
 
 use std::time::{Duration, Instant};
 
+use lapin::options::{ConfirmSelectOptions, QueueDeleteOptions};
 use onceonly::{PgStore, SqlStore};
 
-use super::child::{ChildSpec, KafkaSpec};
+use super::amqp::{CONCURRENCY, PREFETCH, connect, declare, publish};
+use super::child::ChildSpec;
 use super::common::{Bench, Child, Observer, Plan, Res, business_tables, ledger_counts, pool};
-use super::kafka::{create_topics, delete_topics, produce, producer};
 use super::stats::Table;
-
-/// Records per transaction while draining.
-const BATCH: usize = 100;
 
 pub async fn run(b: &mut Bench) -> Res<()> {
     let n = b.sizes.memory;
-    let topic = b.unique("memory");
+    let queue = b.unique("memory");
     let schema = b.schema("memory").await?;
+    let (conn, channel) = connect(&b.services.amqp_url).await?;
     let result = async {
-        create_topics(&b.services.brokers, &[&topic, &format!("{topic}.dlt")]).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        declare(&channel, &queue, false).await?;
         let db = pool(&schema.url, 4).await?;
         business_tables(&db).await?;
         PgStore::new(db.clone()).migrate().await?;
-        let plan = Plan::new(n, 0, &topic, 99);
+        let plan = Plan::new(n, 0, &queue, 99);
         let t = Instant::now();
-        let producer = producer(&b.services.brokers)?;
-        produce(&producer, &topic, &plan.keys).await?;
+        publish(&channel, &queue, &plan.keys).await?;
         eprintln!(
-            "memory: produced {n} messages in {:.1}s",
+            "memory: published {n} messages in {:.1}s",
             t.elapsed().as_secs_f64()
         );
-        drop(producer);
+        drop(plan);
 
         let observer = Observer::start(db.clone());
         let started = Instant::now();
-        let mut child = Child::spawn(&ChildSpec::Kafka(KafkaSpec {
+        let mut child = Child::spawn(&ChildSpec::Amqp {
             dedup: true,
-            brokers: b.services.brokers.clone(),
-            topic: topic.clone(),
-            group: format!("{topic}-group"),
+            url: b.services.amqp_url.clone(),
+            queue: queue.clone(),
             db_url: schema.url.clone(),
-            batch: BATCH,
-            max_in_flight: None,
-        }))
+            prefetch: PREFETCH,
+            concurrency: CONCURRENCY,
+        })
         .await?;
-        // Sample RSS as it drains (VmHWM is the peak anyway; the samples
-        // show whether it grows with the backlog).
+        // Sample VmHWM as it drains: it is the peak anyway, the samples show
+        // whether it grows with the backlog drained.
         let mut samples = Vec::new();
         let mut last = (0, Instant::now());
         loop {
@@ -64,25 +68,33 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 return Err(format!("no progress for 120 s: {count} of {n} commits seen").into());
             }
             samples.push((count, child.peak_rss_mib()));
+            // The observer keeps every latency pair: drop them as we go.
+            drop(observer.take());
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         let took = started.elapsed();
         let peak = child.peak_rss_mib();
         child.stop().await?;
         observer.stop().await?;
+        let left = declare(&channel, &queue, true).await?;
         let (rows, distinct) = ledger_counts(&db).await?;
-        Ok::<_, super::common::BoxError>((peak, took, rows, distinct, samples))
+        Ok::<_, super::common::BoxError>((peak, took, rows, distinct, left, samples))
     }
     .await;
+    for q in [queue.clone(), format!("{queue}.dlq")] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "bye".into()).await;
     b.drop_schema(&schema).await;
-    delete_topics(&b.services.brokers, &[&topic, &format!("{topic}.dlt")]).await;
-    let (peak, took, rows, distinct, samples) = result?;
-    b.check(rows == n as i64 && distinct == n as i64, || {
-        format!("memory: {rows} rows / {distinct} distinct keys for {n} messages")
+    let (peak, took, rows, distinct, left, samples) = result?;
+    b.check(rows == n as i64 && distinct == n as i64 && left == 0, || {
+        format!("memory: {rows} rows / {distinct} distinct keys for {n} messages, {left} left in the queue")
     });
     let mut table = Table::new(
         format!(
-            "Memory: onceonly Kafka consumer (batch {BATCH}) draining a backlog of {n} messages"
+            "Memory: onceonly AMQP consumer (prefetch {PREFETCH}, concurrency {CONCURRENCY}) draining a backlog of {n} persistent messages"
         ),
         &[
             "messages",
