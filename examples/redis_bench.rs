@@ -13,12 +13,16 @@
 //! ```
 //! The table is also written to `target/bench/redis.md`.
 
+#[path = "support/stats.rs"]
+mod stats;
+
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use onceonly::redis::{CachedStore, RedisStore};
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore, SqlStore};
 use sqlx::{PgConnection, Postgres};
+use stats::percentile;
 
 /// Redis tier benchmark.
 #[derive(Parser, Debug)]
@@ -63,14 +67,6 @@ impl Handler<Postgres> for Noop {
     ) -> Result<u32, HandlerError> {
         Ok(1)
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 async fn duplicate_latencies<S: SqlStore<Db = Postgres>>(

@@ -1,0 +1,329 @@
+//! AMQP → Postgres: a plain lapin consumer (same prefetch and concurrency,
+//! ack after the insert commits) vs `onceonly::amqp::AmqpConsumer`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use onceonly::amqp::AmqpConsumer;
+use onceonly::{FingerprintSpec, PgStore, RetryPolicy, SqlStore};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use super::child::{BenchLedger, ChildSpec, Msg, business_write};
+use super::common::{
+    Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, drain_rate, latencies,
+    ledger_counts, payload, pool,
+};
+use super::stats::Table;
+
+/// Unacked messages the broker sends ahead (both consumers).
+pub const PREFETCH: u16 = 32;
+/// Messages handled at once (both consumers).
+pub const CONCURRENCY: usize = 8;
+
+pub async fn run(b: &mut Bench) -> Res<()> {
+    for (i, dup) in b.dups.clone().into_iter().enumerate() {
+        let mut table = Table::new(
+            format!(
+                "AMQP → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, prefetch {PREFETCH}, concurrency {CONCURRENCY})",
+                b.sizes.backlog, b.sizes.paced, b.sizes.paced_rate
+            ),
+            &[
+                "consumer",
+                "msgs/s",
+                "p50",
+                "p99",
+                "peak RSS",
+                "vs baseline",
+                "msgs / rows / distinct keys",
+            ],
+        );
+        let mut base = None;
+        // Runs interleave baseline and onceonly, so drifting load on the
+        // shared machine hits both alike.
+        let mut results = [Vec::new(), Vec::new()];
+        for r in 0..b.runs {
+            for (v, dedup) in [false, true].into_iter().enumerate() {
+                results[v].push(one_run(b, dedup, dup, 2000 + r as u64).await?);
+            }
+        }
+        for (dedup, runs) in [false, true].into_iter().zip(results) {
+            let m = Measured::combine(&runs);
+            let name = if dedup {
+                "onceonly"
+            } else {
+                "baseline (no dedup)"
+            };
+            let mut cells = vec![name.to_owned()];
+            cells.extend(m.cells(if dedup { base } else { None }));
+            table.row(cells);
+            match base {
+                None => base = Some(m.rate),
+                Some(bl) if i == 0 => {
+                    let ratio = m.rate / bl;
+                    b.target(
+                        &format!("AMQP per-message dedup throughput, {dup}% dup"),
+                        format!("{ratio:.2}× ({:.0} vs {bl:.0} msgs/s)", m.rate),
+                        "≥ 0.6× baseline",
+                        ratio >= 0.6,
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+        b.table(table);
+    }
+    Ok(())
+}
+
+pub async fn connect(url: &str) -> Res<(Connection, Channel)> {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| {
+            format!("RabbitMQ is not reachable at {url}: {e} (start it with scripts/services)")
+        })?;
+    let channel = conn.create_channel().await?;
+    Ok((conn, channel))
+}
+
+pub async fn declare(channel: &Channel, queue: &str, passive: bool) -> Res<u32> {
+    Ok(channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                passive,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?
+        .message_count())
+}
+
+/// Publishes persistent messages, each confirmed, in windows of 1000.
+pub async fn publish(channel: &Channel, queue: &str, keys: &[String]) -> Res<()> {
+    for chunk in keys.chunks(1000) {
+        let mut confirms = Vec::with_capacity(chunk.len());
+        for key in chunk {
+            confirms.push(publish_one(channel, queue, key).await?);
+        }
+        for c in confirms {
+            if !c.await?.is_ack() {
+                return Err("publish not confirmed".into());
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn publish_one(channel: &Channel, queue: &str, key: &str) -> Res<lapin::PublisherConfirm> {
+    Ok(channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            &payload(key),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await?)
+}
+
+async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResult> {
+    let queue = b.unique("amqp");
+    let schema = b.schema("amqp").await?;
+    let (conn, channel) = connect(&b.services.amqp_url).await?;
+    let result = async {
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        declare(&channel, &queue, false).await?;
+        let db = pool(&schema.url, 4).await?;
+        business_tables(&db).await?;
+        PgStore::new(db.clone()).migrate().await?;
+        let plan = Plan::new(b.sizes.backlog, dup, &queue, seed);
+        publish(&channel, &queue, &plan.keys).await?;
+
+        let observer = Observer::start(db.clone());
+        let mut child = Child::spawn(&ChildSpec::Amqp {
+            dedup,
+            url: b.services.amqp_url.clone(),
+            queue: queue.clone(),
+            db_url: schema.url.clone(),
+            prefetch: PREFETCH,
+            concurrency: CONCURRENCY,
+        })
+        .await?;
+        let backlog_effects = if dedup {
+            plan.distinct
+        } else {
+            plan.keys.len()
+        } as u64;
+        observer
+            .wait_for(backlog_effects, Duration::from_secs(60), &mut child)
+            .await?;
+        let rate = drain_rate(&observer.take(), plan.keys.len())
+            .ok_or("the whole backlog committed at once: use a larger backlog")?;
+
+        let paced: Vec<String> = (0..b.sizes.paced)
+            .map(|i| format!("{queue}-paced-{i}"))
+            .collect();
+        let interval = Duration::from_secs_f64(1.0 / f64::from(b.sizes.paced_rate.max(1)));
+        let mut tick = tokio::time::interval(interval);
+        let mut confirms = Vec::new();
+        for key in &paced {
+            tick.tick().await;
+            confirms.push(publish_one(&channel, &queue, key).await?);
+        }
+        for c in confirms {
+            if !c.await?.is_ack() {
+                return Err("publish not confirmed".into());
+            }
+        }
+        observer
+            .wait_for(
+                backlog_effects + paced.len() as u64,
+                Duration::from_secs(60),
+                &mut child,
+            )
+            .await?;
+        let lat = latencies(&observer.take());
+        let rss_mib = child.peak_rss_mib();
+        child.stop().await?;
+        observer.stop().await?;
+        // Unacked messages go back to the queue when the consumer leaves.
+        let left = declare(&channel, &queue, true).await?;
+        let (rows, distinct) = ledger_counts(&db).await?;
+        Ok::<_, super::common::BoxError>((
+            RunResult {
+                rate,
+                latencies: lat,
+                rss_mib,
+                rows,
+                distinct,
+                messages: plan.keys.len() + paced.len(),
+            },
+            left,
+            (plan.distinct + paced.len()) as i64,
+        ))
+    }
+    .await;
+    for q in [queue.clone(), format!("{queue}.dlq")] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    b.drop_schema(&schema).await;
+    let (run, left, distinct_keys) = result?;
+    let who = if dedup { "onceonly" } else { "baseline" };
+    b.check(left == 0, || {
+        format!("amqp {who}: {left} messages left in the queue")
+    });
+    b.check(run.distinct == distinct_keys, || {
+        format!(
+            "amqp {who}: {} distinct keys in the ledger, {distinct_keys} sent",
+            run.distinct
+        )
+    });
+    if dedup {
+        b.check(run.rows == distinct_keys, || {
+            format!(
+                "amqp onceonly: {} ledger rows for {distinct_keys} distinct keys",
+                run.rows
+            )
+        });
+    } else {
+        b.check(run.rows >= run.messages as i64, || {
+            format!(
+                "amqp baseline: {} ledger rows for {} messages",
+                run.rows, run.messages
+            )
+        });
+    }
+    Ok(run)
+}
+
+/// The consumer child: plain lapin (`dedup == false`) or onceonly.
+pub async fn consume(
+    dedup: bool,
+    url: &str,
+    queue: &str,
+    db_url: &str,
+    prefetch: u16,
+    concurrency: usize,
+    stop: CancellationToken,
+) -> Res<()> {
+    if dedup {
+        let store = PgStore::connect(db_url).await?;
+        let consumer = AmqpConsumer::builder(store)
+            .url(url)
+            .queue(queue)
+            .key_expr("json:/out_trade_no")
+            .fingerprint(FingerprintSpec::Fields(vec![
+                "/account".into(),
+                "/amount".into(),
+            ]))
+            .retry(RetryPolicy::default().max_attempts(1))
+            .prefetch(prefetch)
+            .concurrency(concurrency)
+            .build()?;
+        println!("ready");
+        consumer.run_until(BenchLedger, stop).await?;
+        return Ok(());
+    }
+    let db = pool(db_url, 10).await?;
+    let (conn, channel) = connect(url).await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    println!("ready");
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        let delivery = tokio::select! {
+            () = stop.cancelled() => break,
+            d = consumer.next() => match d {
+                Some(d) => d?,
+                None => break,
+            },
+        };
+        let permit = Arc::clone(&permits).acquire_owned().await?;
+        let db = db.clone();
+        tasks.spawn(async move {
+            let _permit = permit;
+            let m: Msg = serde_json::from_slice(&delivery.data)?;
+            let mut tx = db.begin().await?;
+            business_write(&mut tx, &m).await?;
+            let t = Instant::now();
+            tx.commit().await?;
+            super::child::add_time(&super::child::COMMIT_NANOS, t);
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            Ok::<_, super::common::BoxError>(())
+        });
+        while let Some(done) = tasks.try_join_next() {
+            done??;
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    channel.close(200, "bye".into()).await?;
+    conn.close(200, "bye".into()).await?;
+    Ok(())
+}

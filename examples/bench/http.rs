@@ -1,0 +1,372 @@
+//! HTTP `POST /orders`: a plain axum handler (one transaction per request)
+//! vs the same handler behind `IdempotencyLayer` on Postgres, on SQLite and
+//! on the Redis two-tier (`CachedStore` in front of Postgres). The client is
+//! a keep-alive reqwest pool at a fixed concurrency in this process; the
+//! server is a child process.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{Json, State};
+use axum::http::StatusCode;
+use axum::routing::post;
+use onceonly::http::{IdempotencyLayer, Tx};
+use onceonly::redis::CachedStore;
+use onceonly::{PgStore, SqlStore, SqliteStore};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, Postgres, Sqlite, SqlitePool};
+use tokio_util::sync::CancellationToken;
+
+use super::child::ChildSpec;
+use super::common::{
+    Bench, Child, Measured, Plan, Res, RunResult, account_of, business_tables, pool,
+};
+use super::ledger::{NewOrder, Order};
+use super::stats::Table;
+
+/// The server variants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Server {
+    BaselinePg,
+    OnceonlyPg,
+    OnceonlyRedis,
+    BaselineSqlite,
+    OnceonlySqlite,
+}
+
+impl Server {
+    fn name(self) -> &'static str {
+        match self {
+            Self::BaselinePg => "baseline, Postgres (no dedup)",
+            Self::OnceonlyPg => "onceonly, Postgres",
+            Self::OnceonlyRedis => "onceonly, Redis two-tier + Postgres",
+            Self::BaselineSqlite => "baseline, SQLite (no dedup)",
+            Self::OnceonlySqlite => "onceonly, SQLite",
+        }
+    }
+
+    fn dedup(self) -> bool {
+        !matches!(self, Self::BaselinePg | Self::BaselineSqlite)
+    }
+
+    fn sqlite(self) -> bool {
+        matches!(self, Self::BaselineSqlite | Self::OnceonlySqlite)
+    }
+}
+
+const SERVERS: [Server; 5] = [
+    Server::BaselinePg,
+    Server::OnceonlyPg,
+    Server::OnceonlyRedis,
+    Server::BaselineSqlite,
+    Server::OnceonlySqlite,
+];
+
+pub async fn run(b: &mut Bench) -> Res<()> {
+    for dup in b.dups.clone() {
+        let mut table = Table::new(
+            format!(
+                "HTTP POST /orders ({} requests, {} keep-alive clients, {dup}% duplicates = retried Idempotency-Keys)",
+                b.sizes.requests, b.sizes.http_clients
+            ),
+            &[
+                "server",
+                "req/s",
+                "p50",
+                "p99",
+                "peak RSS",
+                "vs baseline (same DB)",
+                "requests / orders rows / distinct keys",
+            ],
+        );
+        let (mut base_pg, mut base_sqlite) = (None, None);
+        // Runs interleave the servers, so drifting load on the shared
+        // machine hits all alike.
+        let mut results: Vec<Vec<RunResult>> = SERVERS.iter().map(|_| Vec::new()).collect();
+        for r in 0..b.runs {
+            for (v, server) in SERVERS.into_iter().enumerate() {
+                results[v].push(one_run(b, server, dup, 3000 + r as u64).await?);
+            }
+        }
+        for (server, runs) in SERVERS.into_iter().zip(results) {
+            let m = Measured::combine(&runs);
+            let base = if server.sqlite() {
+                base_sqlite
+            } else {
+                base_pg
+            };
+            let mut cells = vec![server.name().to_owned()];
+            cells.extend(m.cells(if server.dedup() { base } else { None }));
+            table.row(cells);
+            match server {
+                Server::BaselinePg => base_pg = Some(m.rate),
+                Server::BaselineSqlite => base_sqlite = Some(m.rate),
+                _ => {}
+            }
+        }
+        b.table(table);
+    }
+    Ok(())
+}
+
+async fn one_run(b: &mut Bench, server: Server, dup: u32, seed: u64) -> Res<RunResult> {
+    let schema = b.schema("http").await?;
+    let dir = tempfile::tempdir()?;
+    let sqlite_path = dir.path().join("bench.db").display().to_string();
+    let prefix = format!("{}:", b.unique("http"));
+    let result = async {
+        let db = pool(&schema.url, 2).await?;
+        business_tables(&db).await?;
+        let child = Child::spawn(&ChildSpec::Http {
+            server,
+            db_url: schema.url.clone(),
+            sqlite_path: sqlite_path.clone(),
+            redis_url: b.services.redis_url.clone(),
+            redis_prefix: prefix.clone(),
+        })
+        .await?;
+        let url = format!("http://127.0.0.1:{}/orders", child.ready);
+        let plan = Plan::new(b.sizes.requests, dup, &prefix, seed);
+        let (rate, latencies, failures) = load(&url, &plan.keys, b.sizes.http_clients).await?;
+        let rss_mib = child.peak_rss_mib();
+        child.stop().await?;
+        let rows: i64 = if server.sqlite() {
+            let lite = SqlitePool::connect(&format!("sqlite://{sqlite_path}")).await?;
+            let n = sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                .fetch_one(&lite)
+                .await?;
+            lite.close().await;
+            n
+        } else {
+            sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                .fetch_one(&db)
+                .await?
+        };
+        Ok::<_, super::common::BoxError>((
+            RunResult {
+                rate,
+                latencies,
+                rss_mib,
+                rows,
+                distinct: plan.distinct as i64,
+                messages: plan.keys.len(),
+            },
+            failures,
+        ))
+    }
+    .await;
+    b.drop_schema(&schema).await;
+    if server == Server::OnceonlyRedis {
+        if let Err(e) = forget_redis_keys(&b.services.redis_url, &prefix).await {
+            eprintln!("removing the Redis keys {prefix}*: {e}");
+        }
+    }
+    let (run, failures) = result?;
+    let name = server.name();
+    b.check(failures.is_empty(), || {
+        format!("http {name}: failed requests: {failures:?}")
+    });
+    let expected = if server.dedup() {
+        run.distinct
+    } else {
+        run.messages as i64
+    };
+    b.check(run.rows == expected, || {
+        format!("http {name}: {} orders rows, expected {expected}", run.rows)
+    });
+    Ok(run)
+}
+
+/// Deletes the run's cache entries (they would live for the retention).
+async fn forget_redis_keys(url: &str, prefix: &str) -> Res<()> {
+    let mut conn = redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let pattern = format!("{prefix}*");
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await?;
+        if !keys.is_empty() {
+            redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async::<()>(&mut conn)
+                .await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+/// Sends one request per key from `clients` concurrent keep-alive clients;
+/// a `409` (the same key still in flight) is retried after 5 ms, as a
+/// client would. Returns requests/s, sorted latencies (first send to final
+/// answer) and the unexpected answers.
+async fn load(
+    url: &str,
+    keys: &[String],
+    clients: usize,
+) -> Res<(f64, Vec<Duration>, Vec<String>)> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(clients)
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    let keys: Arc<Vec<String>> = Arc::new(keys.to_vec());
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..clients.max(1) {
+        let (client, keys, next, url) =
+            (client.clone(), keys.clone(), next.clone(), url.to_owned());
+        tasks.spawn(async move {
+            let mut lat = Vec::new();
+            let mut bad = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(key) = keys.get(i) else { break };
+                let body = serde_json::json!({"account": account_of(key), "amount": 1});
+                let t = Instant::now();
+                loop {
+                    let resp = client
+                        .post(&url)
+                        .header("Idempotency-Key", key.as_str())
+                        .json(&body)
+                        .send()
+                        .await;
+                    match resp {
+                        Ok(r) if r.status().is_success() => {
+                            let _ = r.bytes().await;
+                            break;
+                        }
+                        Ok(r) if r.status() == reqwest::StatusCode::CONFLICT => {
+                            let _ = r.bytes().await;
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        Ok(r) => {
+                            let status = r.status();
+                            let text = r.text().await.unwrap_or_default();
+                            bad.push(format!("{status}: {text}"));
+                            break;
+                        }
+                        Err(e) => {
+                            bad.push(e.to_string());
+                            break;
+                        }
+                    }
+                }
+                lat.push(t.elapsed());
+            }
+            (lat, bad)
+        });
+    }
+    let mut latencies = Vec::with_capacity(keys.len());
+    let mut failures = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        let (lat, bad) = done?;
+        latencies.extend(lat);
+        failures.extend(bad);
+    }
+    let rate = keys.len() as f64 / started.elapsed().as_secs_f64();
+    latencies.sort();
+    failures.truncate(5);
+    Ok((rate, latencies, failures))
+}
+
+/// Errors of the handlers: `500`, rolled back.
+fn internal(e: impl std::fmt::Display) -> (StatusCode, String) {
+    (StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+}
+
+type Answer = Result<(StatusCode, Json<Order>), (StatusCode, String)>;
+
+async fn baseline_pg(State(db): State<PgPool>, Json(new): Json<NewOrder>) -> Answer {
+    let mut tx = db.begin().await.map_err(internal)?;
+    let order = super::ledger::postgres::insert_order(&mut tx, &new)
+        .await
+        .map_err(internal)?;
+    tx.commit().await.map_err(internal)?;
+    Ok((StatusCode::CREATED, Json(order)))
+}
+
+async fn baseline_sqlite(State(db): State<SqlitePool>, Json(new): Json<NewOrder>) -> Answer {
+    let mut tx = db.begin().await.map_err(internal)?;
+    let order = super::ledger::sqlite::insert_order(&mut tx, &new)
+        .await
+        .map_err(internal)?;
+    tx.commit().await.map_err(internal)?;
+    Ok((StatusCode::CREATED, Json(order)))
+}
+
+async fn onceonly_pg(tx: Tx<Postgres>, Json(new): Json<NewOrder>) -> Answer {
+    let mut tx = tx.lock().await.map_err(internal)?;
+    let order = super::ledger::postgres::insert_order(&mut tx, &new)
+        .await
+        .map_err(internal)?;
+    Ok((StatusCode::CREATED, Json(order)))
+}
+
+async fn onceonly_sqlite(tx: Tx<Sqlite>, Json(new): Json<NewOrder>) -> Answer {
+    let mut tx = tx.lock().await.map_err(internal)?;
+    let order = super::ledger::sqlite::insert_order(&mut tx, &new)
+        .await
+        .map_err(internal)?;
+    Ok((StatusCode::CREATED, Json(order)))
+}
+
+/// The server child: prints `ready <port>` and serves until `stop`.
+pub async fn serve(
+    server: Server,
+    db_url: &str,
+    sqlite_path: &str,
+    redis_url: &str,
+    redis_prefix: &str,
+    stop: CancellationToken,
+) -> Res<()> {
+    let app = match server {
+        Server::BaselinePg => Router::new()
+            .route("/orders", post(baseline_pg))
+            .with_state(pool(db_url, 10).await?),
+        Server::OnceonlyPg => {
+            let store = PgStore::connect(db_url).await?;
+            store.migrate().await?;
+            let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+            Router::new().route("/orders", post(onceonly_pg).layer(layer))
+        }
+        Server::OnceonlyRedis => {
+            let sql = PgStore::connect(db_url).await?;
+            sql.migrate().await?;
+            let store = CachedStore::connect(sql, redis_url)?.with_prefix(redis_prefix);
+            let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+            Router::new().route("/orders", post(onceonly_pg).layer(layer))
+        }
+        Server::BaselineSqlite | Server::OnceonlySqlite => {
+            let store = SqliteStore::open(sqlite_path).await?;
+            store.migrate().await?;
+            super::ledger::sqlite::create_orders_table(store.pool()).await?;
+            if server == Server::BaselineSqlite {
+                Router::new()
+                    .route("/orders", post(baseline_sqlite))
+                    .with_state(store.pool().clone())
+            } else {
+                let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+                Router::new().route("/orders", post(onceonly_sqlite).layer(layer))
+            }
+        }
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    println!("ready {}", listener.local_addr()?.port());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,448 @@
+//! Kafka → Postgres: a plain rdkafka consumer doing the same business
+//! writes without dedup (at-least-once, offsets committed every 500 ms
+//! after the transaction, batches of the same size) vs
+//! `onceonly::kafka::KafkaConsumer`, per message and batched.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use onceonly::kafka::KafkaConsumer;
+use onceonly::{FingerprintSpec, PgStore, RetryPolicy, SqlStore};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use tokio_util::sync::CancellationToken;
+
+use super::child::{BenchLedger, ChildSpec, KafkaSpec, Msg, business_write};
+use super::common::{
+    Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, business_tables,
+    drain_rate, latencies, ledger_counts, payload, pool,
+};
+use super::stats::Table;
+
+/// A `max_in_flight` large enough that the backlog never pauses the partition.
+const UNPAUSED: usize = 1_000_000;
+
+/// Batch sizes compared (1 = a transaction per message).
+const BATCHES: [usize; 3] = [1, 100, 1000];
+
+pub async fn run(b: &mut Bench) -> Res<()> {
+    for (i, dup) in b.dups.clone().into_iter().enumerate() {
+        let mut table = Table::new(
+            format!(
+                "Kafka → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, 1 partition, fetch.wait.max.ms {FETCH_WAIT_MS})",
+                b.sizes.backlog, b.sizes.paced, b.sizes.paced_rate
+            ),
+            &[
+                "consumer",
+                "batch",
+                "msgs/s",
+                "p50",
+                "p99",
+                "peak RSS",
+                "vs baseline (same batch)",
+                "msgs / rows / distinct keys",
+            ],
+        );
+        let mut base: HashMap<usize, f64> = HashMap::new();
+        for batch in BATCHES {
+            // A batched onceonly consumer also runs with a window so large
+            // that it never pauses the partition (first duplicate ratio
+            // only): the difference is the cost of pause/resume.
+            let mut variants = vec![(false, None), (true, None)];
+            if batch > 1 && i == 0 {
+                variants.push((true, Some(UNPAUSED)));
+            }
+            // Runs interleave the variants (baseline, onceonly, baseline,
+            // ...), so drifting load on the shared machine hits both alike.
+            let mut results: Vec<Vec<RunResult>> = variants.iter().map(|_| Vec::new()).collect();
+            for r in 0..b.runs {
+                for (v, &(dedup, max_in_flight)) in variants.iter().enumerate() {
+                    let seed = 1000 + r as u64;
+                    results[v].push(one_run(b, dedup, batch, max_in_flight, dup, seed).await?);
+                }
+            }
+            for ((dedup, max_in_flight), runs) in variants.into_iter().zip(results) {
+                let m = Measured::combine(&runs);
+                let name = match (dedup, max_in_flight) {
+                    (false, _) => "baseline (no dedup)".to_owned(),
+                    (true, None) => "onceonly".to_owned(),
+                    (true, Some(n)) => format!("onceonly, max_in_flight {n} (never pauses)"),
+                };
+                let mut cells = vec![name, batch.to_string()];
+                cells.extend(m.cells(if dedup {
+                    base.get(&batch).copied()
+                } else {
+                    None
+                }));
+                table.row(cells);
+                if !dedup {
+                    base.insert(batch, m.rate);
+                } else if i == 0 && max_in_flight.is_none() {
+                    let ratio = m.rate / base.get(&batch).copied().unwrap_or(f64::MAX);
+                    let (goal, min) = if batch == 1 {
+                        ("≥ 0.6× baseline", 0.6)
+                    } else {
+                        ("≥ 0.8× baseline", 0.8)
+                    };
+                    let what = if batch == 1 {
+                        "Kafka per-message dedup throughput".to_owned()
+                    } else {
+                        format!("Kafka batched dedup throughput (batch {batch})")
+                    };
+                    b.target(
+                        &format!("{what}, {dup}% dup"),
+                        format!("{ratio:.2}× ({:.0} vs {:.0} msgs/s)", m.rate, base[&batch]),
+                        goal,
+                        ratio >= min,
+                    );
+                }
+            }
+        }
+        b.table(table);
+    }
+    Ok(())
+}
+
+/// One consumer run on a fresh topic and schema: drain a backlog (rate),
+/// then paced messages (latency); check every message was consumed once
+/// (onceonly: one row per distinct key) and the offsets were committed.
+async fn one_run(
+    b: &mut Bench,
+    dedup: bool,
+    batch: usize,
+    max_in_flight: Option<usize>,
+    dup: u32,
+    seed: u64,
+) -> Res<RunResult> {
+    let topic = b.unique("kafka");
+    let schema = b.schema("kafka").await?;
+    let result = async {
+        create_topics(&b.services.brokers, &[&topic, &format!("{topic}.dlt")]).await?;
+        let db = pool(&schema.url, 4).await?;
+        business_tables(&db).await?;
+        PgStore::new(db.clone()).migrate().await?;
+        let plan = Plan::new(b.sizes.backlog, dup, &topic, seed);
+        let producer = producer(&b.services.brokers)?;
+        let mut ends = produce(&producer, &topic, &plan.keys).await?;
+
+        let observer = Observer::start(db.clone());
+        let group = format!("{topic}-group");
+        let mut child = Child::spawn(&ChildSpec::Kafka(KafkaSpec {
+            dedup,
+            brokers: b.services.brokers.clone(),
+            topic: topic.clone(),
+            group: group.clone(),
+            db_url: schema.url.clone(),
+            batch,
+            max_in_flight,
+        }))
+        .await?;
+        let backlog_effects = if dedup {
+            plan.distinct
+        } else {
+            plan.keys.len()
+        } as u64;
+        observer
+            .wait_for(backlog_effects, Duration::from_secs(60), &mut child)
+            .await?;
+        let rate = drain_rate(&observer.take(), plan.keys.len())
+            .ok_or("the whole backlog committed in one transaction: use a larger backlog")?;
+
+        // Paced fresh keys: latency with the consumer keeping up.
+        let paced: Vec<String> = (0..b.sizes.paced)
+            .map(|i| format!("{topic}-paced-{i}"))
+            .collect();
+        let interval = Duration::from_secs_f64(1.0 / f64::from(b.sizes.paced_rate.max(1)));
+        let mut tick = tokio::time::interval(interval);
+        let mut sends = Vec::new();
+        for key in &paced {
+            tick.tick().await;
+            let body = payload(key);
+            let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&topic)
+                .key(key.as_str())
+                .payload(body.as_slice());
+            sends.push(producer.send_result(record).map_err(|(e, _)| e)?);
+        }
+        for s in sends {
+            let d = s.await?.map_err(|(e, _)| e)?;
+            let end = ends.entry(d.partition).or_insert(0);
+            *end = (*end).max(d.offset + 1);
+        }
+        observer
+            .wait_for(
+                backlog_effects + paced.len() as u64,
+                Duration::from_secs(60),
+                &mut child,
+            )
+            .await?;
+        let lat = latencies(&observer.take());
+        let rss_mib = child.peak_rss_mib();
+        child.stop().await?;
+        observer.stop().await?;
+
+        let committed = committed(&b.services.brokers, &group, &topic, &ends)?;
+        let (rows, distinct) = ledger_counts(&db).await?;
+        let messages = plan.keys.len() + paced.len();
+        let distinct_keys = (plan.distinct + paced.len()) as i64;
+        Ok::<_, super::common::BoxError>((
+            RunResult {
+                rate,
+                latencies: lat,
+                rss_mib,
+                rows,
+                distinct,
+                messages,
+            },
+            committed == ends,
+            format!("committed {committed:?}, log end {ends:?}"),
+            distinct_keys,
+        ))
+    }
+    .await;
+    b.drop_schema(&schema).await;
+    delete_topics(&b.services.brokers, &[&topic, &format!("{topic}.dlt")]).await;
+    let (run, offsets_ok, offsets, distinct_keys) = result?;
+    let who = if dedup { "onceonly" } else { "baseline" };
+    b.check(offsets_ok, || {
+        format!("kafka {who} batch {batch}: not every offset committed ({offsets})")
+    });
+    b.check(run.distinct == distinct_keys, || {
+        format!(
+            "kafka {who} batch {batch}: {} distinct keys in the ledger, {distinct_keys} sent",
+            run.distinct
+        )
+    });
+    if dedup {
+        b.check(run.rows == distinct_keys, || {
+            format!(
+                "kafka onceonly batch {batch}: {} ledger rows for {distinct_keys} distinct keys",
+                run.rows
+            )
+        });
+    } else {
+        b.check(run.rows >= run.messages as i64, || {
+            format!(
+                "kafka baseline batch {batch}: {} ledger rows for {} messages",
+                run.rows, run.messages
+            )
+        });
+    }
+    Ok(run)
+}
+
+/// Creates topics with one partition.
+pub async fn create_topics(brokers: &str, topics: &[&str]) -> Res<()> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| NewTopic::new(t, 1, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for r in admin.create_topics(&new, &opts).await? {
+        r.map_err(|(name, code)| format!("creating topic {name}: {code}"))?;
+    }
+    Ok(())
+}
+
+/// Deletes topics (best effort: tansu keeps them in memory otherwise).
+pub async fn delete_topics(brokers: &str, topics: &[&str]) {
+    let admin: Result<AdminClient<DefaultClientContext>, _> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create();
+    if let Ok(admin) = admin {
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        if let Err(e) = admin.delete_topics(topics, &opts).await {
+            eprintln!("deleting topics {topics:?}: {e}");
+        }
+    }
+}
+
+/// A producer with `acks=all` that sends one record per batch.
+///
+/// tansu 0.6 answers a fetch at an offset inside a multi-record batch with
+/// the next batch, skipping the rest of that batch; a consumer resumes
+/// mid-batch whenever it pauses a partition (onceonly does at 1000 records
+/// in flight), so records would be lost. One record per batch avoids it
+/// (see integration-tests/src/kafka.rs).
+pub fn producer(brokers: &str) -> Res<FutureProducer> {
+    Ok(ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("acks", "all")
+        .set("linger.ms", "0")
+        .set("batch.num.messages", "1")
+        .create()?)
+}
+
+/// Produces one message per key, in order, in windows of 1000 awaited
+/// deliveries; returns the log end per partition.
+pub async fn produce(
+    producer: &FutureProducer,
+    topic: &str,
+    keys: &[String],
+) -> Res<BTreeMap<i32, i64>> {
+    let mut ends = BTreeMap::new();
+    for chunk in keys.chunks(1000) {
+        let mut sends = Vec::with_capacity(chunk.len());
+        for key in chunk {
+            let body = payload(key);
+            let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic)
+                .key(key.as_str())
+                .payload(body.as_slice());
+            sends.push(producer.send_result(record).map_err(|(e, _)| e)?);
+        }
+        for s in sends {
+            let d = s.await?.map_err(|(e, _)| e)?;
+            let end = ends.entry(d.partition).or_insert(0);
+            *end = (*end).max(d.offset + 1);
+        }
+    }
+    Ok(ends)
+}
+
+/// The group's committed offsets for the partitions of `ends`.
+fn committed(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    ends: &BTreeMap<i32, i64>,
+) -> Res<BTreeMap<i32, i64>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for p in ends.keys() {
+        tpl.add_partition(topic, *p);
+    }
+    let got = consumer.committed_offsets(tpl, Duration::from_secs(10))?;
+    Ok(got
+        .elements()
+        .iter()
+        .map(|e| {
+            let offset = match e.offset() {
+                Offset::Offset(o) => o,
+                _ => -1,
+            };
+            (e.partition(), offset)
+        })
+        .collect())
+}
+
+/// The consumer child: plain rdkafka (`dedup == false`) or onceonly.
+pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
+    let KafkaSpec {
+        dedup,
+        brokers,
+        topic,
+        group,
+        db_url,
+        batch,
+        max_in_flight,
+    } = spec.clone();
+    let (brokers, topic, group, db_url) = (&brokers[..], &topic[..], &group[..], &db_url[..]);
+    if dedup {
+        let store = PgStore::connect(db_url).await?;
+        let mut builder = KafkaConsumer::builder(store);
+        if let Some(n) = max_in_flight {
+            builder = builder.max_in_flight(n);
+        }
+        let consumer = builder
+            .brokers(brokers)
+            .group_id(group)
+            .topic(topic)
+            .key_expr("json:/out_trade_no")
+            .fingerprint(FingerprintSpec::Fields(vec![
+                "/account".into(),
+                "/amount".into(),
+            ]))
+            .retry(RetryPolicy::default().max_attempts(1))
+            .batch_size(batch)
+            .consumer_config("auto.offset.reset", "earliest")
+            .consumer_config("fetch.wait.max.ms", FETCH_WAIT_MS)
+            .build()?;
+        println!("ready");
+        consumer.run_until(BenchLedger, stop).await?;
+        return Ok(());
+    }
+    baseline(brokers, topic, group, db_url, batch, stop).await
+}
+
+/// The baseline: the same writes, one transaction per batch (5 ms linger,
+/// like onceonly's default), offsets committed every 500 ms after the
+/// transaction committed, and on shutdown.
+async fn baseline(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    db_url: &str,
+    batch: usize,
+    stop: CancellationToken,
+) -> Res<()> {
+    let db = pool(db_url, 4).await?;
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "false")
+        // The same prefetch bound and fetch wait as onceonly's consumer.
+        .set("queued.max.messages.kbytes", "16384")
+        .set("fetch.wait.max.ms", FETCH_WAIT_MS)
+        .create()?;
+    consumer.subscribe(&[topic])?;
+    println!("ready");
+    let linger = Duration::from_millis(5);
+    let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    let mut dirty = false;
+    let mut last_commit = Instant::now();
+    let commit = |next: &BTreeMap<(String, i32), i64>, mode: CommitMode| -> Res<()> {
+        let mut tpl = TopicPartitionList::new();
+        for ((t, p), o) in next {
+            tpl.add_partition_offset(t, *p, Offset::Offset(*o))?;
+        }
+        consumer.commit(&tpl, mode)?;
+        Ok(())
+    };
+    loop {
+        let first = tokio::select! {
+            () = stop.cancelled() => break,
+            m = consumer.recv() => m?.detach(),
+        };
+        let mut records = vec![first];
+        let deadline = tokio::time::Instant::now() + linger;
+        while records.len() < batch {
+            match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                Ok(m) => records.push(m?.detach()),
+                Err(_) => break,
+            }
+        }
+        let mut tx = db.begin().await?;
+        for r in &records {
+            let m: Msg = serde_json::from_slice(r.payload().unwrap_or_default())?;
+            business_write(&mut tx, &m).await?;
+        }
+        let t = Instant::now();
+        tx.commit().await?;
+        super::child::add_time(&super::child::COMMIT_NANOS, t);
+        for r in &records {
+            next.insert((r.topic().to_owned(), r.partition()), r.offset() + 1);
+        }
+        dirty = true;
+        if last_commit.elapsed() >= Duration::from_millis(500) {
+            commit(&next, CommitMode::Async)?;
+            dirty = false;
+            last_commit = Instant::now();
+        }
+    }
+    if dirty || !next.is_empty() {
+        commit(&next, CommitMode::Sync)?;
+    }
+    Ok(())
+}
