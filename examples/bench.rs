@@ -11,7 +11,8 @@
 //! - `growth`: claim latency with 0 / 100k / 1M / 10M existing records, and
 //!   while a bounded purge runs;
 //! - `purge`: claim stalls while 200k expired records are purged;
-//! - `memory`: consumer peak RSS draining a large Kafka backlog.
+//! - `memory`: peak RSS of the AMQP consumer draining a large backlog
+//!   (1,000,000 messages with `--full`).
 //!
 //! Each transport scenario runs for every duplicate ratio of `--dup`
 //! (duplicates are redeliveries of earlier keys). Consumers and servers run
