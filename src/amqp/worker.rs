@@ -12,7 +12,7 @@ use tracing::Instrument;
 use super::ConsumerError;
 use super::headers;
 use super::message::{header_text, set_int, set_text, to_delivery};
-use super::publish::publish_confirmed;
+use super::publish::{copy_properties, publish_confirmed};
 use super::stats::{Counters, bump};
 use super::topology::Topology;
 use crate::clock::{Clock, SystemClock};
@@ -223,52 +223,6 @@ fn carried_headers(
         );
     }
     h
-}
-
-/// Properties of a retry copy or dead letter: the original's, made
-/// persistent, without `expiration` (a dead letter must not expire out of
-/// the dead-letter queue; the original TTL is kept in a header) and without
-/// `user_id` (the broker refuses a publish whose `user_id` is not the
-/// connection's user).
-fn copy_properties(original: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
-    if let Some(expiration) = original.expiration() {
-        set_text(
-            &mut headers,
-            "x-onceonly-original-expiration",
-            expiration.as_str(),
-        );
-    }
-    let mut p = BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_headers(headers);
-    if let Some(v) = original.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = original.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = original.priority() {
-        p = p.with_priority(*v);
-    }
-    if let Some(v) = original.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
-    if let Some(v) = original.reply_to() {
-        p = p.with_reply_to(v.clone());
-    }
-    if let Some(v) = original.message_id() {
-        p = p.with_message_id(v.clone());
-    }
-    if let Some(v) = original.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = original.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = original.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    p
 }
 
 /// Publishes the RPC reply. Best effort: the effect is committed either

@@ -387,9 +387,9 @@ fn dead_lettering_queue(h: Option<&FieldTable>) -> Option<String> {
 /// and its retry count.
 const DROPPED: [&str; 3] = [headers::REASON, headers::ERROR, headers::ATTEMPTS];
 
-/// The replayed copy's properties: the dead letter's, without the dropped
-/// headers and `user_id` (the broker refuses a publish whose `user_id` is
-/// not the connection's user), with `x-onceonly-replayed-from`.
+/// The replayed copy's properties: the dead letter's (persistent, without
+/// `user_id`, see [`copy_properties`](crate::amqp::publish::copy_properties)),
+/// without the dropped headers, with `x-onceonly-replayed-from`.
 fn replay_properties(original: &BasicProperties, queue: &str) -> BasicProperties {
     let kept: BTreeMap<ShortString, AMQPValue> = original
         .headers()
@@ -408,40 +408,7 @@ fn replay_properties(original: &BasicProperties, queue: &str) -> BasicProperties
         ShortString::from("x-onceonly-replayed-at"),
         AMQPValue::LongString(LongString::from(now_ms().to_string())),
     );
-    let mut p = BasicProperties::default()
-        .with_delivery_mode(original.delivery_mode().unwrap_or(2))
-        .with_headers(h);
-    if let Some(v) = original.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = original.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = original.priority() {
-        p = p.with_priority(*v);
-    }
-    if let Some(v) = original.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
-    if let Some(v) = original.reply_to() {
-        p = p.with_reply_to(v.clone());
-    }
-    if let Some(v) = original.expiration() {
-        p = p.with_expiration(v.clone());
-    }
-    if let Some(v) = original.message_id() {
-        p = p.with_message_id(v.clone());
-    }
-    if let Some(v) = original.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = original.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = original.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    p
+    crate::amqp::publish::copy_properties(original, h)
 }
 
 fn now_ms() -> u128 {
