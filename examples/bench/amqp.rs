@@ -227,27 +227,7 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResu
     b.check(left == 0, || {
         format!("amqp {who}: {left} messages left in the queue")
     });
-    b.check(run.distinct == distinct_keys, || {
-        format!(
-            "amqp {who}: {} distinct keys in the ledger, {distinct_keys} sent",
-            run.distinct
-        )
-    });
-    if dedup {
-        b.check(run.rows == distinct_keys, || {
-            format!(
-                "amqp onceonly: {} ledger rows for {distinct_keys} distinct keys",
-                run.rows
-            )
-        });
-    } else {
-        b.check(run.rows >= run.messages as i64, || {
-            format!(
-                "amqp baseline: {} ledger rows for {} messages",
-                run.rows, run.messages
-            )
-        });
-    }
+    b.check_ledger(&format!("amqp {who}"), dedup, &run, distinct_keys);
     Ok(run)
 }
 

@@ -224,6 +224,32 @@ impl Bench {
         }
     }
 
+    /// Checks a consumer run's ledger: every key has its effect, exactly
+    /// once with dedup, at least once per message without.
+    pub fn check_ledger(&mut self, label: &str, dedup: bool, run: &RunResult, distinct_keys: i64) {
+        self.check(run.distinct == distinct_keys, || {
+            format!(
+                "{label}: {} distinct keys in the ledger, {distinct_keys} sent",
+                run.distinct
+            )
+        });
+        if dedup {
+            self.check(run.rows == distinct_keys, || {
+                format!(
+                    "{label}: {} ledger rows for {distinct_keys} distinct keys",
+                    run.rows
+                )
+            });
+        } else {
+            self.check(run.rows >= run.messages as i64, || {
+                format!(
+                    "{label}: {} ledger rows for {} messages",
+                    run.rows, run.messages
+                )
+            });
+        }
+    }
+
     /// Whether every check passed.
     pub fn ok(&self) -> bool {
         self.failures.is_empty()

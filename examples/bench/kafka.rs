@@ -209,27 +209,12 @@ async fn one_run(
     b.check(offsets_ok, || {
         format!("kafka {who} batch {batch}: not every offset committed ({offsets})")
     });
-    b.check(run.distinct == distinct_keys, || {
-        format!(
-            "kafka {who} batch {batch}: {} distinct keys in the ledger, {distinct_keys} sent",
-            run.distinct
-        )
-    });
-    if dedup {
-        b.check(run.rows == distinct_keys, || {
-            format!(
-                "kafka onceonly batch {batch}: {} ledger rows for {distinct_keys} distinct keys",
-                run.rows
-            )
-        });
-    } else {
-        b.check(run.rows >= run.messages as i64, || {
-            format!(
-                "kafka baseline batch {batch}: {} ledger rows for {} messages",
-                run.rows, run.messages
-            )
-        });
-    }
+    b.check_ledger(
+        &format!("kafka {who} batch {batch}"),
+        dedup,
+        &run,
+        distinct_keys,
+    );
     Ok(run)
 }
 
