@@ -130,12 +130,12 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    /// Records of one partition fetched and not yet final (default 1000, and
-    /// at least twice the [batch size](Self::batch_size), so that the next
-    /// batch is fetched while one is processed). Beyond it the partition is
-    /// paused until its workers are down to half the bound, which bounds
-    /// memory whatever the backlog without pausing and resuming at every
-    /// record.
+    /// Records of one partition at its workers and not yet final (default
+    /// 1000, and at least twice the [batch size](Self::batch_size), so that
+    /// the next batch is ready while one is processed). As many again may
+    /// wait fetched; beyond that the partition is paused until half of them
+    /// went to the workers. Memory is bounded whatever the backlog, and the
+    /// partition is not paused and resumed (and refetched) at every record.
     #[must_use]
     pub fn max_in_flight(mut self, records: usize) -> Self {
         self.max_in_flight = records;

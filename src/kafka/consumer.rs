@@ -24,6 +24,9 @@ use crate::store::SqlStore;
 /// resumption of paused partitions are noticed.
 const POLL_TIMEOUT: Duration = Duration::from_millis(100);
 
+/// The poll timeout while records wait for room at their workers.
+const PAUSED_POLL_TIMEOUT: Duration = Duration::from_millis(2);
+
 pub(super) struct Settings {
     pub(super) topics: Vec<String>,
     pub(super) key_concurrency: usize,
@@ -164,7 +167,15 @@ impl Poller {
         let mut last_commit = Instant::now();
         let mut fatal = None;
         while !self.shutdown.is_cancelled() {
-            match self.consumer.poll(POLL_TIMEOUT) {
+            // Held records are handed to their workers here, between
+            // polls: poll briefly while any wait, or the workers would idle
+            // for up to a whole poll timeout.
+            let timeout = if self.registry.any_held() {
+                PAUSED_POLL_TIMEOUT
+            } else {
+                POLL_TIMEOUT
+            };
+            match self.consumer.poll(timeout) {
                 Some(Ok(message)) => {
                     let envelope = Envelope {
                         message: message.detach(),

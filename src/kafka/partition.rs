@@ -127,9 +127,10 @@ impl Registry {
             .slots
             .entry(tp.clone())
             .or_insert_with(|| self.spawn(&tp));
-        if slot.paused || lock(&slot.shared.tracker).in_flight() >= self.max_in_flight {
+        // Behind anything already held, to keep the partition's order.
+        if !slot.held.is_empty() || lock(&slot.shared.tracker).in_flight() >= self.max_in_flight {
             slot.held.push_back(envelope);
-            if !slot.paused {
+            if !slot.paused && slot.held.len() >= self.max_in_flight {
                 slot.paused = true;
                 return Dispatched::Pause(tp);
             }
@@ -140,28 +141,41 @@ impl Registry {
     }
 
     /// Moves held records to their workers as room frees up; returns the
-    /// partitions to resume fetching: those whose held records are all out
-    /// and whose workers are down to half the bound. The hysteresis matters:
-    /// librdkafka drops what it prefetched for a paused partition and
-    /// fetches it again on resume, so resuming at the bound itself would
-    /// pause and refetch at nearly every record.
+    /// partitions to resume fetching: paused ones whose held records are
+    /// down to half the bound.
+    ///
+    /// A partition has up to `max_in_flight` records at its workers and as
+    /// many again held here, fetched, before it is paused; it resumes with
+    /// half a window still held. The slack matters: librdkafka drops what it
+    /// prefetched for a paused partition and fetches it again on resume, so
+    /// pausing and resuming right at the bound would refetch at nearly every
+    /// record and leave the workers waiting for each fetch.
     pub(crate) fn release_held(&self) -> Vec<Tp> {
         let mut state = lock(&self.state);
         let mut resume = Vec::new();
         let low_water = self.max_in_flight / 2;
-        for (tp, slot) in state.slots.iter_mut().filter(|(_, s)| s.paused) {
+        for (tp, slot) in state
+            .slots
+            .iter_mut()
+            .filter(|(_, s)| !s.held.is_empty() || s.paused)
+        {
             while lock(&slot.shared.tracker).in_flight() < self.max_in_flight {
                 match slot.held.pop_front() {
                     Some(envelope) => self.send(slot, envelope),
                     None => break,
                 }
             }
-            if slot.held.is_empty() && lock(&slot.shared.tracker).in_flight() <= low_water {
+            if slot.paused && slot.held.len() <= low_water {
                 slot.paused = false;
                 resume.push(tp.clone());
             }
         }
         resume
+    }
+
+    /// Whether records wait here for room at their workers.
+    pub(crate) fn any_held(&self) -> bool {
+        lock(&self.state).slots.values().any(|s| !s.held.is_empty())
     }
 
     /// Commit positions that moved since the last commit.
