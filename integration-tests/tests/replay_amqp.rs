@@ -189,29 +189,31 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
 
     // Replay while the consumer runs: the conflict comes straight back to
     // the dead-letter queue, and the run must not read it a second time.
-    let stop = CancellationToken::new();
+    // The consumer stops once idle, so every ack and dead letter is done
+    // when its stats come back.
     let consumer = tokio::spawn(
         AmqpConsumer::builder(s.store.clone())
             .url(url())
             .queue(&s.queue)
             .key_expr("json:/out_trade_no")
+            .exit_when_idle(Duration::from_secs(3))
             .build()
             .expect("consumer")
-            .run_until(Arc::clone(&handler), stop.clone()),
+            .run_until(Arc::clone(&handler), CancellationToken::new()),
     );
     let run = replay(&s, &[]).await;
     assert!(run.success, "{run:?}");
     assert!(run.stdout.contains("scanned 1, replayed 1"), "{run:?}");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while depth(&channel, &s.dlq).await < 1 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not dead-lettered again"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.cancel();
-    let stats = consumer.await.unwrap().expect("consumer");
+    let stats = tokio::time::timeout(Duration::from_secs(60), consumer)
+        .await
+        .expect("consumer did not go idle within 60 s")
+        .unwrap()
+        .expect("consumer");
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        1,
+        "back in the dead-letter queue"
+    );
     assert_eq!(stats.dead_lettered, 1, "dead-lettered again");
     assert_eq!(
         handler.ledger.calls.load(Ordering::SeqCst),
