@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::child::{BenchLedger, ChildSpec, Msg, business_write};
 use super::common::{
-    Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, drain_rate, latencies,
-    ledger_counts, payload, pool,
+    Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, drain_backlog,
+    latencies, ledger_counts, payload, pool,
 };
 use super::stats::Table;
 
@@ -161,22 +161,10 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResu
             concurrency: CONCURRENCY,
         })
         .await?;
-        let backlog_effects = if dedup {
-            plan.distinct
-        } else {
-            plan.keys.len()
-        } as u64;
-        observer
-            .wait_for(backlog_effects, Duration::from_secs(60), &mut child)
-            .await?;
-        let rate = drain_rate(&observer.take(), plan.keys.len())
-            .ok_or("the whole backlog committed at once: use a larger backlog")?;
+        let rate = drain_backlog(&observer, &plan, dedup, &mut child).await?;
 
-        let paced: Vec<String> = (0..b.sizes.paced)
-            .map(|i| format!("{queue}-paced-{i}"))
-            .collect();
-        let interval = Duration::from_secs_f64(1.0 / f64::from(b.sizes.paced_rate.max(1)));
-        let mut tick = tokio::time::interval(interval);
+        // Paced fresh keys: latency with the consumer keeping up.
+        let (paced, mut tick) = b.sizes.paced(&queue);
         let mut confirms = Vec::new();
         for key in &paced {
             tick.tick().await;
@@ -189,7 +177,7 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResu
         }
         observer
             .wait_for(
-                backlog_effects + paced.len() as u64,
+                plan.effects(dedup) + paced.len() as u64,
                 Duration::from_secs(60),
                 &mut child,
             )

@@ -608,6 +608,43 @@ impl Plan {
         }
         Self { keys, distinct }
     }
+
+    /// Business rows the backlog should leave: one per distinct key with
+    /// dedup, one per message without.
+    pub fn effects(&self, dedup: bool) -> u64 {
+        (if dedup {
+            self.distinct
+        } else {
+            self.keys.len()
+        }) as u64
+    }
+}
+
+/// Waits until the consumer committed the backlog's effects; returns its
+/// drain rate (messages per second).
+pub async fn drain_backlog(
+    observer: &Observer,
+    plan: &Plan,
+    dedup: bool,
+    child: &mut Child,
+) -> Res<f64> {
+    observer
+        .wait_for(plan.effects(dedup), Duration::from_secs(60), child)
+        .await?;
+    Ok(drain_rate(&observer.take(), plan.keys.len())
+        .ok_or("the whole backlog committed in one transaction: use a larger backlog")?)
+}
+
+impl Sizes {
+    /// The keys of the paced messages after the backlog, and the ticker
+    /// that paces them.
+    pub fn paced(&self, prefix: &str) -> (Vec<String>, tokio::time::Interval) {
+        let keys = (0..self.paced)
+            .map(|i| format!("{prefix}-paced-{i}"))
+            .collect();
+        let interval = Duration::from_secs_f64(1.0 / f64::from(self.paced_rate.max(1)));
+        (keys, tokio::time::interval(interval))
+    }
 }
 
 /// A message's account: fixed per key, so a redelivery has the same

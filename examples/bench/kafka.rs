@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::child::{BenchLedger, ChildSpec, KafkaSpec, Msg, business_write};
 use super::common::{
     Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, business_tables,
-    drain_rate, latencies, ledger_counts, payload, pool,
+    drain_backlog, latencies, ledger_counts, payload, pool,
 };
 use super::stats::Table;
 
@@ -140,23 +140,10 @@ async fn one_run(
             max_in_flight,
         }))
         .await?;
-        let backlog_effects = if dedup {
-            plan.distinct
-        } else {
-            plan.keys.len()
-        } as u64;
-        observer
-            .wait_for(backlog_effects, Duration::from_secs(60), &mut child)
-            .await?;
-        let rate = drain_rate(&observer.take(), plan.keys.len())
-            .ok_or("the whole backlog committed in one transaction: use a larger backlog")?;
+        let rate = drain_backlog(&observer, &plan, dedup, &mut child).await?;
 
         // Paced fresh keys: latency with the consumer keeping up.
-        let paced: Vec<String> = (0..b.sizes.paced)
-            .map(|i| format!("{topic}-paced-{i}"))
-            .collect();
-        let interval = Duration::from_secs_f64(1.0 / f64::from(b.sizes.paced_rate.max(1)));
-        let mut tick = tokio::time::interval(interval);
+        let (paced, mut tick) = b.sizes.paced(&topic);
         let mut sends = Vec::new();
         for key in &paced {
             tick.tick().await;
@@ -173,7 +160,7 @@ async fn one_run(
         }
         observer
             .wait_for(
-                backlog_effects + paced.len() as u64,
+                plan.effects(dedup) + paced.len() as u64,
                 Duration::from_secs(60),
                 &mut child,
             )

@@ -157,8 +157,8 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             // a repeated notification must get the ack, not a conflict.
             Mode::Callback { .. } => (vec![Method::POST], FingerprintSpec::Disabled),
         };
-        // Resolved again by `build`, with the recorder installed then.
-        let telemetry = Telemetry::new(&scope, TRANSPORT_HTTP, false);
+        // Resolved by `build`, for the final scope and the recorder installed then.
+        let telemetry = Telemetry::unresolved(TRANSPORT_HTTP);
         Self {
             cfg: Config {
                 store,

@@ -19,6 +19,7 @@ mod claim;
 mod error;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod numbered;
+mod rows;
 mod sql;
 mod table;
 

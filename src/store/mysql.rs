@@ -30,19 +30,19 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool, MySqlPoolOptions};
 use sqlx::{Row, Transaction};
 
 use super::admin::{
     self, AdminStore, CountFilter, Dialect, PurgeCursor, PurgeStep, RecordFilter, ScopeStats,
 };
 use super::claim::{ClaimSteps, Existing, claim_each, claim_one};
+use super::rows::StoreRow;
 use super::sql::Sql;
 use super::{
     Claim, ClaimRequest, ClaimTimes, Record, SqlStore, StoreError, TableName, clamp_source,
     expect_one,
 };
-use crate::fingerprint::Fingerprint;
 
 const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
@@ -82,24 +82,6 @@ impl MySqlStore {
             table,
         }
     }
-}
-
-fn utf8(bytes: Vec<u8>, what: &str) -> Result<String, StoreError> {
-    String::from_utf8(bytes).map_err(|_| StoreError::Corrupt(format!("{what} is not UTF-8")))
-}
-
-fn record_from(row: &MySqlRow) -> Result<Record, StoreError> {
-    let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint")?;
-    let source: Option<Vec<u8>> = row.try_get("source")?;
-    Ok(Record {
-        scope: utf8(row.try_get("scope")?, "scope")?,
-        key: utf8(row.try_get("idem_key")?, "key")?,
-        fingerprint: fingerprint.as_deref().and_then(Fingerprint::from_slice),
-        result: row.try_get("result")?,
-        source: source.map(|s| utf8(s, "source")).transpose()?,
-        created_at_ms: row.try_get("created_at_ms")?,
-        expires_at_ms: row.try_get("expires_at_ms")?,
-    })
 }
 
 fn is_duplicate_key(e: &sqlx::Error) -> bool {
@@ -244,7 +226,7 @@ impl SqlStore for MySqlStore {
             .bind(key)
             .fetch_optional(&self.pool)
             .await?;
-        row.as_ref().map(record_from).transpose()
+        row.as_ref().map(StoreRow::record).transpose()
     }
 
     async fn purge_expired(
@@ -280,26 +262,7 @@ impl AdminStore for MySqlStore {
         let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
             .fetch_all(&self.pool)
             .await?;
-        rows.iter()
-            .map(|row| {
-                let younger = [
-                    row.try_get::<i64, _>("b0")?,
-                    row.try_get("b1")?,
-                    row.try_get("b2")?,
-                    row.try_get("b3")?,
-                    row.try_get("b4")?,
-                ];
-                Ok(ScopeStats {
-                    scope: utf8(row.try_get("scope")?, "scope")?,
-                    records: admin::count_of(row.try_get("records")?),
-                    expired: admin::count_of(row.try_get("expired")?),
-                    without_result: admin::count_of(row.try_get("without_result")?),
-                    oldest_ms: row.try_get("oldest")?,
-                    newest_ms: row.try_get("newest")?,
-                    age_buckets: admin::buckets(younger, row.try_get("b5")?),
-                })
-            })
-            .collect()
+        rows.iter().map(StoreRow::scope_stats).collect()
     }
 
     async fn find(&self, filter: &RecordFilter) -> Result<Vec<Record>, StoreError> {
@@ -307,7 +270,7 @@ impl AdminStore for MySqlStore {
         let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
             .fetch_all(&self.pool)
             .await?;
-        rows.iter().map(record_from).collect()
+        rows.iter().map(StoreRow::record).collect()
     }
 
     async fn count(&self, scope: Option<&str>, which: CountFilter) -> Result<u64, StoreError> {
@@ -334,8 +297,8 @@ impl AdminStore for MySqlStore {
             return Ok(admin::purge_step(0, 0, None, batch));
         };
         let upto = PurgeCursor {
-            scope: utf8(last.try_get("scope")?, "scope")?,
-            key: utf8(last.try_get("idem_key")?, "key")?,
+            scope: last.text("scope")?,
+            key: last.text("idem_key")?,
         };
         let delete =
             admin::purge_delete_stmt(Dialect::Question, &t, scope, cutoff_ms, after, &upto);

@@ -92,25 +92,13 @@ macro_rules! numbered_store {
                 scope: &str,
                 key: &str,
             ) -> Result<Option<$crate::store::Record>, $crate::store::StoreError> {
-                use sqlx::Row as _;
+                use $crate::store::rows::StoreRow as _;
                 let row = sqlx::query(&self.sql.get)
                     .bind(scope)
                     .bind(key)
                     .fetch_optional(&self.pool)
                     .await?;
-                let Some(row) = row else { return Ok(None) };
-                let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint")?;
-                Ok(Some($crate::store::Record {
-                    scope: row.try_get("scope")?,
-                    key: row.try_get("idem_key")?,
-                    fingerprint: fingerprint
-                        .as_deref()
-                        .and_then($crate::fingerprint::Fingerprint::from_slice),
-                    result: row.try_get("result")?,
-                    source: row.try_get("source")?,
-                    created_at_ms: row.try_get("created_at_ms")?,
-                    expires_at_ms: row.try_get("expires_at_ms")?,
-                }))
+                row.as_ref().map(|r| r.record()).transpose()
             }
 
             async fn purge_in(
@@ -154,8 +142,8 @@ macro_rules! numbered_admin {
                 scope: Option<&str>,
                 now_ms: i64,
             ) -> Result<Vec<$crate::store::admin::ScopeStats>, $crate::store::StoreError> {
-                use sqlx::Row as _;
-                use $crate::store::admin::{self as admin, ScopeStats};
+                use $crate::store::admin;
+                use $crate::store::rows::StoreRow as _;
                 let stmt = admin::stats_stmt(
                     admin::Dialect::Numbered,
                     &self.table.quoted('"'),
@@ -165,57 +153,21 @@ macro_rules! numbered_admin {
                 let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
                     .fetch_all(&self.pool)
                     .await?;
-                rows.iter()
-                    .map(|row| {
-                        let younger = [
-                            row.try_get::<i64, _>("b0")?,
-                            row.try_get("b1")?,
-                            row.try_get("b2")?,
-                            row.try_get("b3")?,
-                            row.try_get("b4")?,
-                        ];
-                        Ok(ScopeStats {
-                            scope: row.try_get("scope")?,
-                            records: admin::count_of(row.try_get("records")?),
-                            expired: admin::count_of(row.try_get("expired")?),
-                            without_result: admin::count_of(row.try_get("without_result")?),
-                            oldest_ms: row.try_get("oldest")?,
-                            newest_ms: row.try_get("newest")?,
-                            age_buckets: admin::buckets(younger, row.try_get("b5")?),
-                        })
-                    })
-                    .collect::<Result<_, sqlx::Error>>()
-                    .map_err(Into::into)
+                rows.iter().map(|row| row.scope_stats()).collect()
             }
 
             async fn find(
                 &self,
                 filter: &$crate::store::admin::RecordFilter,
             ) -> Result<Vec<$crate::store::Record>, $crate::store::StoreError> {
-                use sqlx::Row as _;
                 use $crate::store::admin;
+                use $crate::store::rows::StoreRow as _;
                 let stmt =
                     admin::find_stmt(admin::Dialect::Numbered, &self.table.quoted('"'), filter);
                 let rows = admin::bind_all!(sqlx::query(&stmt.sql), stmt)
                     .fetch_all(&self.pool)
                     .await?;
-                rows.iter()
-                    .map(|row| {
-                        let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint")?;
-                        Ok($crate::store::Record {
-                            scope: row.try_get("scope")?,
-                            key: row.try_get("idem_key")?,
-                            fingerprint: fingerprint
-                                .as_deref()
-                                .and_then($crate::fingerprint::Fingerprint::from_slice),
-                            result: row.try_get("result")?,
-                            source: row.try_get("source")?,
-                            created_at_ms: row.try_get("created_at_ms")?,
-                            expires_at_ms: row.try_get("expires_at_ms")?,
-                        })
-                    })
-                    .collect::<Result<_, sqlx::Error>>()
-                    .map_err(Into::into)
+                rows.iter().map(|row| row.record()).collect()
             }
 
             async fn count(
@@ -243,7 +195,6 @@ macro_rules! numbered_admin {
                 after: Option<&$crate::store::admin::PurgeCursor>,
                 batch: u32,
             ) -> Result<$crate::store::admin::PurgeStep, $crate::store::StoreError> {
-                use sqlx::Row as _;
                 use $crate::store::admin::{self, PurgeCursor};
                 let t = self.table.quoted('"');
                 let chunk =
@@ -255,8 +206,8 @@ macro_rules! numbered_admin {
                     return Ok(admin::purge_step(0, 0, None, batch));
                 };
                 let upto = PurgeCursor {
-                    scope: last.try_get("scope")?,
-                    key: last.try_get("idem_key")?,
+                    scope: $crate::store::rows::StoreRow::text(last, "scope")?,
+                    key: $crate::store::rows::StoreRow::text(last, "idem_key")?,
                 };
                 let delete = admin::purge_delete_stmt(
                     admin::Dialect::Numbered,

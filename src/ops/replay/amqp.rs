@@ -12,7 +12,7 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, Que
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-use super::options::ReplayOptions;
+use super::options::{ReplayOptions, required};
 use super::report::{Action, Letter, ProgressFn, Report, record};
 use super::{REPLAYED_FROM, ReplayError};
 use crate::amqp::headers;
@@ -86,13 +86,8 @@ impl AmqpReplayBuilder {
 
     /// Checks the settings.
     pub fn build(self) -> Result<AmqpReplay, ReplayError> {
-        let url = self
-            .url
-            .ok_or_else(|| ReplayError::Config("the broker URL is required".into()))?;
-        let queue = self
-            .queue
-            .filter(|q| !q.is_empty())
-            .ok_or_else(|| ReplayError::Config("the dead-letter queue is required".into()))?;
+        let url = required(self.url, "the broker URL")?;
+        let queue = required(self.queue, "the dead-letter queue")?;
         self.options.validate()?;
         Ok(AmqpReplay {
             url,

@@ -15,7 +15,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
-use super::options::ReplayOptions;
+use super::options::{ReplayOptions, required};
 use super::report::{Action, Letter, ProgressFn, Report, record};
 use super::{REPLAYED_FROM, ReplayError};
 use crate::kafka::headers;
@@ -136,14 +136,8 @@ impl KafkaReplayBuilder {
 
     /// Checks the settings and creates the clients (no connection yet).
     pub fn build(self) -> Result<KafkaReplay, ReplayError> {
-        let brokers = self
-            .brokers
-            .filter(|b| !b.is_empty())
-            .ok_or_else(|| ReplayError::Config("the brokers are required".into()))?;
-        let topic = self
-            .topic
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| ReplayError::Config("the dead-letter topic is required".into()))?;
+        let brokers = required(self.brokers, "the brokers list")?;
+        let topic = required(self.topic, "the dead-letter topic")?;
         if self.group.is_empty() {
             return Err(ReplayError::Config(
                 "the consumer group must not be empty".into(),

@@ -160,6 +160,13 @@ impl Pacer {
     }
 }
 
+/// A required, non-empty builder setting.
+pub(crate) fn required(value: Option<String>, what: &str) -> Result<String, ReplayError> {
+    value
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| ReplayError::Config(format!("{what} is required")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

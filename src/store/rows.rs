@@ -1,0 +1,88 @@
+//! Reading records and statistics out of result rows, once for every
+//! backend. Only text columns differ: Postgres and SQLite return `TEXT`,
+//! MySQL's byte-exact `VARBINARY` columns return bytes that must be UTF-8.
+
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use super::admin::{self, ScopeStats};
+use super::{Record, StoreError};
+use crate::fingerprint::Fingerprint;
+
+/// A result row of one backend.
+pub(crate) trait StoreRow: Row
+where
+    for<'a> &'a str: ColumnIndex<Self>,
+    for<'r> i64: Decode<'r, Self::Database> + Type<Self::Database>,
+    for<'r> Vec<u8>: Decode<'r, Self::Database> + Type<Self::Database>,
+{
+    /// A nullable text column.
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError>;
+
+    /// A text column that is never NULL.
+    fn text(&self, column: &str) -> Result<String, StoreError> {
+        self.text_opt(column)?
+            .ok_or_else(|| StoreError::Corrupt(format!("{column} is NULL")))
+    }
+
+    /// A record (`scope, idem_key, fingerprint, source, created_at_ms,
+    /// expires_at_ms, result`).
+    fn record(&self) -> Result<Record, StoreError> {
+        let fingerprint: Option<Vec<u8>> = self.try_get("fingerprint")?;
+        Ok(Record {
+            scope: self.text("scope")?,
+            key: self.text("idem_key")?,
+            fingerprint: fingerprint.as_deref().and_then(Fingerprint::from_slice),
+            result: self.try_get("result")?,
+            source: self.text_opt("source")?,
+            created_at_ms: self.try_get("created_at_ms")?,
+            expires_at_ms: self.try_get("expires_at_ms")?,
+        })
+    }
+
+    /// A row of [`admin::stats_stmt`].
+    fn scope_stats(&self) -> Result<ScopeStats, StoreError> {
+        let younger = [
+            self.try_get::<i64, _>("b0")?,
+            self.try_get("b1")?,
+            self.try_get("b2")?,
+            self.try_get("b3")?,
+            self.try_get("b4")?,
+        ];
+        Ok(ScopeStats {
+            scope: self.text("scope")?,
+            records: admin::count_of(self.try_get("records")?),
+            expired: admin::count_of(self.try_get("expired")?),
+            without_result: admin::count_of(self.try_get("without_result")?),
+            oldest_ms: self.try_get("oldest")?,
+            newest_ms: self.try_get("newest")?,
+            age_buckets: admin::buckets(younger, self.try_get("b5")?),
+        })
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl StoreRow for sqlx::postgres::PgRow {
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl StoreRow for sqlx::sqlite::SqliteRow {
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl StoreRow for sqlx::mysql::MySqlRow {
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        let bytes: Option<Vec<u8>> = self.try_get(column)?;
+        bytes
+            .map(|b| {
+                String::from_utf8(b)
+                    .map_err(|_| StoreError::Corrupt(format!("{column} is not UTF-8")))
+            })
+            .transpose()
+    }
+}
