@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::store::InfraFault;
+use crate::telemetry::Telemetry;
+
 /// Runs `run` with a token that SIGINT or SIGTERM cancels.
 pub(crate) async fn until_signal<F, Fut>(run: F) -> Fut::Output
 where
@@ -28,21 +31,56 @@ pub(crate) async fn sleep_unless(stop: &CancellationToken, delay: Duration) -> b
     }
 }
 
-/// Exponential backoff, 100 ms doubling up to 10 s, while the database or
-/// a broker is unreachable: such failures are never the message's fault,
-/// so they are retried until they pass or the consumer stops.
-pub(crate) struct OutageBackoff(Duration);
+/// Jittered exponential backoff (100 ms doubling up to 10 s) for a broker
+/// publish or reconnect that failed: retried until it succeeds or the
+/// consumer stops.
+pub(crate) fn outage_backoff() -> impl Iterator<Item = Duration> + Send {
+    crate::engine::backoff(Duration::from_millis(100), Duration::from_secs(10))
+}
 
-impl OutageBackoff {
-    pub(crate) fn new() -> Self {
-        Self(Duration::from_millis(100))
+/// One delivery waiting in place for the infrastructure (see
+/// [`Decision::Wait`](crate::engine::Decision::Wait)): jittered exponential
+/// backoff, the `onceonly_waiting_on_infrastructure` gauge, and a log line
+/// per change of state rather than per attempt. Dropping it ends the wait.
+pub(crate) struct InfraWait<'t> {
+    telemetry: &'t Telemetry,
+    delays: Box<dyn Iterator<Item = Duration> + Send + 't>,
+    waiting: bool,
+}
+
+impl<'t> InfraWait<'t> {
+    pub(crate) fn new(telemetry: &'t Telemetry) -> Self {
+        Self {
+            telemetry,
+            delays: Box::new(outage_backoff()),
+            waiting: false,
+        }
     }
 
-    /// The next delay.
-    pub(crate) fn next_delay(&mut self) -> Duration {
-        let delay = self.0;
-        self.0 = (self.0 * 2).min(Duration::from_secs(10));
-        delay
+    /// Sleeps before the next attempt of a delivery that failed on
+    /// `fault`; `false` if `stop` was cancelled first.
+    pub(crate) async fn wait(
+        &mut self,
+        stop: &CancellationToken,
+        fault: InfraFault,
+        error: &str,
+    ) -> bool {
+        if self.waiting {
+            self.telemetry.wait_again(fault, &error);
+        } else {
+            self.waiting = true;
+            self.telemetry.wait_started(fault, &error);
+        }
+        let delay = self.delays.next().unwrap_or(Duration::from_secs(10));
+        sleep_unless(stop, delay).await
+    }
+}
+
+impl Drop for InfraWait<'_> {
+    fn drop(&mut self) {
+        if self.waiting {
+            self.telemetry.wait_ended();
+        }
     }
 }
 

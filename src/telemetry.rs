@@ -18,6 +18,7 @@
 //! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
 //! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
+//! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`InfraFault`](crate::store::InfraFault)) |
 //! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
 //!
 //! `transport` is `kafka`, `amqp`, `http`, or `engine` when an
@@ -49,12 +50,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use metrics::{Counter, Histogram, SharedString};
+use metrics::{Counter, Gauge, Histogram, SharedString};
 use sha2::{Digest, Sha256};
 use tracing::Span;
 use tracing::field::Empty;
 
 use crate::engine::OutcomeKind;
+use crate::store::InfraFault;
 
 /// Counter of processing attempts by outcome.
 pub const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
@@ -68,6 +70,9 @@ pub const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
 pub const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
 /// Gauge of Kafka consumer lag per topic and partition, in records.
 pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
+
+/// Gauge of deliveries waiting in place for the infrastructure.
+pub const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
 
 /// Counter of dedup records deleted by purges, by table.
 pub const PURGED_TOTAL: &str = "onceonly_purged_total";
@@ -135,6 +140,11 @@ pub fn describe_metrics() {
         "Dedup records deleted by purges (Purger, purge_in_batches), by table"
     );
     metrics::describe_gauge!(
+        WAITING_ON_INFRASTRUCTURE,
+        Unit::Count,
+        "Deliveries waiting in place until the database takes writes again"
+    );
+    metrics::describe_gauge!(
         KAFKA_CONSUMER_LAG,
         Unit::Count,
         "Records between the committed offset and the high watermark"
@@ -159,6 +169,37 @@ pub(crate) struct Telemetry {
     outcomes: [Counter; 5],
     handler: Histogram,
     commit: Histogram,
+    waits: Arc<Waits>,
+}
+
+/// Deliveries waiting for the infrastructure, shared by the clones of one
+/// [`Telemetry`]: the gauge, and the state that makes the log speak once per
+/// change (a fault starts, changes class, ends) rather than per attempt.
+struct Waits {
+    gauge: Gauge,
+    state: std::sync::Mutex<WaitState>,
+}
+
+#[derive(Default)]
+struct WaitState {
+    waiting: usize,
+    fault: Option<InfraFault>,
+    since: Option<std::time::Instant>,
+}
+
+impl Waits {
+    fn new(gauge: Gauge) -> Arc<Self> {
+        Arc::new(Self {
+            gauge,
+            state: std::sync::Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WaitState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 impl Telemetry {
@@ -184,6 +225,11 @@ impl Telemetry {
             LABEL_SCOPE => scope.clone(),
             LABEL_TRANSPORT => transport,
         );
+        let waiting = metrics::gauge!(
+            WAITING_ON_INFRASTRUCTURE,
+            LABEL_SCOPE => scope.clone(),
+            LABEL_TRANSPORT => transport,
+        );
         Self {
             scope,
             transport,
@@ -191,6 +237,62 @@ impl Telemetry {
             outcomes,
             handler,
             commit,
+            waits: Waits::new(waiting),
+        }
+    }
+
+    /// A delivery of this scope starts waiting for the infrastructure.
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    pub(crate) fn wait_started(&self, fault: InfraFault, error: &dyn std::fmt::Display) {
+        self.waits.gauge.increment(1.0);
+        let mut state = self.waits.lock();
+        state.waiting += 1;
+        if state.since.is_none() {
+            state.since = Some(std::time::Instant::now());
+        }
+        self.note_fault(&mut state, fault, error);
+    }
+
+    /// A waiting delivery failed again on `fault`: logged only if the
+    /// class changed.
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    pub(crate) fn wait_again(&self, fault: InfraFault, error: &dyn std::fmt::Display) {
+        let mut state = self.waits.lock();
+        self.note_fault(&mut state, fault, error);
+    }
+
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    fn note_fault(&self, state: &mut WaitState, fault: InfraFault, error: &dyn std::fmt::Display) {
+        if state.fault == Some(fault) {
+            tracing::debug!(%fault, %error, "still waiting for the database");
+            return;
+        }
+        state.fault = Some(fault);
+        tracing::warn!(
+            scope = &*self.scope,
+            transport = self.transport,
+            %fault,
+            %error,
+            "the database cannot take writes: deliveries wait in place (no ack, no offset commit, no dead letter)"
+        );
+    }
+
+    /// A delivery stopped waiting (processed, or its consumer stopped).
+    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    pub(crate) fn wait_ended(&self) {
+        self.waits.gauge.decrement(1.0);
+        let mut state = self.waits.lock();
+        state.waiting = state.waiting.saturating_sub(1);
+        if state.waiting == 0 {
+            let waited = state.since.take().map(|s| s.elapsed());
+            if state.fault.take().is_some() {
+                tracing::info!(
+                    scope = &*self.scope,
+                    transport = self.transport,
+                    ?waited,
+                    "the database takes writes again; no delivery is waiting"
+                );
+            }
         }
     }
 
@@ -205,6 +307,7 @@ impl Telemetry {
             outcomes: std::array::from_fn(|_| Counter::noop()),
             handler: Histogram::noop(),
             commit: Histogram::noop(),
+            waits: Waits::new(Gauge::noop()),
         }
     }
 

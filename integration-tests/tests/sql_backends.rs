@@ -18,6 +18,14 @@ use onceonly_integration_tests::{
     BusinessSql, Pay, mysql_store, mysql_url, pay, pg_store, pg_url, sqlite_store, unique,
 };
 
+/// A later version of the payment input that old payloads do not decode into.
+#[derive(Debug, serde::Deserialize)]
+struct PayV2 {
+    out_trade_no: String,
+    #[allow(dead_code)]
+    currency: String,
+}
+
 /// What a test handler observes: how often it ran, and whether to fail next.
 #[derive(Clone, Default)]
 struct Probe {
@@ -599,6 +607,74 @@ macro_rules! backend_suite {
                 ctx.drop_tables().await;
             }
 
+            /// `[A(k,F1), B(k,F2)]` with `k` committed as F2: A conflicts
+            /// with the stored record, B is its duplicate.
+            #[tokio::test]
+            async fn in_batch_repeats_meet_the_record_their_key_ends_up_with() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                let first = engine
+                    .process(&handler, &Delivery::new(pay("R-k", 2)))
+                    .await;
+                assert!(matches!(first.outcome, Outcome::Processed { .. }));
+                let batch = [Delivery::new(pay("R-k", 1)), Delivery::new(pay("R-k", 2))];
+                let reports = engine.process_batch(&handler, &batch).await;
+                assert!(
+                    matches!(reports[0].outcome, Outcome::Conflict { .. }),
+                    "{:?}",
+                    reports[0].outcome
+                );
+                assert!(
+                    matches!(&reports[1].outcome, Outcome::Duplicate { result: Some((k, 2)) } if k == "R-k"),
+                    "{:?}",
+                    reports[1].outcome
+                );
+                // A new key: the first occurrence claims, the other payload conflicts.
+                let batch = [Delivery::new(pay("R-n", 1)), Delivery::new(pay("R-n", 3))];
+                let reports = engine.process_batch(&handler, &batch).await;
+                assert!(matches!(reports[0].outcome, Outcome::Processed { .. }));
+                assert!(matches!(reports[1].outcome, Outcome::Conflict { .. }));
+                assert_eq!(ctx.rows().await, 2, "one charge per key");
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 2);
+                ctx.drop_tables().await;
+            }
+
+            /// The handler's input type changed since a key was processed:
+            /// its redelivery is still a duplicate (acked, never
+            /// dead-lettered); a new key of that shape is rejected.
+            #[tokio::test]
+            async fn a_duplicate_whose_payload_no_longer_decodes_is_still_a_duplicate() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().build().unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                let d = Delivery::new(pay("U-1", 5));
+                let first = engine.process(&handler, &d).await;
+                assert!(matches!(first.outcome, Outcome::Processed { .. }));
+                let v2 = handler_fn(|_: &mut $conn, Json(p): Json<PayV2>, _: &Delivery| {
+                    Box::pin(async move { Ok::<_, HandlerError>((p.out_trade_no, 0i64)) })
+                });
+                let again = engine.process(&v2, &d).await;
+                assert!(
+                    matches!(&again.outcome, Outcome::Duplicate { result: Some((k, 5)) } if k == "U-1"),
+                    "{:?}",
+                    again.outcome
+                );
+                let fresh = engine.process(&v2, &Delivery::new(pay("U-2", 5))).await;
+                assert!(
+                    matches!(fresh.outcome, Outcome::Rejected(Rejection::Decode(_))),
+                    "{:?}",
+                    fresh.outcome
+                );
+                let batched = engine.process_batch(&v2, &[Delivery::new(pay("U-1", 5)), Delivery::new(pay("U-3", 5))]).await;
+                assert!(matches!(batched[0].outcome, Outcome::Duplicate { .. }), "{:?}", batched[0].outcome);
+                assert!(matches!(batched[1].outcome, Outcome::Rejected(_)), "{:?}", batched[1].outcome);
+                assert_eq!(ctx.rows().await, 1);
+                ctx.drop_tables().await;
+            }
+
             #[tokio::test]
             async fn batch_claim_reports_new_duplicate_conflict_and_in_batch_repeats() {
                 let ctx = ctx().await;
@@ -729,3 +805,123 @@ backend_suite!(
     BusinessSql::sqlite,
     sqlite_setup
 );
+
+/// MySQL/MariaDB end a transaction on a deadlock (1213): a handler that
+/// swallows the error leaves its claim rolled back under the engine. Recording
+/// the result then finds no claim: that is contention, retried, never a
+/// "corrupt store" dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
+    let store = mysql_store(&mysql_url(), &unique("keys")).await;
+    let locks = unique("locks");
+    let filler = unique("filler");
+    let charges = unique("charges");
+    for stmt in [
+        format!("CREATE TABLE {locks} (id INT PRIMARY KEY, v INT NOT NULL) ENGINE=InnoDB"),
+        format!("INSERT INTO {locks} VALUES (1, 0), (2, 0)"),
+        format!("CREATE TABLE {filler} (id INT PRIMARY KEY, v INT NOT NULL) ENGINE=InnoDB"),
+        format!(
+            "CREATE TABLE {charges} (out_trade_no VARCHAR(64) NOT NULL, amount BIGINT NOT NULL)"
+        ),
+    ] {
+        sqlx::query(&stmt).execute(store.pool()).await.unwrap();
+    }
+    for i in 0..200 {
+        sqlx::query(&format!("INSERT INTO {filler} VALUES (?, 0)"))
+            .bind(i)
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+    let engine = Engine::builder(store.clone())
+        .scope("deadlock")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let deadlocked = Arc::new(AtomicBool::new(false));
+    let pool = store.pool().clone();
+    let handler = {
+        let (runs, deadlocked) = (runs.clone(), deadlocked.clone());
+        let (locks, filler, charges) = (locks.clone(), filler.clone(), charges.clone());
+        handler_fn(
+            move |conn: &mut sqlx::MySqlConnection, Json(p): Json<Pay>, _: &Delivery| {
+                let (runs, deadlocked, pool) = (runs.clone(), deadlocked.clone(), pool.clone());
+                let (locks, filler, charges) = (locks.clone(), filler.clone(), charges.clone());
+                Box::pin(async move {
+                    let run = runs.fetch_add(1, Ordering::SeqCst);
+                    sqlx::query(&format!("INSERT INTO {charges} VALUES (?, ?)"))
+                        .bind(&p.out_trade_no)
+                        .bind(p.amount)
+                        .execute(&mut *conn)
+                        .await?;
+                    if run == 0 {
+                        sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 1"))
+                            .execute(&mut *conn)
+                            .await?;
+                        // A bigger transaction takes row 2 and waits for row 1:
+                        // InnoDB rolls back the smaller one, this handler's.
+                        let other_locks = locks.clone();
+                        let other = tokio::spawn(async move {
+                            let locks = other_locks;
+                            let mut tx = pool.begin().await.unwrap();
+                            sqlx::query(&format!("UPDATE {filler} SET v = v + 1"))
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                            sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 2"))
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                            sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 1"))
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                            tx.commit().await.unwrap();
+                        });
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        let r = sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 2"))
+                            .execute(&mut *conn)
+                            .await;
+                        // The handler's bug under test: the error is swallowed.
+                        if let Err(e) = r {
+                            deadlocked.store(
+                                e.as_database_error()
+                                    .and_then(|d| {
+                                        d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                                    })
+                                    .is_some_and(|m| m.number() == 1213),
+                                Ordering::SeqCst,
+                            );
+                        }
+                        other.await.unwrap();
+                    }
+                    Ok::<_, HandlerError>(p.amount)
+                })
+            },
+        )
+    };
+    let report = engine
+        .process(&handler, &Delivery::new(pay("DL-1", 7)))
+        .await;
+    assert!(
+        deadlocked.load(Ordering::SeqCst),
+        "the test needs InnoDB to pick the handler as the deadlock victim"
+    );
+    assert!(
+        matches!(report.outcome, Outcome::Processed { result: 7 }),
+        "{:?}",
+        report.outcome
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "retried once after the lost claim"
+    );
+    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {charges}"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "one charge");
+    assert!(store.get("deadlock", "DL-1").await.unwrap().is_some());
+}

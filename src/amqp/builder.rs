@@ -153,7 +153,8 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
         self
     }
 
-    /// Reconnect backoff bounds (default 200 ms doubling up to 10 s).
+    /// Reconnect backoff bounds (default 200 ms doubling up to 10 s, with
+    /// jitter so that many consumers do not reconnect in lockstep).
     #[must_use]
     pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.reconnect_min = min;

@@ -5,8 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
@@ -102,7 +106,8 @@ impl<S: SqlStore> AmqpConsumer<S> {
             publishing: tokio::sync::Mutex::new(()),
         });
         let settings = self.settings;
-        let mut backoff = settings.reconnect_min;
+        let delays = || crate::engine::backoff(settings.reconnect_min, settings.reconnect_max);
+        let mut backoff = delays();
         let mut idle_since = Instant::now();
         let mut seen = 0;
         while !shutdown.is_cancelled() {
@@ -112,14 +117,14 @@ impl<S: SqlStore> AmqpConsumer<S> {
                 Err(e) => {
                     if env.counters.connections_since(&mut seen) {
                         // It had connected: start the backoff over.
-                        backoff = settings.reconnect_min;
+                        backoff = delays();
                     }
-                    tracing::warn!(error = %e, ?backoff, "AMQP connection lost or refused; reconnecting");
+                    let delay = backoff.next().unwrap_or(settings.reconnect_max);
+                    tracing::warn!(error = %e, ?delay, "AMQP connection lost or refused; reconnecting");
                     tokio::select! {
                         () = shutdown.cancelled() => break,
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(delay) => {}
                     }
-                    backoff = (backoff * 2).min(settings.reconnect_max);
                 }
             }
         }
@@ -208,7 +213,21 @@ where
                     let held = permit.take();
                     tasks.spawn(async move {
                         let _held = held;
-                        handle(&env, &channel, message, &stop).await;
+                        let acker = message.acker.clone();
+                        // User code is caught by the engine; this is the net
+                        // under onceonly's own code: the message goes back to
+                        // the queue rather than holding a prefetch slot until
+                        // the channel closes.
+                        let handled = AssertUnwindSafe(handle(&env, &channel, message, &stop))
+                            .catch_unwind()
+                            .await;
+                        if handled.is_err() {
+                            tracing::error!("a delivery task panicked; requeueing its message");
+                            let requeue = BasicNackOptions { requeue: true, ..Default::default() };
+                            if let Err(e) = acker.nack(requeue).await {
+                                tracing::warn!(error = %e, "nack after a panic failed; the broker redelivers on channel close");
+                            }
+                        }
                     });
                 }
                 // The broker closed the channel (an ack timeout, a refused

@@ -28,14 +28,19 @@
 //!
 //! # Outcomes
 //!
+//! What happens is decided by [`decide`](crate::engine::decide), once for
+//! every transport; this consumer only translates it.
+//!
 //! | outcome                         | what happens                                  |
 //! |---------------------------------|-----------------------------------------------|
-//! | processed, duplicate            | RPC reply if `reply_to` is set, then ack       |
-//! | retryable handler error         | copy to the retry queue with `x-onceonly-attempts`, confirmed, then ack; once the policy is exhausted: dead letter |
-//! | permanent error, panic          | dead letter (`handler_error`)                  |
+//! | processed, duplicate            | RPC reply if `reply_to` is set (for a duplicate whose stored result no longer decodes: an error reply with `x-onceonly-error`), then ack |
+//! | retryable handler error, panic (handler, key function, `FromDelivery`) | copy to the retry queue with `x-onceonly-attempts`, confirmed, then ack; once the policy is exhausted: dead letter (`handler_error`) |
+//! | permanent error                 | dead letter (`handler_error`)                  |
 //! | key reused with another payload | dead letter (`fingerprint_mismatch`)           |
-//! | no key, undecodable body        | dead letter (`bad_key`, `decode_error`)        |
-//! | database unreachable            | retried in place with backoff until it is back; never dead-lettered, never acked meanwhile |
+//! | no key, undecodable body (key not committed) | dead letter (`bad_key`, `decode_error`) |
+//! | infrastructure fault: unreachable, read-only, missing table or column, permission, out of resources, shutdown, statement timeout, contention, corrupt dedup store (see [`InfraFault`](crate::store::InfraFault)) | waits in place with jittered backoff until the database takes writes again; never dead-lettered, never acked meanwhile |
+//! | data exception on a value of the message in the dedup store | dead letter (`store_error`) |
+//! | a panic in onceonly's own code | the message is nacked with requeue, never left holding a prefetch slot |
 //!
 //! Dead letters keep body and properties and add the [`headers`]:
 //! `x-onceonly-reason`, `-error`, `-attempts`, `-original-exchange`,

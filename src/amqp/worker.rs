@@ -16,8 +16,8 @@ use super::publish::{copy_properties, publish_confirmed};
 use super::stats::{Counters, bump};
 use super::topology::Topology;
 use crate::clock::{Clock, SystemClock};
-use crate::consumer_support::{OutageBackoff, sleep_unless};
-use crate::engine::{Engine, Handler, Outcome};
+use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
+use crate::engine::{Decision, Engine, Handler, Outcome, decide};
 use crate::store::SqlStore;
 
 /// What every delivery task of a consumer shares.
@@ -37,7 +37,9 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What to publish before the ack.
 enum Next {
-    Reply(Option<Vec<u8>>, bool),
+    /// The RPC reply (the result's JSON, or why there is none) and whether
+    /// it is a replay.
+    Reply(Result<Vec<u8>, &'static str>, bool),
     /// The retry queue and the failure's reason code.
     Retry(String, &'static str),
     DeadLetter {
@@ -82,39 +84,55 @@ async fn handle_in_span<S, H>(
         .and_then(|t| t.parse().ok())
         .unwrap_or(0);
     let attempt = prior.saturating_add(1);
-    let mut report = env.engine.process_in_span(&env.handler, delivery).await;
-    let mut outage = OutageBackoff::new();
-    while matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure()) {
-        tracing::warn!(queue = %env.topology.queue, error = ?report.outcome.reason(), "database unavailable, retrying the message");
-        if !sleep_unless(stop, outage.next_delay()).await || !channel.status().connected() {
-            return;
+    let (report, decision) = {
+        let mut outage = InfraWait::new(env.engine.telemetry());
+        loop {
+            let report = env.engine.process_in_span(&env.handler, delivery).await;
+            match decide(&report.outcome, attempt, env.engine.retry_policy()) {
+                Decision::Wait(fault) => {
+                    let error = report.outcome.error_text().unwrap_or_default();
+                    if !outage.wait(stop, fault, &error).await || !channel.status().connected() {
+                        return;
+                    }
+                }
+                decision => break (report, decision),
+            }
         }
-        report = env.engine.process_in_span(&env.handler, delivery).await;
-    }
-    let next = match &report.outcome {
-        Outcome::Processed { result } => {
+    };
+    let next = match (decision, &report.outcome) {
+        (Decision::Ack, Outcome::Processed { result }) => {
             bump(&env.counters.processed);
-            Next::Reply(serde_json::to_vec(result).ok(), false)
+            Next::Reply(reply_body(Some(result)), false)
         }
-        Outcome::Duplicate { result } => {
+        (Decision::Ack, Outcome::Duplicate { result }) => {
             bump(&env.counters.duplicates);
-            Next::Reply(
-                result.as_ref().and_then(|r| serde_json::to_vec(r).ok()),
-                true,
-            )
+            Next::Reply(reply_body(result.as_ref()), true)
         }
-        Outcome::Failed(f) if f.is_retryable() => match env.topology.retry_queue(attempt) {
-            Some(queue) => Next::Retry(queue.name.clone(), f.reason()),
+        (Decision::Retry { reason, .. }, _) => match env.topology.retry_queue(attempt) {
+            Some(queue) => Next::Retry(queue.name.clone(), reason),
             None => dead_letter(&report.outcome, attempt),
         },
-        Outcome::Rejected(_) => dead_letter(&report.outcome, 0),
-        other => dead_letter(other, attempt),
+        (
+            Decision::DeadLetter {
+                reason,
+                error,
+                attempts,
+            },
+            _,
+        ) => Next::DeadLetter {
+            reason,
+            error,
+            attempts,
+        },
+        // `decide` acks only processed and duplicate outcomes, and waits
+        // were handled above.
+        (_, outcome) => dead_letter(outcome, attempt),
     };
     let key = report.key.as_ref().map(|k| k.as_str());
     let published = match next {
         Next::Reply(body, replayed) => {
-            if let (Some(reply_to), Some(body)) = (props.reply_to(), body) {
-                reply(env, channel, reply_to.as_str(), props, &body, replayed).await;
+            if let Some(reply_to) = props.reply_to() {
+                reply(env, channel, reply_to.as_str(), props, body, replayed).await;
             }
             true
         }
@@ -187,6 +205,15 @@ async fn handle_in_span<S, H>(
     }
 }
 
+/// The JSON of an RPC reply: the result, or, for a duplicate whose stored
+/// result no longer decodes as the handler's output type, why not.
+fn reply_body<T: serde::Serialize>(result: Option<&T>) -> Result<Vec<u8>, &'static str> {
+    match result {
+        Some(result) => serde_json::to_vec(result).map_err(|_| "result_unserializable"),
+        None => Err("stored_result_unreadable"),
+    }
+}
+
 fn dead_letter<T>(outcome: &Outcome<T>, attempts: u32) -> Next {
     Next::DeadLetter {
         reason: outcome.reason().unwrap_or("handler_error"),
@@ -227,13 +254,15 @@ fn carried_headers(
 
 /// Publishes the RPC reply. Best effort: the effect is committed either
 /// way, and a client that missed the reply can ask again and gets the
-/// stored result.
+/// stored result. A duplicate whose stored result cannot be replayed still
+/// gets a reply, an error one (`x-onceonly-error`), so the caller never
+/// waits for nothing.
 async fn reply<S: SqlStore, H>(
     env: &Env<S, H>,
     channel: &Channel,
     reply_to: &str,
     request: &BasicProperties,
-    body: &[u8],
+    body: Result<Vec<u8>, &'static str>,
     replayed: bool,
 ) {
     let mut props = BasicProperties::default().with_content_type("application/json".into());
@@ -246,12 +275,24 @@ async fn reply<S: SqlStore, H>(
         "x-onceonly-replayed",
         if replayed { "true" } else { "false" },
     );
+    let body = match body {
+        Ok(body) => body,
+        Err(code) => {
+            set_text(&mut h, "x-onceonly-error", code);
+            serde_json::json!({
+                "error": code,
+                "detail": "the message was already processed, but its stored result cannot be replayed",
+            })
+            .to_string()
+            .into_bytes()
+        }
+    };
     props = props.with_headers(h);
     let sent = {
         let _one_at_a_time = env.publishing.lock().await;
         tokio::time::timeout(
             CONFIRM_TIMEOUT,
-            publish_confirmed(channel, "", reply_to, body, props),
+            publish_confirmed(channel, "", reply_to, &body, props),
         )
         .await
     };
@@ -272,7 +313,7 @@ async fn publish_until_confirmed<S: SqlStore, H>(
     body: &[u8],
     props: BasicProperties,
 ) -> bool {
-    let mut backoff = OutageBackoff::new();
+    let mut backoff = outage_backoff();
     loop {
         let sent = tokio::select! {
             biased;
@@ -290,8 +331,8 @@ async fn publish_until_confirmed<S: SqlStore, H>(
             Ok(()) => return true,
             Err(e) => {
                 tracing::error!(queue = %env.topology.queue, error = %e, "publish failed; the message stays unacked");
-                if !channel.status().connected() || !sleep_unless(stop, backoff.next_delay()).await
-                {
+                let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+                if !channel.status().connected() || !sleep_unless(stop, delay).await {
                     return false;
                 }
             }

@@ -15,6 +15,9 @@ use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdemKey;
 use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
 use tracing::{Instrument, Span};
 
 /// A delivery that passed key derivation and decoding.
@@ -66,6 +69,29 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        // A panic in user code (key function, decoder, handler, result
+        // encoding) rolls the batch back; one by one, each delivery then
+        // settles on its own.
+        match AssertUnwindSafe(self.try_batch_caught(handler, deliveries))
+            .catch_unwind()
+            .await
+        {
+            Ok(reports) => reports,
+            Err(_) => {
+                tracing::debug!("panic inside a batch, processing one by one");
+                None
+            }
+        }
+    }
+
+    async fn try_batch_caught<H>(
+        &self,
+        handler: &H,
+        deliveries: &[Delivery],
+    ) -> Option<Vec<Report<H::Output>>>
+    where
+        H: Handler<S::Db>,
+    {
         let mut reports: Vec<Option<Report<H::Output>>> = deliveries.iter().map(|_| None).collect();
         let spans: Vec<Span> = deliveries.iter().map(|d| self.delivery_span(d)).collect();
         let mut ready = Vec::with_capacity(deliveries.len());
@@ -104,7 +130,13 @@ impl<S: SqlStore> Engine<S> {
                     input: Some(input),
                     span: span.clone(),
                 }),
-                Err(e) => reports[index] = Some(report(Some(key), Outcome::Rejected(e.into()))),
+                Err(e) => {
+                    let outcome = self
+                        .undecodable(&key, fingerprint.as_ref(), delivery, e)
+                        .instrument(span.clone())
+                        .await;
+                    reports[index] = Some(report(Some(key), outcome));
+                }
             }
         }
         if !ready.is_empty() {

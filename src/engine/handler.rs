@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use sqlx::Database;
 
 use crate::delivery::Delivery;
+use crate::store::InfraFault;
 
 /// A boxed error.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
@@ -60,7 +61,7 @@ impl FromDelivery for String {
 #[error("{source}")]
 pub struct HandlerError {
     retryable: bool,
-    infrastructure: bool,
+    infrastructure: Option<InfraFault>,
     source: BoxError,
 }
 
@@ -69,7 +70,7 @@ impl HandlerError {
     pub fn retryable(error: impl Into<BoxError>) -> Self {
         Self {
             retryable: true,
-            infrastructure: false,
+            infrastructure: None,
             source: error.into(),
         }
     }
@@ -78,7 +79,19 @@ impl HandlerError {
     pub fn permanent(error: impl Into<BoxError>) -> Self {
         Self {
             retryable: false,
-            infrastructure: false,
+            infrastructure: None,
+            source: error.into(),
+        }
+    }
+
+    /// A failure that is the database's (or another dependency's) state,
+    /// not the message's: transports wait for it to pass, never
+    /// dead-letter because of it. `sqlx` errors converted with `?` are
+    /// classified by themselves; use this for your own dependencies.
+    pub fn infrastructure(fault: InfraFault, error: impl Into<BoxError>) -> Self {
+        Self {
+            retryable: true,
+            infrastructure: Some(fault),
             source: error.into(),
         }
     }
@@ -88,23 +101,34 @@ impl HandlerError {
         self.retryable
     }
 
-    /// Whether the error says the database is unreachable (a lost
-    /// connection, a pool timeout) rather than anything about the message.
-    /// Set for `sqlx` errors converted with `?`; transports wait for such
-    /// failures to pass instead of dead-lettering the message.
-    pub fn is_infrastructure(&self) -> bool {
+    /// The infrastructure fault this error is, if it is one (see
+    /// [`infra_fault`](crate::store::infra_fault)).
+    pub fn infra_fault(&self) -> Option<InfraFault> {
         self.infrastructure
+    }
+
+    /// Whether the error is the database's state rather than anything
+    /// about the message: a lost connection, a read-only server, a missing
+    /// table, a deadlock... Transports wait for such failures to pass
+    /// instead of dead-lettering the message.
+    pub fn is_infrastructure(&self) -> bool {
+        self.infrastructure.is_some()
     }
 }
 
-/// Database errors are retryable exactly when they are transient (lost
-/// connection, deadlock, serialization failure, lock timeout, busy SQLite);
-/// constraint violations and the like are permanent.
+/// Database errors are classified once, by
+/// [`infra_fault`](crate::store::infra_fault): the database's state
+/// (unreachable, read-only, missing table, permission, resources, shutdown,
+/// timeout, contention) is an infrastructure failure that transports wait
+/// out; anything else (a constraint violation, a value that does not fit)
+/// is permanent.
 impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
+        crate::store::error::observe(&e);
+        let infrastructure = crate::store::infra_fault(&e);
         Self {
-            retryable: crate::store::is_transient(&e),
-            infrastructure: crate::store::is_connection_error(&e),
+            retryable: infrastructure.is_some(),
+            infrastructure,
             source: Box::new(e),
         }
     }

@@ -8,6 +8,7 @@
 
 mod batch;
 mod builder;
+mod decision;
 mod handler;
 mod outcome;
 mod retry;
@@ -23,12 +24,15 @@ use crate::clock::Clock;
 use crate::delivery::Delivery;
 use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{IdemKey, KeySpec};
-use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+use crate::store::{
+    Claim, ClaimRequest, ClaimTimes, Completed, InfraFault, SqlStore, StoreError, classify_existing,
+};
 use crate::telemetry::Telemetry;
 
 #[cfg(any(feature = "kafka", feature = "amqp"))]
 pub(crate) use builder::forward_engine_settings;
 pub use builder::{BuildError, EngineBuilder};
+pub use decision::{Decision, decide};
 pub use handler::{
     BoxError, DecodeError, FnHandler, FromDelivery, Handler, HandlerError, Json, handler_fn,
 };
@@ -144,6 +148,27 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        // A panic in user code outside the handler (a key function, a
+        // decoder, the result's `Serialize`) is a failure like a handler
+        // panic, never a delivery left unsettled. An open transaction is
+        // rolled back when it is dropped during the unwind.
+        match AssertUnwindSafe(self.process_caught(handler, delivery))
+            .catch_unwind()
+            .await
+        {
+            Ok(report) => report,
+            Err(panic) => {
+                let what = panic_message(panic.as_ref());
+                tracing::error!(panic = %what, "panic while processing a delivery");
+                report(None, Outcome::Failed(Failure::Panic(what)))
+            }
+        }
+    }
+
+    async fn process_caught<H>(&self, handler: &H, delivery: &Delivery) -> Report<H::Output>
+    where
+        H: Handler<S::Db>,
+    {
         let key = match self.inner.key.derive(delivery) {
             Ok(key) => key,
             Err(e) => return report(None, Outcome::Rejected(e.into())),
@@ -153,30 +178,69 @@ impl<S: SqlStore> Engine<S> {
             .record_key(&Span::current(), key.as_str());
         let mut decoded = Some(H::Input::from_delivery(delivery));
         let fingerprint = self.inner.fingerprint.compute(delivery);
+        let mut contention = backoff(Duration::from_millis(20), Duration::from_millis(500));
         let mut transient = 0;
         loop {
-            // Decoded once up front; a transaction retried after a transient
-            // error decodes again (the handler consumed the first input).
+            // Decoded once up front; a transaction retried after contention
+            // decodes again (the handler consumed the first input).
             let decoded = decoded
                 .take()
                 .unwrap_or_else(|| H::Input::from_delivery(delivery));
             let input = match decoded {
                 Ok(input) => input,
-                Err(e) => return report(Some(key), Outcome::Rejected(e.into())),
+                Err(e) => {
+                    let outcome = self
+                        .undecodable(&key, fingerprint.as_ref(), delivery, e)
+                        .await;
+                    return report(Some(key), outcome);
+                }
             };
             let outcome = self
                 .attempt(handler, delivery, &key, fingerprint.as_ref(), input)
                 .await;
             match &outcome {
-                Outcome::Failed(Failure::Store(e))
-                    if e.is_transient() && transient < self.inner.transient_retries =>
+                Outcome::Failed(f)
+                    if f.infra_fault() == Some(InfraFault::Contention)
+                        && transient < self.inner.transient_retries =>
                 {
                     transient += 1;
-                    tracing::debug!(error = %e, "transient store error, retrying the transaction");
-                    tokio::time::sleep(Duration::from_millis(20 * u64::from(transient))).await;
+                    tracing::debug!(error = %f, "lock contention, retrying the transaction");
+                    tokio::time::sleep(contention.next().unwrap_or(Duration::from_millis(500)))
+                        .await;
                 }
                 _ => return report(Some(key), outcome),
             }
+        }
+    }
+
+    /// The outcome of a delivery whose payload does not decode: a key that
+    /// is already committed is still a duplicate (or a conflict), even if
+    /// its payload no longer decodes into the handler's input type (the
+    /// type changed since); otherwise it is rejected.
+    async fn undecodable<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &IdemKey,
+        fingerprint: Option<&Fingerprint>,
+        delivery: &Delivery,
+        error: DecodeError,
+    ) -> Outcome<T> {
+        let inner = &*self.inner;
+        let req = ClaimRequest {
+            key: key.as_str(),
+            fingerprint,
+            source: delivery.source(),
+        };
+        if let Some(hit) = inner.store.cached(&inner.scope, key.as_str()).await {
+            return settled(key, hit.classify(&req), fingerprint);
+        }
+        match inner.store.get(&inner.scope, key.as_str()).await {
+            Ok(Some(record)) if record.expires_at_ms > inner.clock.now_ms() => settled(
+                key,
+                classify_existing(record.fingerprint, record.result, &req),
+                fingerprint,
+            ),
+            Ok(_) => Outcome::Rejected(error.into()),
+            Err(e) => Outcome::Failed(Failure::Store(e)),
         }
     }
 
@@ -184,6 +248,10 @@ impl<S: SqlStore> Engine<S> {
     /// the engine's [`RetryPolicy`] (sleeping between attempts). The report
     /// carries the number of attempts made. All attempts run in one
     /// `onceonly.delivery` span; each retry is counted.
+    ///
+    /// Without a transport to wait in place, infrastructure failures are
+    /// retried with the same policy (so this call is bounded); the report of
+    /// the last attempt tells the caller what is left to do.
     pub async fn process_with_retry<H>(&self, handler: &H, delivery: &Delivery) -> Report<H::Output>
     where
         H: Handler<S::Db>,
@@ -194,17 +262,18 @@ impl<S: SqlStore> Engine<S> {
             loop {
                 let mut report = self.process_in_span(handler, delivery).await;
                 report.attempts = attempts;
-                let delay = match &report.outcome {
-                    Outcome::Failed(f) if f.is_retryable() => {
-                        self.inner.retry.delay_after(attempts)
-                    }
+                let retry = match decide(&report.outcome, attempts, &self.inner.retry) {
+                    Decision::Retry { delay, reason } => Some((delay, reason)),
+                    Decision::Wait(_) => self
+                        .inner
+                        .retry
+                        .delay_after(attempts)
+                        .map(|delay| (delay, "store_error")),
                     _ => None,
                 };
-                match delay {
-                    Some(delay) => {
-                        self.inner
-                            .telemetry
-                            .retried(report.outcome.reason().unwrap_or("handler_error"));
+                match retry {
+                    Some((delay, reason)) => {
+                        self.inner.telemetry.retried(reason);
                         tracing::debug!(attempts, ?delay, "retrying");
                         tokio::time::sleep(delay).await;
                         attempts += 1;
@@ -343,6 +412,20 @@ fn settled<T: serde::de::DeserializeOwned>(
             "unexpected claim {other:?} for key {key:?}"
         )))),
     }
+}
+
+/// Jittered exponential delays from `min` doubling up to `max`, without end:
+/// every backoff loop of the crate (contention, outages, publishes,
+/// reconnects) draws from one of these, so that workers do not retry in
+/// lockstep after an outage.
+pub(crate) fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> + Send {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::new()
+        .with_min_delay(min)
+        .with_max_delay(max)
+        .with_jitter()
+        .without_max_times()
+        .build()
 }
 
 fn report<T>(key: Option<IdemKey>, outcome: Outcome<T>) -> Report<T> {

@@ -4,7 +4,7 @@
 use crate::engine::handler::{DecodeError, HandlerError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdemKey, KeyError};
-use crate::store::StoreError;
+use crate::store::{InfraFault, StoreError};
 
 /// The outcome of one delivery, with its key and attempt count.
 #[derive(Debug)]
@@ -154,11 +154,14 @@ pub enum Failure {
     /// The handler returned an error.
     #[error("handler failed: {0}")]
     Handler(#[source] HandlerError),
-    /// The handler panicked; treated as a permanent failure.
+    /// User code panicked: the handler, or a key function, decoder or the
+    /// result's `Serialize` around it. Retried per the retry policy (a panic
+    /// may come from a passing condition), then dead-lettered.
     #[error("handler panicked: {0}")]
     Panic(String),
-    /// The dedup store (the database) failed. This says nothing about the
-    /// message: transports must not dead-letter it, but back off and retry.
+    /// The dedup store (the database) failed. Unless it is a data exception
+    /// on one of the message's values, this says nothing about the message:
+    /// transports wait in place (see [`Failure::infra_fault`]).
     #[error("dedup store failed: {0}")]
     Store(#[source] StoreError),
     /// The handler's result could not be serialized for storage.
@@ -167,25 +170,33 @@ pub enum Failure {
 }
 
 impl Failure {
-    /// Whether the retry policy may try again.
+    /// Whether the retry policy may try again: a retryable handler error,
+    /// or any infrastructure failure.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Handler(e) => e.is_retryable(),
-            Self::Store(e) => e.is_transient(),
-            Self::Panic(_) | Self::Encode(_) => false,
+            Self::Handler(e) => e.is_retryable() || e.is_infrastructure(),
+            Self::Store(e) => e.is_infrastructure(),
+            Self::Panic(_) => true,
+            Self::Encode(_) => false,
         }
     }
 
-    /// Whether the failure is the infrastructure's rather than the message's:
-    /// a store failure that [is an outage](StoreError::is_outage), or a
-    /// handler error that
-    /// [is the database being unreachable](HandlerError::is_infrastructure).
-    pub fn is_infrastructure(&self) -> bool {
+    /// The infrastructure fault this failure is, if it is the database's
+    /// state rather than the message's (see [`InfraFault`]): a store
+    /// failure other than a data exception, or a handler error that
+    /// [is one](HandlerError::infra_fault).
+    pub fn infra_fault(&self) -> Option<InfraFault> {
         match self {
-            Self::Store(e) => e.is_outage(),
-            Self::Handler(e) => e.is_infrastructure(),
-            Self::Panic(_) | Self::Encode(_) => false,
+            Self::Store(e) => e.infra_fault(),
+            Self::Handler(e) => e.infra_fault(),
+            Self::Panic(_) | Self::Encode(_) => None,
         }
+    }
+
+    /// Whether the failure is the infrastructure's rather than the
+    /// message's (see [`Failure::infra_fault`]).
+    pub fn is_infrastructure(&self) -> bool {
+        self.infra_fault().is_some()
     }
 
     /// `store_error` for store failures, `handler_error` otherwise.

@@ -92,8 +92,10 @@ pub enum OnStoreError {
     #[default]
     FailClosed,
     /// Run the handler without dedup and without a transaction (logged at
-    /// error level for every request). Only for handlers that are safe to
-    /// run twice and take `Option<Tx<DB>>`.
+    /// error level for every request), but only when the database cannot be
+    /// reached at all: contention (a key in flight) is `409`, and a database
+    /// that answers but cannot take writes is `503`. Only for handlers that
+    /// are safe to run twice and take `Option<Tx<DB>>`.
     FailOpen,
 }
 

@@ -20,6 +20,7 @@ use tower::{Layer, Service, ServiceExt};
 use tracing::{Instrument, Span};
 
 use super::config::{Ack, Config, IdempotencyLayerBuilder, InFlight, Mode, OnStoreError};
+use super::form::{FormError, form_as_json};
 use super::problem::{problem, problem_retry_after};
 use super::stored::StoredResponse;
 use super::tx::TxSlot;
@@ -210,8 +211,47 @@ where
         }
     }
 
+    if matches!(cfg.mode, Mode::Header { .. })
+        && parts
+            .headers
+            .get_all(IDEMPOTENCY_KEY)
+            .iter()
+            .nth(1)
+            .is_some()
+    {
+        // Which one would be the key? Taking either could replay another
+        // request's response.
+        return outcome(
+            cfg,
+            OutcomeKind::Rejected,
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                "More than one Idempotency-Key",
+                "send exactly one Idempotency-Key header",
+            ),
+        );
+    }
     let principal = (cfg.principal)(&parts);
-    let delivery = delivery_of(&parts, &bytes, principal.as_deref());
+    let delivery = match delivery_of(&parts, &bytes, principal.as_deref()) {
+        Ok(delivery) => delivery,
+        Err(e) => {
+            let (status, code, title) = match e {
+                FormError::NotUtf8 => (
+                    StatusCode::BAD_REQUEST,
+                    "undecodable-form",
+                    "Form body is not UTF-8",
+                ),
+                FormError::UnsupportedCharset(_) => (
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported-charset",
+                    "Form charset not supported",
+                ),
+            };
+            let refused = problem(status, code, title, &e.to_string());
+            return outcome(cfg, OutcomeKind::Rejected, refused);
+        }
+    };
     let key = match cfg.key.derive(&delivery) {
         Ok(key) => key,
         Err(KeyError::MissingMetadata { .. })
@@ -263,6 +303,9 @@ where
     }
     let mut tx = match cfg.store.begin().await {
         Ok(tx) => tx,
+        // SQLite's `BEGIN IMMEDIATE` waits for the write lock, which the
+        // request holding this key may have: the same as a claim waiting.
+        Err(e) if e.is_contention() => return in_flight(cfg),
         Err(e) => {
             return store_down(
                 cfg,
@@ -288,7 +331,10 @@ where
     .await;
     let claim = match claim {
         Ok(claim) => claim,
-        Err(e) if e.is_lock_timeout() => {
+        // Deadlock, serialization failure, lock or busy timeout: another
+        // request holds the key (or the table) right now. Never a reason to
+        // run the handler without dedup.
+        Err(e) if e.is_contention() => {
             drop(tx.rollback().await);
             return in_flight(cfg);
         }
@@ -451,6 +497,9 @@ where
     }
 }
 
+/// The header of [`IdempotencyLayer::idempotency_key`] mode.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
 /// How long the layer waits, after the handler returned, for it to let go
 /// of the transaction.
 const TX_RETURN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -537,6 +586,12 @@ where
     }
 }
 
+/// The answer when the store failed before the handler could run, by the
+/// failure's class (see [`InfraFault`](crate::store::InfraFault)): only a
+/// database that cannot be reached at all may fail open; any other state of
+/// the database (read-only, missing table, no privilege, out of resources,
+/// shutting down, timing out) is `503`, and a data exception on a value of
+/// the request is `400`.
 async fn store_down<S, I>(
     cfg: &Config<S>,
     inner: I,
@@ -546,35 +601,35 @@ async fn store_down<S, I>(
 where
     I: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
 {
+    let Some(fault) = error.infra_fault() else {
+        tracing::warn!(error = %error, "the idempotency store refused a value of the request");
+        return outcome(
+            cfg,
+            OutcomeKind::Rejected,
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                "Invalid idempotency key",
+                "the key or a value derived from the request does not fit the idempotency store",
+            ),
+        );
+    };
     // Failing open or not, the request got no dedup.
     cfg.telemetry.outcome(&Span::current(), OutcomeKind::Failed);
-    if !error.is_outage() {
-        // Not an outage (a missing table, a corrupt record): failing open
-        // would hide a bug behind duplicate effects.
-        tracing::error!(error = %error, "idempotency store error");
-        return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "store-error",
-            "Idempotency store error",
-            "the request was not processed",
-        );
+    if fault == crate::store::InfraFault::Unreachable
+        && cfg.on_store_error == OnStoreError::FailOpen
+    {
+        tracing::error!(error = %error, path = %req.uri().path(), "idempotency store unreachable: FAILING OPEN, request runs without dedup");
+        return pass(inner, req).await;
     }
-    match cfg.on_store_error {
-        OnStoreError::FailOpen => {
-            tracing::error!(error = %error, path = %req.uri().path(), "idempotency store unavailable: FAILING OPEN, request runs without dedup");
-            pass(inner, req).await
-        }
-        _ => {
-            tracing::error!(error = %error, "idempotency store unavailable: 503");
-            problem_retry_after(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "Idempotency store unavailable",
-                "the request was not processed; retry later with the same key",
-                5,
-            )
-        }
-    }
+    tracing::error!(error = %error, %fault, "idempotency store cannot take writes: 503");
+    problem_retry_after(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        "Idempotency store unavailable",
+        "the request was not processed; retry later with the same key",
+        5,
+    )
 }
 
 fn ack_response(ack: &Ack) -> Response<Body> {
@@ -587,25 +642,6 @@ fn ack_response(ack: &Ack) -> Response<Body> {
         .headers_mut()
         .insert("idempotent-replayed", HeaderValue::from_static("true"));
     response
-}
-
-/// A form body as a JSON object of its fields: a field that appears once is
-/// a string, a repeated one an array of strings (so `a=1&a=2` and `a=1&a=3`
-/// fingerprint differently).
-fn form_as_json(body: &[u8]) -> Vec<u8> {
-    use serde_json::Value;
-    let mut fields = serde_json::Map::new();
-    for (k, v) in form_urlencoded::parse(body) {
-        let v = Value::String(v.into_owned());
-        match fields.get_mut(k.as_ref()) {
-            None => {
-                fields.insert(k.into_owned(), v);
-            }
-            Some(Value::Array(values)) => values.push(v),
-            Some(first) => *first = Value::Array(vec![first.take(), v]),
-        }
-    }
-    Value::Object(fields).to_string().into_bytes()
 }
 
 /// The IETF draft sends the key as a structured-field string (`"abc"`);
@@ -630,24 +666,21 @@ fn unquote_sf_string(value: &[u8]) -> Vec<u8> {
 }
 
 /// The engine's view of the request: a form body is read as a JSON object
-/// of its fields, so JSON-pointer keys and fingerprints work on both.
+/// of its fields, so JSON-pointer keys and fingerprints work on both. A form
+/// body that does not decode strictly is refused.
 fn delivery_of(
     parts: &axum::http::request::Parts,
     body: &Bytes,
     principal: Option<&str>,
-) -> Delivery {
-    let is_form = parts
+) -> Result<Delivery, FormError> {
+    let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.get(..33)
-                .is_some_and(|t| t.eq_ignore_ascii_case("application/x-www-form-urlencoded"))
-        });
-    let payload = if is_form {
-        form_as_json(body)
-    } else {
-        body.to_vec()
+        .unwrap_or_default();
+    let payload = match form_as_json(content_type, body) {
+        None => body.to_vec(),
+        Some(json) => json?,
     };
     let mut d = Delivery::new(payload).with_request(parts.method.as_str(), parts.uri.path());
     for (name, value) in &parts.headers {
@@ -661,7 +694,7 @@ fn delivery_of(
     if let Some(p) = principal {
         d = d.with_principal(p);
     }
-    d
+    Ok(d)
 }
 
 /// A key names one operation on one resource: the same key and body sent to

@@ -24,10 +24,25 @@
 //!
 //! Errors the layer answers itself are RFC 9457 `application/problem+json`
 //! with `type` `urn:onceonly:problem:<code>`: `missing-idempotency-key`,
-//! `invalid-idempotency-key` (400), `bad-signature` (401),
-//! `request-in-flight` (409), `body-too-large` (413),
-//! `idempotency-key-reused` (422), `store-unavailable` (503, fail closed by
-//! default; see [`OnStoreError`]).
+//! `invalid-idempotency-key` (400, also for a repeated `Idempotency-Key`
+//! header), `undecodable-form` (400, a form body that is not UTF-8),
+//! `bad-signature` (401), `request-in-flight` (409), `body-too-large` (413),
+//! `unsupported-charset` (415), `idempotency-key-reused` (422),
+//! `store-unavailable` (503).
+//!
+//! # Failures of the store
+//!
+//! Classified once (see [`InfraFault`](crate::store::InfraFault)):
+//!
+//! | before the handler runs | answer |
+//! |---|---|
+//! | lock contention (the key is in flight, a deadlock, SQLite busy) | `409` with `Retry-After` (or wait and replay, see [`InFlight`]); never fail-open, since the request holding the key may still commit |
+//! | the database cannot be reached at all | `503`, or the handler without dedup with [`OnStoreError::FailOpen`] |
+//! | any other state of the database (read-only, missing table, no privilege, out of resources, shutting down, statement timeout) | `503` with `Retry-After` |
+//! | a value of the request does not fit the store | `400` |
+//!
+//! A failed commit after the handler ran is `503`: the outcome is unknown
+//! until the client retries with the same key.
 //!
 //! # Expiry policy
 //!
@@ -36,6 +51,7 @@
 //! request. Publish this to your clients, as the IETF draft asks.
 
 mod config;
+mod form;
 mod layer;
 mod problem;
 mod signature;

@@ -16,6 +16,9 @@ use crate::store::SqlStore;
 /// The default [`KafkaConsumerBuilder::statistics_interval`]: 5 s.
 pub const DEFAULT_STATISTICS_INTERVAL: Duration = Duration::from_secs(5);
 
+/// The default [`KafkaConsumerBuilder::drain_timeout`]: 20 s.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Builds a [`KafkaConsumer`]. Required: [`brokers`](Self::brokers),
 /// [`group_id`](Self::group_id), at least one [`topic`](Self::topic) and a
 /// key ([`key`](Self::key) or [`key_expr`](Self::key_expr)).
@@ -34,6 +37,7 @@ pub struct KafkaConsumerBuilder<S> {
     commit_interval: Duration,
     statistics_interval: Duration,
     exit_when_idle: Option<Duration>,
+    drain_timeout: Duration,
     common: Vec<(String, String)>,
     consumer: Vec<(String, String)>,
     producer: Vec<(String, String)>,
@@ -56,6 +60,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             commit_interval: Duration::from_millis(500),
             statistics_interval: DEFAULT_STATISTICS_INTERVAL,
             exit_when_idle: None,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             common: Vec::new(),
             consumer: Vec::new(),
             producer: Vec::new(),
@@ -186,6 +191,20 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
+    /// How long a revoke or a shutdown waits for records in progress
+    /// (default 20 s). Records still running then are abandoned: their
+    /// workers are aborted, their transactions roll back, their offsets stay
+    /// uncommitted, and the next owner of the partition processes them
+    /// (dedup absorbs any that had committed after all). Must be below
+    /// `max.poll.interval.ms` (librdkafka's default 300 s): a revoke blocks
+    /// the poll loop, and a member that stops polling for longer is thrown
+    /// out of the group.
+    #[must_use]
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
     /// A librdkafka setting for both the consumer and the dead-letter
     /// producer (`security.protocol`, `sasl.*`, `client.id`, ...).
     #[must_use]
@@ -239,6 +258,20 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
                     "{key}={value} would commit offsets of unfinished records"
                 )));
             }
+        }
+        let max_poll_interval = self
+            .common
+            .iter()
+            .chain(&self.consumer)
+            .rev()
+            .find(|(k, _)| k == "max.poll.interval.ms")
+            .and_then(|(_, v)| v.parse::<u64>().ok())
+            .map_or(Duration::from_secs(300), Duration::from_millis);
+        if self.drain_timeout >= max_poll_interval {
+            return Err(ConsumerError::Config(format!(
+                "drain_timeout ({:?}) must be below max.poll.interval.ms ({max_poll_interval:?}): a revoke that waits longer gets the member thrown out of the group",
+                self.drain_timeout
+            )));
         }
         let scope = self.scope.unwrap_or_else(|| group.clone());
         let engine = self
@@ -302,6 +335,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
                 linger: self.linger,
                 commit_interval: self.commit_interval,
                 exit_when_idle: self.exit_when_idle,
+                drain_timeout: self.drain_timeout,
             },
         ))
     }

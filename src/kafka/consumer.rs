@@ -35,6 +35,7 @@ pub(super) struct Settings {
     pub(super) linger: Duration,
     pub(super) commit_interval: Duration,
     pub(super) exit_when_idle: Option<Duration>,
+    pub(super) drain_timeout: Duration,
 }
 
 /// A Kafka consumer group member that processes each record's effect exactly
@@ -84,9 +85,10 @@ impl<S: SqlStore> KafkaConsumer<S> {
     }
 
     /// Runs until `shutdown` is cancelled (or until idle, if configured).
-    /// Shutdown stops fetching, lets records being handled finish (retry
-    /// waits are cut short and those records stay uncommitted), commits
-    /// finished offsets synchronously and leaves the group.
+    /// Shutdown stops fetching, lets records being handled finish for at
+    /// most the [drain timeout](KafkaConsumerBuilder::drain_timeout) (retry
+    /// and outage waits are cut short; those records stay uncommitted),
+    /// commits finished offsets synchronously and leaves the group.
     pub async fn run_until<H>(
         self,
         handler: H,
@@ -117,6 +119,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
             spawner,
             self.settings.key_concurrency,
             self.settings.max_in_flight,
+            self.settings.drain_timeout,
             runtime,
         ));
         let consumer: BaseConsumer<DedupContext> =

@@ -35,16 +35,20 @@
 //!
 //! # Failures
 //!
+//! What happens is decided by [`decide`](crate::engine::decide), once for
+//! every transport; this consumer only translates it.
+//!
 //! | outcome                        | what happens                                         |
 //! |--------------------------------|------------------------------------------------------|
 //! | processed, duplicate           | offset committed                                     |
-//! | retryable handler error        | retried per [`retry`] (the lane waits: order is kept), then dead-lettered |
-//! | permanent handler error, panic | dead-lettered (`handler_error`)                      |
+//! | retryable handler error, panic (handler, key function, `FromDelivery`) | retried per [`retry`] (the lane waits: order is kept), then dead-lettered (`handler_error`) |
+//! | permanent handler error        | dead-lettered (`handler_error`)                      |
 //! | key reused, other payload      | dead-lettered (`fingerprint_mismatch`)               |
-//! | no key, undecodable payload    | dead-lettered (`bad_key`, `decode_error`)            |
-//! | database unreachable           | retried with backoff until it is back; never dead-lettered |
-//! | other store error (corrupt record) | retried per [`retry`] if transient, then dead-lettered (`store_error`) |
+//! | no key, undecodable payload (key not committed) | dead-lettered (`bad_key`, `decode_error`) |
+//! | infrastructure fault: unreachable, read-only, missing table or column, permission, out of resources, shutdown, statement timeout, contention, corrupt dedup store (see [`InfraFault`](crate::store::InfraFault)), in the claim or the handler's own queries | the record waits in place with jittered backoff until the database takes writes again; never dead-lettered, the offset never moves past it |
+//! | data exception on a value of the message in the dedup store | dead-lettered (`store_error`) |
 //! | dead-letter publish fails      | retried; the offset is not committed meanwhile        |
+//! | revoke or shutdown while a record runs longer than [`drain_timeout`] | the record is abandoned: its transaction rolls back, its offset stays uncommitted, the next owner processes it |
 //!
 //! Dead letters go to `<topic>.dlt` (or [`dead_letter_topic`]) with the
 //! original payload, record key and headers, plus the headers in
@@ -53,8 +57,9 @@
 //! # Rebalances and shutdown
 //!
 //! On revoke, the revoked partitions' lanes stop taking records, records in
-//! progress finish, and their offsets are committed synchronously before the
-//! revoke returns; nothing of theirs runs afterwards. If the assignment was
+//! progress finish (for at most [`drain_timeout`]; what still runs then is
+//! aborted and rolled back), and their offsets are committed synchronously
+//! before the revoke returns; nothing of theirs runs afterwards. If the assignment was
 //! *lost* (session timeout), nothing is committed: another member may own the
 //! partitions already, and dedup absorbs the redelivery. [`KafkaConsumer::run`]
 //! shuts down the same way on SIGINT/SIGTERM, [`KafkaConsumer::run_until`] on a
@@ -73,6 +78,7 @@
 //! [`batch_size`]: KafkaConsumerBuilder::batch_size
 //! [`retry`]: KafkaConsumerBuilder::retry
 //! [`dead_letter_topic`]: KafkaConsumerBuilder::dead_letter_topic
+//! [`drain_timeout`]: KafkaConsumerBuilder::drain_timeout
 
 mod builder;
 mod consumer;
@@ -84,7 +90,7 @@ mod offsets;
 mod partition;
 mod worker;
 
-pub use builder::{DEFAULT_STATISTICS_INTERVAL, KafkaConsumerBuilder};
+pub use builder::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_STATISTICS_INTERVAL, KafkaConsumerBuilder};
 pub use consumer::KafkaConsumer;
 pub use dead_letter::headers;
 pub use error::ConsumerError;

@@ -78,6 +78,7 @@ pub(crate) struct Registry {
     spawner: Spawner,
     lanes: usize,
     max_in_flight: usize,
+    drain_timeout: Duration,
     runtime: Handle,
 }
 
@@ -86,6 +87,7 @@ impl Registry {
         spawner: Spawner,
         lanes: usize,
         max_in_flight: usize,
+        drain_timeout: Duration,
         runtime: Handle,
     ) -> Self {
         Self {
@@ -97,6 +99,7 @@ impl Registry {
             spawner,
             lanes: lanes.max(1),
             max_in_flight: max_in_flight.max(1),
+            drain_timeout,
             runtime,
         }
     }
@@ -217,8 +220,11 @@ impl Registry {
 
     /// Stops the workers of `which` (every partition if `None`): nothing new
     /// starts, work in progress finishes, held and queued records are dropped
-    /// uncommitted. Blocks until the workers have exited, then returns the
-    /// final commit positions. The partitions are forgotten.
+    /// uncommitted. Blocks until the workers have exited, or at most for the
+    /// drain timeout: workers still running then (a handler stuck on a lock,
+    /// a hung dependency) are aborted, their transactions roll back, and
+    /// their records stay uncommitted for the next owner. Returns the final
+    /// commit positions. The partitions are forgotten.
     ///
     /// Must not be called from inside the tokio runtime (it blocks on it).
     pub(crate) fn stop(&self, which: Option<&[Tp]>) -> Vec<(Tp, i64)> {
@@ -249,10 +255,25 @@ impl Registry {
             shared.push((tp, slot.shared));
             // Dropping the senders ends the lanes' queues.
         }
+        let deadline = self.drain_timeout;
         self.runtime.block_on(async {
-            for task in tasks {
-                if let Err(e) = task.await {
-                    tracing::error!(error = %e, "a partition worker ended abnormally");
+            let finished = tokio::time::timeout(deadline, async {
+                for task in &mut tasks {
+                    if let Err(e) = task.await {
+                        tracing::error!(error = %e, "a partition worker ended abnormally");
+                    }
+                }
+            })
+            .await;
+            if finished.is_err() {
+                let stuck = tasks.iter().filter(|t| !t.is_finished()).count();
+                tracing::warn!(
+                    ?deadline,
+                    stuck,
+                    "partition workers did not finish within the drain timeout; aborting them (their records stay uncommitted and are redelivered)"
+                );
+                for task in &tasks {
+                    task.abort();
                 }
             }
         });

@@ -16,8 +16,8 @@ use tokio::time::Instant;
 use super::dead_letter::{DeadLetter, DeadLetterer};
 use super::message::Envelope;
 use super::partition::{Partition, lock};
-use crate::consumer_support::{OutageBackoff, sleep_unless};
-use crate::engine::{Engine, Handler, Outcome, Report};
+use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
+use crate::engine::{Decision, Engine, Handler, Report, decide};
 use crate::store::SqlStore;
 use crate::telemetry::Telemetry;
 
@@ -172,7 +172,8 @@ where
     }
 }
 
-/// Drives one record to a final outcome. `true` once it is final
+/// Drives one record to a final outcome, doing what
+/// [`decide`](crate::engine::decide) says. `true` once it is final
 /// (processed, duplicate, or dead-letter acknowledged); `false` if the
 /// partition stopped first.
 async fn settle<S, H>(
@@ -187,52 +188,40 @@ where
     H: Handler<S::Db>,
 {
     let mut attempts: u32 = 1;
-    let mut outage = OutageBackoff::new();
+    let mut outage = InfraWait::new(env.engine.telemetry());
     loop {
-        let letter = match &report.outcome {
-            Outcome::Processed { .. } | Outcome::Duplicate { .. } => return true,
-            Outcome::Failed(f) if f.is_infrastructure() => {
-                tracing::warn!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), error = %f, "database unavailable, retrying the record");
-                if !sleep_unless(&partition.stop, outage.next_delay()).await {
+        match decide(&report.outcome, attempts, env.engine.retry_policy()) {
+            Decision::Ack => return true,
+            Decision::Wait(fault) => {
+                let error = report.outcome.error_text().unwrap_or_default();
+                tracing::debug!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), %fault, %error, "waiting for the database");
+                if !outage.wait(&partition.stop, fault, &error).await {
                     return false;
                 }
-                report = env.engine.process_in_span(&env.handler, delivery).await;
-                continue;
             }
-            Outcome::Failed(f) if f.is_retryable() => {
-                match env.engine.retry_policy().delay_after(attempts) {
-                    Some(delay) => {
-                        env.engine.telemetry().retried(f.reason());
-                        tracing::debug!(attempts, ?delay, error = %f, "retrying the record");
-                        if !sleep_unless(&partition.stop, delay).await {
-                            return false;
-                        }
-                        attempts += 1;
-                        report = env.engine.process_in_span(&env.handler, delivery).await;
-                        continue;
-                    }
-                    None => dead_letter_of(&report.outcome, attempts),
+            Decision::Retry { delay, reason } => {
+                env.engine.telemetry().retried(reason);
+                tracing::debug!(attempts, ?delay, reason, "retrying the record");
+                if !sleep_unless(&partition.stop, delay).await {
+                    return false;
                 }
+                attempts += 1;
             }
-            Outcome::Failed(_) => dead_letter_of(&report.outcome, attempts),
-            // Rejected before the handler ran.
-            Outcome::Rejected(_) => dead_letter_of(&report.outcome, 0),
-            Outcome::Conflict { .. } => dead_letter_of(&report.outcome, attempts),
-        };
-        let letter = DeadLetter {
-            key: report.key.as_ref().map(|k| k.as_str()),
-            ..letter
-        };
-        return publish(env, partition, envelope, &letter).await;
-    }
-}
-
-fn dead_letter_of<T>(outcome: &Outcome<T>, attempts: u32) -> DeadLetter<'static> {
-    DeadLetter {
-        reason: outcome.reason().unwrap_or("handler_error"),
-        error: outcome.error_text().unwrap_or_default(),
-        attempts,
-        key: None,
+            Decision::DeadLetter {
+                reason,
+                error,
+                attempts,
+            } => {
+                let letter = DeadLetter {
+                    reason,
+                    error,
+                    attempts,
+                    key: report.key.as_ref().map(|k| k.as_str()),
+                };
+                return publish(env, partition, envelope, &letter).await;
+            }
+        }
+        report = env.engine.process_in_span(&env.handler, delivery).await;
     }
 }
 
@@ -243,7 +232,7 @@ async fn publish<S: SqlStore, H>(
     envelope: &Envelope,
     letter: &DeadLetter<'_>,
 ) -> bool {
-    let mut backoff = OutageBackoff::new();
+    let mut backoff = outage_backoff();
     loop {
         match env.dead_letters.publish(envelope, letter).await {
             Ok(()) => {
@@ -260,7 +249,8 @@ async fn publish<S: SqlStore, H>(
             }
             Err(e) => {
                 tracing::error!(error = %e, "dead-letter publish failed; the record stays uncommitted and is retried");
-                if !sleep_unless(&partition.stop, backoff.next_delay()).await {
+                let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+                if !sleep_unless(&partition.stop, delay).await {
                     return false;
                 }
             }

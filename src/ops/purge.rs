@@ -232,20 +232,35 @@ where
     Ok(progress)
 }
 
-/// Runs `op`, retrying transient store errors up to five times (100 ms,
-/// 200 ms, ... between attempts).
+/// Runs `op`, retrying errors that pass by themselves (contention, a lost
+/// connection, a statement timeout, a restarting server) up to five times
+/// with jittered backoff. A read-only server, a missing table or a missing
+/// privilege fails at once: an operator has to act.
 async fn retrying<T, F, Fut>(mut op: F) -> Result<T, StoreError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, StoreError>>,
 {
+    use crate::store::InfraFault;
+    let mut delays = crate::engine::backoff(Duration::from_millis(100), Duration::from_secs(2));
     let mut attempt = 0u32;
     loop {
         match op().await {
-            Err(e) if e.is_transient() && attempt < 5 => {
+            Err(e)
+                if attempt < 5
+                    && matches!(
+                        e.infra_fault(),
+                        Some(
+                            InfraFault::Contention
+                                | InfraFault::Unreachable
+                                | InfraFault::Timeout
+                                | InfraFault::Shutdown
+                        )
+                    ) =>
+            {
                 attempt += 1;
                 tracing::warn!(error = %e, attempt, "purge batch failed; retrying");
-                tokio::time::sleep(Duration::from_millis(100) * attempt).await;
+                tokio::time::sleep(delays.next().unwrap_or(Duration::from_secs(2))).await;
             }
             other => return other,
         }

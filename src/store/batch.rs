@@ -8,16 +8,24 @@ use super::{Claim, ClaimRequest, StoreError};
 pub(crate) struct BatchPlan {
     /// Indexes of the first occurrence of each distinct key, in batch order.
     pub firsts: Vec<usize>,
-    /// One slot per request: `Some` for later occurrences (already decided),
-    /// `None` for first occurrences (to be claimed against the table).
+    /// Indexes of later occurrences whose fingerprint differs from the first
+    /// one's: each is claimed on its own *after* the firsts, so that it is
+    /// compared with the record its key ends up with (the stored one, or the
+    /// first occurrence's own claim), not with the first occurrence alone.
+    pub repeats: Vec<usize>,
+    /// One slot per request: `Some` for later occurrences with the first
+    /// one's fingerprint (their outcome is the first one's), `None` for the
+    /// others (to be claimed against the table).
     pub claims: Vec<Option<Claim>>,
 }
 
-/// Splits a batch into first occurrences and in-batch repeats. A repeat with
-/// the same fingerprint is [`Claim::InBatch`], with another one [`Claim::Conflict`].
+/// Splits a batch into first occurrences, in-batch repeats that share the
+/// first one's fate ([`Claim::InBatch`]), and repeats with another
+/// fingerprint, which are claimed on their own.
 pub(crate) fn plan_batch(reqs: &[ClaimRequest<'_>]) -> BatchPlan {
     let mut seen: HashMap<&str, usize> = HashMap::with_capacity(reqs.len());
     let mut firsts = Vec::with_capacity(reqs.len());
+    let mut repeats = Vec::new();
     let mut claims = Vec::with_capacity(reqs.len());
     for (i, req) in reqs.iter().enumerate() {
         match seen.get(req.key) {
@@ -26,16 +34,20 @@ pub(crate) fn plan_batch(reqs: &[ClaimRequest<'_>]) -> BatchPlan {
                 firsts.push(i);
                 claims.push(None);
             }
-            Some(&first) => {
-                let first_fp = reqs[first].fingerprint;
-                claims.push(Some(match (first_fp, req.fingerprint) {
-                    (Some(a), Some(b)) if a != b => Claim::Conflict { stored: Some(*a) },
-                    _ => Claim::InBatch { first },
-                }));
-            }
+            Some(&first) => match (reqs[first].fingerprint, req.fingerprint) {
+                (Some(a), Some(b)) if a != b => {
+                    repeats.push(i);
+                    claims.push(None);
+                }
+                _ => claims.push(Some(Claim::InBatch { first })),
+            },
         }
     }
-    BatchPlan { firsts, claims }
+    BatchPlan {
+        firsts,
+        repeats,
+        claims,
+    }
 }
 
 /// Unwraps the decided slots of a batch; every slot must have been decided.

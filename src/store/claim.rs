@@ -107,7 +107,7 @@ pub(crate) async fn claim_each<S: ClaimSteps>(
 ) -> Result<Vec<Claim>, StoreError> {
     let plan = plan_batch(reqs);
     let mut claims = plan.claims;
-    for i in plan.firsts {
+    for i in plan.firsts.into_iter().chain(plan.repeats) {
         claims[i] = Some(claim_one(steps, conn, scope, times, &reqs[i]).await?);
     }
     super::batch::finish(claims)

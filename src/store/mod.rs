@@ -16,7 +16,7 @@
 pub mod admin;
 mod batch;
 mod claim;
-mod error;
+pub(crate) mod error;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod numbered;
 mod rows;
@@ -37,7 +37,7 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::fingerprint::Fingerprint;
 
-pub use error::{StoreError, is_connection_error, is_transient};
+pub use error::{InfraFault, StoreError, infra_fault, is_stale_connection, pool_options};
 pub use table::TableName;
 
 /// The default dedup table name.
@@ -199,7 +199,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// Bounds, for the rest of the open transaction `conn`, how long a
     /// statement waits for a row lock, so a claim of a key another
     /// transaction holds fails fast with a lock timeout
-    /// ([`StoreError::is_lock_timeout`]) instead of waiting for it to finish.
+    /// ([`StoreError::is_contention`]) instead of waiting for it to finish.
     /// PostgreSQL sets `lock_timeout` locally; the other backends keep their
     /// own bound (SQLite's busy timeout, MySQL's `innodb_lock_wait_timeout`),
     /// which is the default.
@@ -240,9 +240,13 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     ) -> Result<Claim, StoreError>;
 
     /// Claims many keys inside the open transaction `conn`; one [`Claim`] per
-    /// request, in order. A key repeated inside the batch is
-    /// [`Claim::InBatch`] (same fingerprint) or [`Claim::Conflict`] (another
-    /// fingerprint) for every occurrence after the first.
+    /// request, in order. A later occurrence of a key inside the batch with
+    /// the first occurrence's fingerprint is [`Claim::InBatch`]; one with
+    /// another fingerprint is claimed after the first occurrences, against
+    /// the record as it then stands in this transaction (a
+    /// [`Claim::Conflict`] with the first occurrence's claim, or with a
+    /// stored record of another fingerprint; a [`Claim::Duplicate`] of a
+    /// stored record with its own fingerprint).
     async fn claim_batch(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -319,13 +323,16 @@ pub(crate) const CLAIM_ROUNDS: usize = 4;
 
 pub(crate) use batch::plan_batch;
 
-/// Checks that recording a result touched exactly the claimed record.
+/// Checks that recording a result touched exactly the claimed record. None
+/// means the claim is gone from its own transaction: the database rolled the
+/// transaction back under the handler (MySQL/MariaDB end a transaction on a
+/// deadlock or lock wait timeout, and a handler may swallow that error).
 pub(crate) fn expect_one(rows: u64, key: &str) -> Result<(), StoreError> {
-    if rows == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::Corrupt(format!(
-            "recording the result of key {key:?} updated {rows} rows instead of 1"
-        )))
+    match rows {
+        1 => Ok(()),
+        0 => Err(StoreError::ClaimLost(key.to_owned())),
+        n => Err(StoreError::Corrupt(format!(
+            "recording the result of key {key:?} updated {n} rows instead of 1"
+        ))),
     }
 }

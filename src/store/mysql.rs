@@ -60,14 +60,11 @@ impl MySqlStore {
         Self::on_table(pool, TableName::default())
     }
 
-    /// Connects to `url` with a default pool (10 connections).
+    /// Connects to `url` with a default pool (10 connections, built on
+    /// [`pool_options`](crate::store::pool_options)).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Ok(Self::new(
-            MySqlPoolOptions::new()
-                .max_connections(10)
-                .connect(url)
-                .await?,
-        ))
+        let options: MySqlPoolOptions = super::pool_options();
+        Ok(Self::new(options.max_connections(10).connect(url).await?))
     }
 
     /// Uses table `name` (`table` or `database.table`), validated as an identifier.

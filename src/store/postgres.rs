@@ -28,6 +28,21 @@ pub struct PgStore {
     pool: PgPool,
     table: TableName,
     sql: Arc<Sql>,
+    begin: Arc<str>,
+}
+
+/// The default [`PgStore::lock_timeout`]: 10 s.
+pub const DEFAULT_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `BEGIN` with a transaction-local `lock_timeout`, in one round trip.
+fn begin_sql(lock_timeout: Option<std::time::Duration>) -> Arc<str> {
+    match lock_timeout {
+        None => Arc::from("BEGIN"),
+        Some(t) => Arc::from(format!(
+            "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+            t.as_millis().clamp(1, i32::MAX as u128)
+        )),
+    }
 }
 
 impl PgStore {
@@ -36,19 +51,34 @@ impl PgStore {
         Self::on_table(pool, TableName::default())
     }
 
-    /// Connects to `url` with a default pool (10 connections).
+    /// Connects to `url` with a default pool (10 connections, built on
+    /// [`pool_options`](crate::store::pool_options), so connections stuck
+    /// read-only after a failover are recycled).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Ok(Self::new(
-            PgPoolOptions::new()
-                .max_connections(10)
-                .connect(url)
-                .await?,
-        ))
+        let options: PgPoolOptions = super::pool_options();
+        Ok(Self::new(options.max_connections(10).connect(url).await?))
+    }
+
+    /// How long a statement of a claim transaction (the claim, and the
+    /// handler's statements in it) waits for a row lock before it fails
+    /// with `55P03` (default [`DEFAULT_LOCK_TIMEOUT`]; `None`: the server's
+    /// setting, by default no limit). A claim stuck behind a transaction
+    /// that never ends would otherwise hold its partition or queue slot
+    /// forever; a lock timeout is contention, and the delivery waits in
+    /// place and tries again. Set on `BEGIN`, in the same round trip.
+    #[must_use]
+    pub fn lock_timeout(mut self, timeout: Option<std::time::Duration>) -> Self {
+        self.begin = begin_sql(timeout);
+        self
     }
 
     /// Uses table `name` (`table` or `schema.table`), validated as an identifier.
     pub fn with_table(self, name: &str) -> Result<Self, StoreError> {
-        Ok(Self::on_table(self.pool, TableName::new(name)?))
+        Ok(Self {
+            sql: Arc::new(Sql::postgres(&TableName::new(name)?)),
+            table: TableName::new(name)?,
+            ..self
+        })
     }
 
     fn on_table(pool: PgPool, table: TableName) -> Self {
@@ -56,6 +86,7 @@ impl PgStore {
             sql: Arc::new(Sql::postgres(&table)),
             pool,
             table,
+            begin: begin_sql(Some(DEFAULT_LOCK_TIMEOUT)),
         }
     }
 }
@@ -99,7 +130,7 @@ impl SqlStore for PgStore {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        Ok(self.pool.begin().await?)
+        Ok(self.pool.begin_with(self.begin.to_string()).await?)
     }
 
     async fn set_lock_timeout(
@@ -197,6 +228,11 @@ impl SqlStore for PgStore {
                     _ => claim_one(self, conn, scope, times, req).await?,
                 }
             });
+        }
+        // Repeats with another fingerprint than their first occurrence meet
+        // the record as it now stands in this transaction.
+        for &i in &plan.repeats {
+            claims[i] = Some(claim_one(self, conn, scope, times, &reqs[i]).await?);
         }
         super::batch::finish(claims)
     }

@@ -43,17 +43,15 @@ impl SqliteStore {
     /// Opens (creating if needed) the database file at `path` with WAL,
     /// `synchronous = FULL` and a 10 s busy timeout.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let options = SqliteConnectOptions::new()
+        let connect = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(8)
-            .connect_with(options)
-            .await?;
+        let options: SqlitePoolOptions = super::pool_options();
+        let pool = options.max_connections(8).connect_with(connect).await?;
         Ok(Self::new(pool))
     }
 
