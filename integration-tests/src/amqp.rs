@@ -121,6 +121,34 @@ pub async fn publish(channel: &Channel, queue: &str, messages: &[Msg]) {
     }
 }
 
+/// Publishes a payment stream's bodies to `queue`, in order.
+pub async fn publish_stream(channel: &Channel, queue: &str, stream: &crate::ledger::Stream) {
+    let messages: Vec<Msg> = stream
+        .messages
+        .iter()
+        .map(|(_, body)| Msg::new(body.clone()))
+        .collect();
+    publish(channel, queue, &messages).await;
+}
+
+/// Declares an exclusive, auto-deleted reply queue for RPC requests.
+pub async fn declare_reply_queue(channel: &Channel, prefix: &str) -> String {
+    let name = crate::unique(prefix);
+    channel
+        .queue_declare(
+            name.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..lapin::options::QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare reply queue");
+    name
+}
+
 /// Messages ready in `queue` (not counting unacked ones).
 pub async fn depth(channel: &Channel, queue: &str) -> u32 {
     channel

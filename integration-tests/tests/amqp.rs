@@ -10,7 +10,7 @@ use ledger::Receipt;
 use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken, headers};
 use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
-    Msg, connect, declare_queue, depth, header, publish, take, url,
+    Msg, connect, declare_queue, declare_reply_queue, depth, header, publish, take, url,
 };
 use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::handler::Ledger;
@@ -246,23 +246,10 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rpc_reply_for_a_duplicate_carries_the_original_result() {
-    use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
-    use lapin::types::FieldTable;
+    use lapin::options::BasicConsumeOptions;
     let s = setup("arpc").await;
     let (_conn, channel) = connect().await;
-    let reply_queue = unique("arpc_reply");
-    channel
-        .queue_declare(
-            reply_queue.as_str().into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let reply_queue = declare_reply_queue(&channel, "arpc_reply").await;
     let request = |corr: &str| Msg {
         body: payment("R-1", "dora", 77),
         reply_to: Some(reply_queue.clone()),
@@ -289,6 +276,60 @@ async fn rpc_reply_for_a_duplicate_carries_the_original_result() {
     assert_eq!(first, second, "the duplicate gets the stored receipt");
     assert_eq!(first.balance, 77);
     assert_eq!((replayed1.as_str(), replayed2.as_str()), ("false", "true"));
+}
+
+/// The handler's output type changed since a key was processed: the
+/// duplicate's stored result no longer decodes, and its RPC caller still
+/// gets a reply (an error one) instead of waiting for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_undecodable_stored_result_still_gets_an_error_reply() {
+    let s = setup("aundec").await;
+    let (_conn, channel) = connect().await;
+    let reply_queue = declare_reply_queue(&channel, "aundec_reply").await;
+    let request = |corr: &str| Msg {
+        body: payment("U-1", "erin", 12),
+        reply_to: Some(reply_queue.clone()),
+        correlation_id: Some(corr.into()),
+        ..Msg::default()
+    };
+    publish(&channel, &s.queue, &[request("old")]).await;
+    drain(consumer(&s), Arc::new(Ledger::default())).await;
+    publish(&channel, &s.queue, &[request("new")]).await;
+    let v2 = onceonly::handler_fn(
+        |_: &mut sqlx::PgConnection, _: onceonly::Json<serde_json::Value>, _: &Delivery| {
+            Box::pin(async { Ok::<_, onceonly::HandlerError>(vec!["v2".to_owned()]) })
+        },
+    );
+    let stats = consumer(&s)
+        .build()
+        .unwrap()
+        .run_until(v2, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        (stats.duplicates, stats.replies, stats.dead_lettered),
+        (1, 1, 0),
+        "{stats:?}"
+    );
+    let replies = take(&channel, &reply_queue, 2, Duration::from_secs(10)).await;
+    let new = replies
+        .iter()
+        .find(|r| {
+            r.delivery
+                .properties
+                .correlation_id()
+                .as_ref()
+                .map(|c| c.as_str())
+                == Some("new")
+        })
+        .expect("a reply to the duplicate");
+    let p = &new.delivery.properties;
+    assert_eq!(header(p, "x-onceonly-replayed").as_deref(), Some("true"));
+    assert_eq!(
+        header(p, "x-onceonly-error").as_deref(),
+        Some("stored_result_unreadable")
+    );
+    assert_eq!(depth(&channel, &s.queue).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::{PgStore, RetryPolicy, SqlStore};
-use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
+use onceonly_integration_tests::amqp::{connect, declare_queue, depth, publish_stream, url};
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
 use onceonly_integration_tests::unique;
 
@@ -123,12 +123,7 @@ async fn a_database_outage_is_waited_out_never_dead_lettered() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let stream = crash_stream("D", 4_800);
-    let messages: Vec<Msg> = stream
-        .messages
-        .iter()
-        .map(|(_, b)| Msg::new(b.clone()))
-        .collect();
-    publish(&channel, &queue, &messages).await;
+    publish_stream(&channel, &queue, &stream).await;
 
     let consumer = AmqpConsumer::builder(store)
         .url(url())

@@ -25,7 +25,9 @@ use onceonly::{
     Delivery, Handler, HandlerError, Json, KeyError, KeySpec, MySqlStore, PgStore, RetryPolicy,
     SqlStore,
 };
-use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
+use onceonly_integration_tests::amqp::{
+    Msg, connect, declare_queue, depth, publish, publish_stream, url,
+};
 use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, produce, read_all};
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
@@ -122,12 +124,7 @@ async fn amqp_consumer_waits_out_a_read_only_failover() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let stream = crash_stream("RA", 1_200);
-    let messages: Vec<Msg> = stream
-        .messages
-        .iter()
-        .map(|(_, b)| Msg::new(b.clone()))
-        .collect();
-    publish(&channel, &queue, &messages).await;
+    publish_stream(&channel, &queue, &stream).await;
 
     let consumer = AmqpConsumer::builder(store)
         .url(url())
@@ -241,12 +238,7 @@ async fn a_missing_dedup_table_waits_for_migrate() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let stream = crash_stream("MT", 200);
-    let messages: Vec<Msg> = stream
-        .messages
-        .iter()
-        .map(|(_, b)| Msg::new(b.clone()))
-        .collect();
-    publish(&channel, &queue, &messages).await;
+    publish_stream(&channel, &queue, &stream).await;
     let consumer = AmqpConsumer::builder(store.clone())
         .url(url())
         .queue(&queue)
@@ -335,12 +327,7 @@ async fn amqp_consumer_waits_out_a_read_only_mariadb() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let stream = crash_stream("RM", 800);
-    let messages: Vec<Msg> = stream
-        .messages
-        .iter()
-        .map(|(_, b)| Msg::new(b.clone()))
-        .collect();
-    publish(&channel, &queue, &messages).await;
+    publish_stream(&channel, &queue, &stream).await;
     let consumer = AmqpConsumer::builder(store)
         .url(url())
         .queue(&queue)
