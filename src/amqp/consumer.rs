@@ -1,13 +1,11 @@
 //! The consumer: a session per connection (consume, process concurrently,
 //! ack), and a loop that reconnects with backoff when the connection drops.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use std::panic::AssertUnwindSafe;
-
-use futures_util::FutureExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
     ConfirmSelectOptions,

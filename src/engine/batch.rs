@@ -105,19 +105,12 @@ impl<S: SqlStore> Engine<S> {
             };
             self.inner.telemetry.record_key(span, key.as_str());
             let fingerprint = self.inner.fingerprint.compute(delivery);
-            // A cache tier answers completed keys without any SQL.
-            if let Some(hit) = self
-                .inner
-                .store
-                .cached(&self.inner.scope, key.as_str())
-                .await
-            {
-                let req = ClaimRequest {
-                    key: key.as_str(),
-                    fingerprint: fingerprint.as_ref(),
-                    source: delivery.source(),
-                };
-                let outcome = settled(&key, hit.classify(&req), fingerprint.as_ref());
+            let req = ClaimRequest {
+                key: key.as_str(),
+                fingerprint: fingerprint.as_ref(),
+                source: delivery.source(),
+            };
+            if let Some(outcome) = self.settled_by_cache(&key, &req).await {
                 reports[index] = Some(report(Some(key), outcome));
                 continue;
             }

@@ -230,8 +230,8 @@ impl<S: SqlStore> Engine<S> {
             fingerprint,
             source: delivery.source(),
         };
-        if let Some(hit) = inner.store.cached(&inner.scope, key.as_str()).await {
-            return settled(key, hit.classify(&req), fingerprint);
+        if let Some(outcome) = self.settled_by_cache(key, &req).await {
+            return outcome;
         }
         match inner.store.get(&inner.scope, key.as_str()).await {
             Ok(Some(record)) if record.expires_at_ms > inner.clock.now_ms() => settled(
@@ -303,9 +303,8 @@ impl<S: SqlStore> Engine<S> {
             fingerprint,
             source: delivery.source(),
         };
-        // A cache tier answers completed keys without any SQL.
-        if let Some(hit) = inner.store.cached(&inner.scope, key.as_str()).await {
-            return settled(key, hit.classify(&req), fingerprint);
+        if let Some(outcome) = self.settled_by_cache(key, &req).await {
+            return outcome;
         }
         let mut tx = match inner.store.begin().await {
             Ok(tx) => tx,
@@ -390,6 +389,24 @@ impl<S: SqlStore> Engine<S> {
         let committed = tx.commit().await;
         self.inner.telemetry.commit_time(started.elapsed());
         committed
+    }
+}
+
+impl<S: SqlStore> Engine<S> {
+    /// What a cache tier in front of the store knows of `req.key`, without
+    /// any SQL: `Some` duplicate or conflict for a completed key, `None`
+    /// when the database must be asked.
+    async fn settled_by_cache<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &IdemKey,
+        req: &ClaimRequest<'_>,
+    ) -> Option<Outcome<T>> {
+        let hit = self
+            .inner
+            .store
+            .cached(&self.inner.scope, key.as_str())
+            .await?;
+        Some(settled(key, hit.classify(req), req.fingerprint))
     }
 }
 

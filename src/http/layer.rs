@@ -221,15 +221,10 @@ where
     {
         // Which one would be the key? Taking either could replay another
         // request's response.
-        return outcome(
+        return invalid_key(
             cfg,
-            OutcomeKind::Rejected,
-            problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-idempotency-key",
-                "More than one Idempotency-Key",
-                "send exactly one Idempotency-Key header",
-            ),
+            "More than one Idempotency-Key",
+            "send exactly one Idempotency-Key header",
         );
     }
     let principal = (cfg.principal)(&parts);
@@ -271,18 +266,7 @@ where
                 ),
             );
         }
-        Err(e) => {
-            return outcome(
-                cfg,
-                OutcomeKind::Rejected,
-                problem(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-idempotency-key",
-                    "Invalid idempotency key",
-                    &e.to_string(),
-                ),
-            );
-        }
+        Err(e) => return invalid_key(cfg, "Invalid idempotency key", &e.to_string()),
     };
     cfg.telemetry.record_key(&Span::current(), key.as_str());
     let fingerprint = cfg
@@ -557,6 +541,20 @@ fn settled<S>(cfg: &Config<S>, claim: Claim) -> Response<Body> {
     }
 }
 
+/// `400 invalid-idempotency-key`, counted as rejected.
+fn invalid_key<S>(cfg: &Config<S>, title: &str, detail: &str) -> Response<Body> {
+    outcome(
+        cfg,
+        OutcomeKind::Rejected,
+        problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-idempotency-key",
+            title,
+            detail,
+        ),
+    )
+}
+
 /// A repeat of a key another request is processing: counted as a duplicate.
 fn in_flight<S>(cfg: &Config<S>) -> Response<Body> {
     cfg.telemetry
@@ -603,15 +601,10 @@ where
 {
     let Some(fault) = error.infra_fault() else {
         tracing::warn!(error = %error, "the idempotency store refused a value of the request");
-        return outcome(
+        return invalid_key(
             cfg,
-            OutcomeKind::Rejected,
-            problem(
-                StatusCode::BAD_REQUEST,
-                "invalid-idempotency-key",
-                "Invalid idempotency key",
-                "the key or a value derived from the request does not fit the idempotency store",
-            ),
+            "Invalid idempotency key",
+            "the key or a value derived from the request does not fit the idempotency store",
         );
     };
     // Failing open or not, the request got no dedup.
