@@ -92,8 +92,13 @@ impl Record {
 /// containing it). A consumer resuming mid-batch after a commit would never
 /// see those records. One record per batch keeps every offset a batch start.
 pub fn producer() -> FutureProducer {
+    producer_on(&brokers())
+}
+
+/// [`producer`] for the brokers at `bootstrap` (a mock cluster, say).
+pub fn producer_on(bootstrap: &str) -> FutureProducer {
     ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", bootstrap)
         .set("acks", "all")
         .set("batch.num.messages", "1")
         .create()
@@ -104,7 +109,12 @@ pub fn producer() -> FutureProducer {
 /// Returns, per partition, the offset after the last record produced there
 /// (the log end this test is responsible for).
 pub async fn produce(topic: &str, records: &[Record]) -> BTreeMap<i32, i64> {
-    let producer = producer();
+    produce_on(&brokers(), topic, records).await
+}
+
+/// [`produce`] to the brokers at `bootstrap`.
+pub async fn produce_on(bootstrap: &str, topic: &str, records: &[Record]) -> BTreeMap<i32, i64> {
+    let producer = producer_on(bootstrap);
     let mut ends = BTreeMap::new();
     // In flight in bounded windows: fast, yet ordered per key and partition.
     for chunk in records.chunks(500) {
@@ -148,8 +158,19 @@ pub fn read_all(
     expected: usize,
     timeout: Duration,
 ) -> Vec<OwnedMessage> {
+    read_all_on(&brokers(), topic, partitions, expected, timeout)
+}
+
+/// [`read_all`] from the brokers at `bootstrap`.
+pub fn read_all_on(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<OwnedMessage> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", bootstrap)
         .set("group.id", crate::unique("reader"))
         .set("enable.auto.commit", "false")
         .create()
@@ -184,8 +205,18 @@ pub fn header<'a>(m: &'a OwnedMessage, name: &str) -> Option<&'a str> {
 
 /// Committed positions of `group` on `topic`, per partition (`-1` if none).
 pub fn committed(group: &str, topic: &str, partitions: i32) -> BTreeMap<i32, i64> {
+    committed_on(&brokers(), group, topic, partitions)
+}
+
+/// [`committed`] on the brokers at `bootstrap`.
+pub fn committed_on(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+) -> BTreeMap<i32, i64> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", bootstrap)
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()

@@ -84,6 +84,7 @@ pub mod example_ledger;
 pub mod handler;
 pub mod kafka;
 pub mod ledger;
+pub mod mock;
 
 /// SQL of the business table `charges(id, out_trade_no, amount)` per backend.
 /// `out_trade_no` has no unique constraint: dedup must come from onceonly.

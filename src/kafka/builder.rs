@@ -183,8 +183,11 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    /// Stop once a partition was assigned, every fetched record is final and
-    /// committed, and nothing arrived for `idle`. For batch jobs and tests.
+    /// Stop once the group gave this member its assignment (an empty one
+    /// too: a group with more members than partitions), every fetched record
+    /// is final and committed, and neither records nor a rebalance arrived
+    /// for `idle`. For batch jobs and tests; a broker outage longer than
+    /// `idle` counts as idleness too.
     #[must_use]
     pub fn exit_when_idle(mut self, idle: Duration) -> Self {
         self.exit_when_idle = Some(idle);

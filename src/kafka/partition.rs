@@ -58,6 +58,10 @@ struct Slot {
 
 struct State {
     assigned: HashSet<Tp>,
+    /// Whether the group's latest word to this member is an assignment
+    /// (even an empty one: more members than partitions), rather than a
+    /// revoke still waiting for the next assignment.
+    joined: bool,
     slots: HashMap<Tp, Slot>,
     /// The last assignment change or fetched record.
     last_activity: Instant,
@@ -93,6 +97,7 @@ impl Registry {
         Self {
             state: Mutex::new(State {
                 assigned: HashSet::new(),
+                joined: false,
                 slots: HashMap::new(),
                 last_activity: Instant::now(),
             }),
@@ -108,6 +113,7 @@ impl Registry {
     pub(crate) fn assign(&self, tps: impl IntoIterator<Item = Tp>) {
         let mut state = lock(&self.state);
         state.last_activity = Instant::now();
+        state.joined = true;
         state.assigned.extend(tps);
     }
 
@@ -205,12 +211,13 @@ impl Registry {
         }
     }
 
-    /// Whether partitions are assigned, nothing was fetched
-    /// and the assignment did not change for `idle`, and every record handed
-    /// out is final and committed.
+    /// Whether the group gave this member an assignment (possibly empty:
+    /// more members than partitions), nothing was fetched and the assignment
+    /// did not change for `idle`, and every record handed out is final and
+    /// committed.
     pub(crate) fn is_drained(&self, idle: Duration) -> bool {
         let state = lock(&self.state);
-        !state.assigned.is_empty()
+        state.joined
             && state.last_activity.elapsed() >= idle
             && state
                 .slots
@@ -231,6 +238,8 @@ impl Registry {
         let slots: Vec<(Tp, Slot)> = {
             let mut state = lock(&self.state);
             state.last_activity = Instant::now();
+            // Revoked: not idle-drained until the group assigns again.
+            state.joined = false;
             match which {
                 None => {
                     state.assigned.clear();
