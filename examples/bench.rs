@@ -48,6 +48,8 @@ mod http;
 mod kafka;
 #[path = "bench/memory.rs"]
 mod memory;
+#[path = "bench/mock.rs"]
+mod mock;
 
 use std::process::ExitCode;
 
@@ -96,6 +98,10 @@ struct Args {
     /// Kafka bootstrap servers.
     #[arg(long, env = "ONCEONLY_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     brokers: String,
+    /// Run the Kafka scenario on an in-process librdkafka mock cluster
+    /// instead of `--brokers` (a broker that is not the bound).
+    #[arg(long)]
+    kafka_mock: bool,
     /// AMQP URL.
     #[arg(
         long,
@@ -172,13 +178,22 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
     if let Some(bad) = dups.iter().find(|d| **d >= 100) {
         return Err(format!("--dup {bad}: a duplicate ratio is a percentage below 100").into());
     }
+    let kafka_mock = if args.kafka_mock {
+        Some(std::sync::Arc::new(mock::MockBroker::start()?))
+    } else {
+        None
+    };
     let mut bench = Bench::new(
         mode,
         args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
         dups,
         common::Services {
             pg_url: args.pg_url.clone(),
-            brokers: args.brokers.clone(),
+            brokers: match &kafka_mock {
+                Some(m) => m.bootstrap.clone(),
+                None => args.brokers.clone(),
+            },
+            kafka_mock,
             amqp_url: args.amqp_url.clone(),
             redis_url: args.redis_url.clone(),
         },

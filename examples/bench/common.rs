@@ -100,6 +100,8 @@ impl Sizes {
 pub struct Services {
     pub pg_url: String,
     pub brokers: String,
+    /// The in-process mock cluster behind `brokers`, with `--kafka-mock`.
+    pub kafka_mock: Option<std::sync::Arc<super::mock::MockBroker>>,
     pub amqp_url: String,
     pub redis_url: String,
 }

@@ -17,13 +17,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::child::{BenchLedger, ChildSpec, KafkaSpec, Msg, business_write};
 use super::common::{
-    Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, business_tables,
-    drain_backlog, latencies, ledger_counts, payload, pool,
+    Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
+    business_tables, drain_backlog, latencies, ledger_counts, payload, pool,
 };
 use super::stats::Table;
 
-/// A `max_in_flight` large enough that the backlog never pauses the partition.
-const UNPAUSED: usize = 1_000_000;
+/// A `max_in_flight` larger than any backlog: the partition is never held
+/// back, which shows what the default bound costs.
+const UNBOUNDED: usize = 1_000_000;
 
 /// Batch sizes compared (1 = a transaction per message).
 const BATCHES: [usize; 3] = [1, 100, 1000];
@@ -49,11 +50,11 @@ pub async fn run(b: &mut Bench) -> Res<()> {
         let mut base: HashMap<usize, f64> = HashMap::new();
         for batch in BATCHES {
             // A batched onceonly consumer also runs with a window so large
-            // that it never pauses the partition (first duplicate ratio
-            // only): the difference is the cost of pause/resume.
+            // that the partition is never held back (first duplicate ratio
+            // only): the difference is the cost of the in-flight bound.
             let mut variants = vec![(false, None), (true, None)];
             if batch > 1 && i == 0 {
-                variants.push((true, Some(UNPAUSED)));
+                variants.push((true, Some(UNBOUNDED)));
             }
             // Runs interleave the variants (baseline, onceonly, baseline,
             // ...), so drifting load on the shared machine hits both alike.
@@ -69,7 +70,7 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 let name = match (dedup, max_in_flight) {
                     (false, _) => "baseline (no dedup)".to_owned(),
                     (true, None) => "onceonly".to_owned(),
-                    (true, Some(n)) => format!("onceonly, max_in_flight {n} (never pauses)"),
+                    (true, Some(n)) => format!("onceonly, max_in_flight {n} (unbounded)"),
                 };
                 let mut cells = vec![name, batch.to_string()];
                 cells.extend(m.cells(if dedup {
@@ -83,9 +84,9 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 } else if i == 0 && max_in_flight.is_none() {
                     let ratio = m.rate / base.get(&batch).copied().unwrap_or(f64::MAX);
                     let (goal, min) = if batch == 1 {
-                        ("≥ 0.6× baseline", 0.6)
-                    } else {
                         ("≥ 0.8× baseline", 0.8)
+                    } else {
+                        ("≥ 0.9× baseline", 0.9)
                     };
                     let what = if batch == 1 {
                         "Kafka per-message dedup throughput".to_owned()
@@ -103,7 +104,156 @@ pub async fn run(b: &mut Bench) -> Res<()> {
         }
         b.table(table);
     }
+    scale_out(b).await
+}
+
+/// Partitions of the scale-out topic.
+const SCALE_PARTITIONS: i32 = 12;
+
+/// Scale-out: 1, 2 and 4 onceonly consumer processes of one group, started
+/// together, drain one backlog from a 12-partition topic (batch 100, no
+/// duplicates). Reported
+/// with the machine's CPU use during the drain, which tells where the bound
+/// is: near 100 % the consumers and the database share the cores; well
+/// below, the broker or a lock is.
+async fn scale_out(b: &mut Bench) -> Res<()> {
+    // Long enough that joins and rebalances do not dominate (a smoke run
+    // only checks that it works).
+    let backlog = if b.mode == super::common::Mode::Quick {
+        b.sizes.backlog
+    } else {
+        b.sizes.backlog * 8
+    };
+    let mut table = Table::new(
+        format!(
+            "Kafka → Postgres scale-out ({backlog} backlog msgs, {SCALE_PARTITIONS} partitions, batch 100, one group)"
+        ),
+        &[
+            "processes",
+            "msgs/s",
+            "vs 1 process",
+            "CPU busy (all cores)",
+            "msgs / rows / distinct keys",
+        ],
+    );
+    let mut single = None;
+    for procs in [1usize, 2, 4] {
+        let mut rates = Vec::new();
+        let mut cpu = Vec::new();
+        let mut counts = String::new();
+        for r in 0..b.runs {
+            let (rate, busy, rows) = scale_run(b, procs, backlog, 2000 + r as u64).await?;
+            rates.push(rate);
+            cpu.push(busy);
+            counts = rows;
+        }
+        rates.sort_by(f64::total_cmp);
+        cpu.sort_by(f64::total_cmp);
+        let rate = rates[rates.len() / 2];
+        let base = *single.get_or_insert(rate);
+        table.row(vec![
+            procs.to_string(),
+            format!("{rate:.0}"),
+            format!("{:.2}×", rate / base),
+            format!("{:.0} %", cpu[cpu.len() / 2]),
+            counts,
+        ]);
+    }
+    b.table(table);
     Ok(())
+}
+
+/// One scale-out run; returns msgs/s, CPU busy % and the ledger counts.
+async fn scale_run(
+    b: &mut Bench,
+    procs: usize,
+    backlog: usize,
+    seed: u64,
+) -> Res<(f64, f64, String)> {
+    let topic = b.unique("kscale");
+    let schema = b.schema("kscale").await?;
+    let result = async {
+        create_topics_with(
+            &b.services,
+            &[&topic, &format!("{topic}.dlt")],
+            SCALE_PARTITIONS,
+        )
+        .await?;
+        let db = pool(&schema.url, 4).await?;
+        business_tables(&db).await?;
+        PgStore::new(db.clone()).migrate().await?;
+        // The whole backlog first: the drain, not the producer, is measured.
+        // Records are keyed by account, as an application partitions its
+        // updates: one account's balance is then updated from one partition
+        // only. Keyed by payment instead, batches of different partitions
+        // lock the same `accounts` rows in different orders and deadlock.
+        let plan = Plan::new(backlog, 0, &topic, seed);
+        let producer = producer(&b.services.brokers)?;
+        produce_keyed(&producer, &topic, &plan.keys, account_of).await?;
+        let observer = Observer::start(db.clone());
+        let group = format!("{topic}-group");
+        let cpu_before = cpu_ticks();
+        let mut children = Vec::new();
+        for _ in 0..procs {
+            children.push(
+                Child::spawn(&ChildSpec::Kafka(KafkaSpec {
+                    dedup: true,
+                    brokers: b.services.brokers.clone(),
+                    topic: topic.clone(),
+                    group: group.clone(),
+                    db_url: schema.url.clone(),
+                    batch: 100,
+                    max_in_flight: None,
+                }))
+                .await?,
+            );
+        }
+        // The rate runs from the first commit to the last, so the first
+        // join does not count; rebalances as the others join do, as when a
+        // group scales out on a backlog.
+        let first = children.first_mut().ok_or("no consumer")?;
+        let rate = drain_backlog(&observer, &plan, true, first).await?;
+        let busy = match (cpu_before, cpu_ticks()) {
+            (Some((busy0, all0)), Some((busy1, all1))) if all1 > all0 => {
+                100.0 * (busy1 - busy0) as f64 / (all1 - all0) as f64
+            }
+            _ => f64::NAN,
+        };
+        for child in children {
+            child.stop().await?;
+        }
+        observer.stop().await?;
+        let (rows, distinct) = ledger_counts(&db).await?;
+        Ok::<_, super::common::BoxError>((
+            rate,
+            busy,
+            format!("{} / {rows} / {distinct}", plan.keys.len()),
+            rows == plan.distinct as i64,
+        ))
+    }
+    .await;
+    b.drop_schema(&schema).await;
+    delete_topics(&b.services, &[&topic, &format!("{topic}.dlt")]).await;
+    let (rate, busy, counts, exact) = result?;
+    b.check(exact, || {
+        format!("kafka scale-out {procs} processes: ledger {counts}")
+    });
+    Ok((rate, busy, counts))
+}
+
+/// `(busy, total)` jiffies of all cores from `/proc/stat`.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().next()?;
+    let v: Vec<u64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().sum();
+    // idle + iowait
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
 }
 
 /// One consumer run on a fresh topic and schema: drain a backlog (rate),
@@ -120,7 +270,7 @@ async fn one_run(
     let topic = b.unique("kafka");
     let schema = b.schema("kafka").await?;
     let result = async {
-        create_topics(&b.services.brokers, &[&topic, &format!("{topic}.dlt")]).await?;
+        create_topics(&b.services, &[&topic, &format!("{topic}.dlt")]).await?;
         let db = pool(&schema.url, 4).await?;
         business_tables(&db).await?;
         PgStore::new(db.clone()).migrate().await?;
@@ -190,7 +340,7 @@ async fn one_run(
     }
     .await;
     b.drop_schema(&schema).await;
-    delete_topics(&b.services.brokers, &[&topic, &format!("{topic}.dlt")]).await;
+    delete_topics(&b.services, &[&topic, &format!("{topic}.dlt")]).await;
     let (run, offsets_ok, offsets, distinct_keys) = result?;
     let who = if dedup { "onceonly" } else { "baseline" };
     b.check(offsets_ok, || {
@@ -206,13 +356,28 @@ async fn one_run(
 }
 
 /// Creates topics with one partition.
-pub async fn create_topics(brokers: &str, topics: &[&str]) -> Res<()> {
+pub async fn create_topics(services: &super::common::Services, topics: &[&str]) -> Res<()> {
+    create_topics_with(services, topics, 1).await
+}
+
+/// Creates topics with `partitions` partitions.
+async fn create_topics_with(
+    services: &super::common::Services,
+    topics: &[&str],
+    partitions: i32,
+) -> Res<()> {
+    if let Some(mock) = &services.kafka_mock {
+        for t in topics {
+            mock.create_topic(t, partitions)?;
+        }
+        return Ok(());
+    }
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+        .set("bootstrap.servers", &services.brokers)
         .create()?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
-        .map(|t| NewTopic::new(t, 1, TopicReplication::Fixed(1)))
+        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(1)))
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
     for r in admin.create_topics(&new, &opts).await? {
@@ -221,10 +386,14 @@ pub async fn create_topics(brokers: &str, topics: &[&str]) -> Res<()> {
     Ok(())
 }
 
-/// Deletes topics (best effort: tansu keeps them in memory otherwise).
-pub async fn delete_topics(brokers: &str, topics: &[&str]) {
+/// Deletes topics (best effort: tansu keeps them in memory otherwise; the
+/// mock cluster has no admin API and goes with the process).
+pub async fn delete_topics(services: &super::common::Services, topics: &[&str]) {
+    if services.kafka_mock.is_some() {
+        return;
+    }
     let admin: Result<AdminClient<DefaultClientContext>, _> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+        .set("bootstrap.servers", &services.brokers)
         .create();
     if let Ok(admin) = admin {
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
@@ -257,13 +426,25 @@ pub async fn produce(
     topic: &str,
     keys: &[String],
 ) -> Res<BTreeMap<i32, i64>> {
+    produce_keyed(producer, topic, keys, |key| key.to_owned()).await
+}
+
+/// [`produce`] with the record key `record_key(key)` (the payment's key
+/// stays in the payload).
+async fn produce_keyed(
+    producer: &FutureProducer,
+    topic: &str,
+    keys: &[String],
+    record_key: impl Fn(&str) -> String,
+) -> Res<BTreeMap<i32, i64>> {
     let mut ends = BTreeMap::new();
     for chunk in keys.chunks(1000) {
         let mut sends = Vec::with_capacity(chunk.len());
         for key in chunk {
             let body = payload(key);
+            let record_key = record_key(key);
             let record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic)
-                .key(key.as_str())
+                .key(record_key.as_str())
                 .payload(body.as_slice());
             sends.push(producer.send_result(record).map_err(|(e, _)| e)?);
         }

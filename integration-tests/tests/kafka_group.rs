@@ -197,14 +197,18 @@ async fn a_lost_assignment() {
     s.assert_exactly_once().await;
 }
 
-/// Partitions paused at their in-flight bound are revoked when a second
-/// member joins, and come back (to either member) resumed: librdkafka keeps
-/// an application pause across unassign/assign, so a partition not resumed
-/// on revoke would stay paused for good.
+/// Partitions at their in-flight bound (records waiting unread in their
+/// queues, or held and paused while read from the main queue) are revoked
+/// when members join and leave, and come back to either member moving:
+/// librdkafka keeps an application pause across unassign/assign, and
+/// deactivates split partition queues on every assign.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn paused_partitions_revoked_and_reassigned_resume() {
     let s = setup("kpause", 1, 300).await;
-    let slow = |b: KafkaConsumerBuilder<PgStore>| b.max_in_flight(4);
+    // Idle long enough to still be there when the third member leaves.
+    let slow = |b: KafkaConsumerBuilder<PgStore>| {
+        b.max_in_flight(4).exit_when_idle(Duration::from_secs(8))
+    };
     let handler = Arc::new(Ledger {
         delay: Duration::from_millis(2),
         ..Ledger::default()
@@ -227,7 +231,7 @@ async fn paused_partitions_revoked_and_reassigned_resume() {
         .unwrap()
         .run_until(Arc::clone(&handler), stop.clone());
     let c = tokio::spawn(async move { c.await.expect("consumer failed") });
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     stop.cancel();
     finish(vec![a, b, c]).await;
     s.assert_exactly_once().await;

@@ -189,7 +189,8 @@ impl<S: SqlStore> Engine<S> {
                     // Each entry is claimed at most once, so its input is there.
                     let run = match item.input.take() {
                         Some(input) => {
-                            self.run_claimed(&mut tx, handler, item.delivery, &item.key, input)
+                            // Results are recorded together, below.
+                            self.run_handler(&mut tx, handler, item.delivery, input)
                                 .instrument(item.span.clone())
                                 .await
                         }
@@ -231,6 +232,27 @@ impl<S: SqlStore> Engine<S> {
                 }
             };
             outcomes.push(outcome);
+        }
+        // Every new key's result in one statement where the backend can.
+        let results: Vec<(&str, &[u8])> = ready
+            .iter()
+            .zip(&stored)
+            .zip(&outcomes)
+            .filter_map(|((item, bytes), outcome)| match (bytes, outcome) {
+                (Some(bytes), Outcome::Processed { .. }) => {
+                    Some((item.key.as_str(), bytes.as_slice()))
+                }
+                _ => None,
+            })
+            .collect();
+        if let Err(e) = inner
+            .store
+            .complete_many(&mut tx, &inner.scope, &results)
+            .await
+        {
+            tracing::debug!(error = %e, "recording a batch's results failed, processing one by one");
+            drop(tx.rollback().await);
+            return None;
         }
         // A failed commit is ambiguous; processing one by one settles it:
         // committed keys come back as duplicates, the others are processed.

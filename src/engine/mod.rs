@@ -366,6 +366,27 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        let (output, bytes) = self.run_handler(conn, handler, delivery, input).await?;
+        self.inner
+            .store
+            .complete(conn, &self.inner.scope, key.as_str(), &bytes)
+            .await
+            .map_err(Failure::Store)?;
+        Ok((output, bytes))
+    }
+
+    /// Runs the handler on the open transaction (panics caught) and encodes
+    /// its output for storage; the caller records it.
+    async fn run_handler<H>(
+        &self,
+        conn: &mut <S::Db as sqlx::Database>::Connection,
+        handler: &H,
+        delivery: &Delivery,
+        input: H::Input,
+    ) -> Result<(H::Output, Vec<u8>), Failure>
+    where
+        H: Handler<S::Db>,
+    {
         let started = Instant::now();
         let output = AssertUnwindSafe(handler.handle(conn, input, delivery))
             .catch_unwind()
@@ -375,11 +396,6 @@ impl<S: SqlStore> Engine<S> {
             .map_err(|panic| Failure::Panic(panic_message(panic.as_ref())))?
             .map_err(Failure::Handler)?;
         let bytes = serde_json::to_vec(&output).map_err(Failure::Encode)?;
-        self.inner
-            .store
-            .complete(conn, &self.inner.scope, key.as_str(), &bytes)
-            .await
-            .map_err(Failure::Store)?;
         Ok((output, bytes))
     }
 

@@ -29,6 +29,7 @@ pub struct KafkaConsumerBuilder<S> {
     group_id: Option<String>,
     topics: Vec<String>,
     dead_letter_topic: Option<String>,
+    retry_topic: Option<String>,
     dead_letter_timeout: Duration,
     key_concurrency: usize,
     max_in_flight: usize,
@@ -52,6 +53,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             group_id: None,
             topics: Vec::new(),
             dead_letter_topic: None,
+            retry_topic: None,
             dead_letter_timeout: Duration::from_secs(30),
             key_concurrency: 1,
             max_in_flight: 1_000,
@@ -115,6 +117,28 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
+    /// Non-blocking retries (opt-in): a retryable failure is not retried in
+    /// place, which holds up its partition, but as a copy published to
+    /// `topic` (with `x-onceonly-attempts` and the time it is due,
+    /// `x-onceonly-due`); once the broker acknowledged the copy, the record's
+    /// offset moves on. The consumer also subscribes to `topic`, waits until
+    /// each copy is due, and runs it through the same engine: a record that
+    /// did take effect after all is a duplicate. Exhausted copies are
+    /// dead-lettered to the dead-letter topic of their original topic, with
+    /// their original coordinates. The topic must exist unless the broker
+    /// creates topics automatically.
+    ///
+    /// The trade-off: order. In-place retries (the default) keep partition
+    /// (and key) order, because nothing behind a retrying record runs before
+    /// it is settled; with a retry topic, later records of the same key may
+    /// take effect before the retried one. Use it where records are
+    /// independent and a slow or flaky dependency must not stall a partition.
+    #[must_use]
+    pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
+        self.retry_topic = Some(topic.into());
+        self
+    }
+
     /// How long one dead-letter publish may wait for its acknowledgement
     /// before it is retried (default 30 s, librdkafka's `message.timeout.ms`).
     #[must_use]
@@ -137,10 +161,10 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
 
     /// Records of one partition at its workers and not yet final (default
     /// 1000, and at least twice the [batch size](Self::batch_size), so that
-    /// the next batch is ready while one is processed). As many again may
-    /// wait fetched; beyond that the partition is paused until half of them
-    /// went to the workers. Memory is bounded whatever the backlog, and the
-    /// partition is not paused and resumed (and refetched) at every record.
+    /// the next batch is ready while one is processed). At the bound the
+    /// partition's queue is not read until room frees up: its records wait
+    /// in librdkafka's bounded prefetch, so memory is bounded whatever the
+    /// backlog, and nothing is paused or fetched again.
     #[must_use]
     pub fn max_in_flight(mut self, records: usize) -> Self {
         self.max_in_flight = records;
@@ -320,9 +344,19 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             .set("enable.auto.offset.store", "false");
         producer.set("acks", "all");
         let producer: FutureProducer = producer.create()?;
+        let mut topics = self.topics;
+        if let Some(retry) = &self.retry_topic {
+            if topics.contains(retry) {
+                return Err(ConsumerError::Config(format!(
+                    "the retry topic {retry:?} must not also be a source topic"
+                )));
+            }
+            topics.push(retry.clone());
+        }
         let dead_letters = DeadLetterer::new(
             producer,
             self.dead_letter_topic,
+            self.retry_topic,
             scope,
             self.dead_letter_timeout,
         );
@@ -331,7 +365,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             consumer,
             dead_letters,
             Settings {
-                topics: self.topics,
+                topics,
                 key_concurrency: self.key_concurrency,
                 max_in_flight: self.max_in_flight.max(self.batch_size.saturating_mul(2)),
                 batch_size: self.batch_size,

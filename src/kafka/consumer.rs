@@ -1,9 +1,11 @@
 //! The consumer: a polling thread that owns the librdkafka consumer, and a
 //! tokio task per partition lane that processes records.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{ClientConfig, TopicPartitionList};
 use tokio::runtime::Handle;
@@ -14,18 +16,16 @@ use super::builder::KafkaConsumerBuilder;
 use super::context::{ConsumerLag, DedupContext, commit};
 use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
-use super::partition::{Dispatched, Registry, Spawner, Tp, lock};
+use super::partition::{Dispatched, Registry, Spawner, Tp, Wake, lock};
 use super::worker::{Env, run_lane};
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
-/// How long one `poll` waits; bounds how late shutdown, commits and
-/// resumption of paused partitions are noticed.
-const POLL_TIMEOUT: Duration = Duration::from_millis(100);
-
-/// The poll timeout while records wait for room at their workers.
-const PAUSED_POLL_TIMEOUT: Duration = Duration::from_millis(2);
+/// The longest the polling thread sleeps without a wake-up (librdkafka's
+/// queue callbacks and finished records wake it earlier): bounds how late a
+/// shutdown is noticed.
+const MAX_WAIT: Duration = Duration::from_millis(100);
 
 pub(super) struct Settings {
     pub(super) topics: Vec<String>,
@@ -115,18 +115,23 @@ impl<S: SqlStore> KafkaConsumer<S> {
         let spawner: Spawner = Arc::new(move |partition, rx| {
             spawn_on.spawn(run_lane(Arc::clone(&lanes_env), partition, rx))
         });
+        let wake = Arc::new(Wake::default());
         let registry = Arc::new(Registry::new(
             spawner,
             self.settings.key_concurrency,
             self.settings.max_in_flight,
             self.settings.drain_timeout,
             runtime,
+            Arc::clone(&wake),
         ));
-        let consumer: BaseConsumer<DedupContext> =
+        let mut consumer: BaseConsumer<DedupContext> =
             self.config.create_with_context(DedupContext {
                 registry: Arc::clone(&registry),
                 lag: ConsumerLag::new(env.engine.scope()),
             })?;
+        let main_wake = Arc::clone(&wake);
+        consumer.set_nonempty_callback(move || main_wake.notify());
+        let consumer = Arc::new(consumer);
         let topics: Vec<&str> = self.settings.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
 
@@ -134,6 +139,9 @@ impl<S: SqlStore> KafkaConsumer<S> {
         let poller = Poller {
             consumer,
             registry,
+            wake,
+            queues: HashMap::new(),
+            split_epoch: 0,
             commit_interval: self.settings.commit_interval,
             exit_when_idle: self.settings.exit_when_idle,
             shutdown,
@@ -158,50 +166,43 @@ impl<S: SqlStore> KafkaConsumer<S> {
 }
 
 struct Poller {
-    consumer: BaseConsumer<DedupContext>,
+    consumer: Arc<BaseConsumer<DedupContext>>,
     registry: Arc<Registry>,
+    wake: Arc<Wake>,
+    /// Each assigned partition's own queue, split from the main queue, and
+    /// the assignment epoch they were split in.
+    queues: HashMap<Tp, PartitionQueue<DedupContext>>,
+    split_epoch: u64,
     commit_interval: Duration,
     exit_when_idle: Option<Duration>,
     shutdown: CancellationToken,
 }
 
 impl Poller {
-    fn run(self) -> Result<(), ConsumerError> {
+    fn run(mut self) -> Result<(), ConsumerError> {
         let mut last_commit = Instant::now();
         let mut fatal = None;
         while !self.shutdown.is_cancelled() {
-            // Held records are handed to their workers here, between
-            // polls: poll briefly while any wait, or the workers would idle
-            // for up to a whole poll timeout.
-            let timeout = if self.registry.any_held() {
-                PAUSED_POLL_TIMEOUT
-            } else {
-                POLL_TIMEOUT
-            };
-            match self.consumer.poll(timeout) {
-                Some(Ok(message)) => {
-                    let envelope = Envelope {
-                        message: message.detach(),
-                        first_seen_ms: u64::try_from(SystemClock.now_ms()).unwrap_or(0),
-                    };
-                    if let Dispatched::Pause(tp) = self.registry.dispatch(envelope) {
-                        self.set_paused(&[tp], true);
-                    }
+            // Events and rebalances (and records of partitions not split
+            // yet) come through the main queue.
+            if let Err(e) = self.drain_main_queue() {
+                fatal = Some(e);
+                break;
+            }
+            if self.split_assigned() {
+                // Records fetched before the split went to the main queue:
+                // hand them out before anything of the partitions' own
+                // queues, to keep each partition's order.
+                if let Err(e) = self.drain_main_queue() {
+                    fatal = Some(e);
+                    break;
                 }
-                Some(Err(e)) => {
-                    if let Some((code, reason)) = self.consumer.client().fatal_error() {
-                        tracing::error!(?code, %reason, "fatal Kafka client error; stopping");
-                        fatal = Some(ConsumerError::Fatal(format!("{code:?}: {reason}")));
-                        break;
-                    }
-                    tracing::warn!(error = %e, "Kafka consumer error");
-                }
-                None => {}
             }
             let resume = self.registry.release_held();
             if !resume.is_empty() {
                 self.set_paused(&resume, false);
             }
+            self.read_partition_queues();
             if last_commit.elapsed() >= self.commit_interval {
                 self.commit_finished();
                 last_commit = Instant::now();
@@ -212,9 +213,14 @@ impl Poller {
                     break;
                 }
             }
+            // Until a queue becomes non-empty, a worker frees room, or
+            // the next commit is due.
+            let until_commit = self.commit_interval.saturating_sub(last_commit.elapsed());
+            self.wake.wait(until_commit.min(MAX_WAIT));
         }
         // Graceful stop: finish what is running, commit, leave.
         let positions = self.registry.stop(None);
+        self.queues.clear();
         if !positions.is_empty() {
             match commit(&self.consumer, &positions, CommitMode::Sync) {
                 Ok(()) => tracing::info!(?positions, "final offsets committed"),
@@ -224,6 +230,87 @@ impl Poller {
             }
         }
         fatal.map_or(Ok(()), Err)
+    }
+
+    /// Serves the main queue until it is empty: rebalance callbacks, errors,
+    /// and records of partitions without a queue of their own. `Err` on a
+    /// fatal client error.
+    fn drain_main_queue(&self) -> Result<(), ConsumerError> {
+        // `poll` answers `None` both when the queue is empty and when it
+        // served an event (a rebalance, a commit result): stop at the second
+        // `None` in a row.
+        let mut nothing = 0;
+        while nothing < 2 {
+            match self.consumer.poll(Duration::ZERO) {
+                Some(Ok(message)) => {
+                    nothing = 0;
+                    if let Dispatched::Pause(tp) = self.registry.dispatch(envelope(message)) {
+                        self.set_paused(&[tp], true);
+                    }
+                }
+                Some(Err(e)) => {
+                    nothing = 0;
+                    if let Some((code, reason)) = self.consumer.client().fatal_error() {
+                        tracing::error!(?code, %reason, "fatal Kafka client error; stopping");
+                        return Err(ConsumerError::Fatal(format!("{code:?}: {reason}")));
+                    }
+                    tracing::warn!(error = %e, "Kafka consumer error");
+                }
+                None => nothing += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives every assigned partition its own queue after an assignment
+    /// (librdkafka deactivates split queues on every assign). Returns
+    /// whether it split anything.
+    fn split_assigned(&mut self) -> bool {
+        let (epoch, assigned) = self.registry.assignment();
+        if epoch == self.split_epoch {
+            // Revoked partitions lose their queue.
+            self.queues.retain(|tp, _| assigned.contains(tp));
+            return false;
+        }
+        self.split_epoch = epoch;
+        self.queues.clear();
+        for tp in assigned {
+            match self.consumer.split_partition_queue(&tp.0, tp.1) {
+                Some(mut queue) => {
+                    let wake = Arc::clone(&self.wake);
+                    queue.set_nonempty_callback(move || wake.notify());
+                    self.queues.insert(tp, queue);
+                }
+                // Its records keep coming through the main queue, bounded by
+                // pausing as before.
+                None => {
+                    tracing::warn!(topic = %tp.0, partition = tp.1, "cannot split the partition's queue; reading it from the main queue")
+                }
+            }
+        }
+        true
+    }
+
+    /// Hands out records of partitions with room, from their own queues. A
+    /// full partition is not read: its records wait in librdkafka, whose
+    /// prefetch is bounded (`queued.max.messages.kbytes`), and nothing is
+    /// paused, dropped or fetched again.
+    fn read_partition_queues(&self) {
+        for (tp, queue) in &self.queues {
+            while self.registry.has_room(tp) {
+                match queue.poll(Duration::ZERO) {
+                    Some(Ok(message)) => {
+                        // Room was checked: it goes straight to a worker.
+                        let _ = self.registry.dispatch(envelope(message));
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "Kafka partition error");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+        }
     }
 
     fn commit_finished(&self) {
@@ -251,5 +338,12 @@ impl Poller {
         if let Err(e) = result {
             tracing::warn!(error = %e, pause, partitions = ?tps, "pause/resume failed");
         }
+    }
+}
+
+fn envelope(message: rdkafka::message::BorrowedMessage<'_>) -> Envelope {
+    Envelope {
+        message: message.detach(),
+        first_seen_ms: u64::try_from(SystemClock.now_ms()).unwrap_or(0),
     }
 }

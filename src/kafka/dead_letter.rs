@@ -1,5 +1,8 @@
-//! Publishing a record that cannot be processed to the dead-letter topic,
-//! with the reason in headers, and waiting for the broker's acknowledgement.
+//! Publishing copies of a record, and waiting for the broker's
+//! acknowledgement: to the dead-letter topic when it cannot be processed
+//! (with the reason in headers), or to the retry topic when it failed
+//! retryably and non-blocking retries are on (with the attempt count and the
+//! time it is due).
 
 use std::time::Duration;
 
@@ -35,6 +38,9 @@ pub mod headers {
     pub const IDEMPOTENCY_KEY: &str = "x-onceonly-idempotency-key";
     /// The dedup scope (by default the consumer group).
     pub const SCOPE: &str = "x-onceonly-scope";
+    /// On a copy in the retry topic: when it is due again, in milliseconds
+    /// since the Unix epoch.
+    pub const DUE: &str = "x-onceonly-due";
     /// Prefix shared by all of the above; such headers on an incoming record
     /// (a replayed dead letter) are replaced, not repeated.
     pub const PREFIX: &str = "x-onceonly-";
@@ -52,6 +58,7 @@ pub(crate) struct DeadLetter<'a> {
 pub(crate) struct DeadLetterer {
     producer: FutureProducer,
     topic: Option<String>,
+    retry_topic: Option<String>,
     scope: String,
     timeout: Duration,
 }
@@ -60,15 +67,27 @@ impl DeadLetterer {
     pub(crate) fn new(
         producer: FutureProducer,
         topic: Option<String>,
+        retry_topic: Option<String>,
         scope: String,
         timeout: Duration,
     ) -> Self {
         Self {
             producer,
             topic,
+            retry_topic,
             scope,
             timeout,
         }
+    }
+
+    /// The retry topic of non-blocking retries, if they are on.
+    pub(crate) fn retry_topic(&self) -> Option<&str> {
+        self.retry_topic.as_deref()
+    }
+
+    /// Whether `m` is a copy in the retry topic.
+    pub(crate) fn is_retry_copy(&self, m: &impl Message) -> bool {
+        self.retry_topic.as_deref() == Some(m.topic())
     }
 
     /// The dead-letter topic for records of `topic`: the configured one, or
@@ -81,12 +100,63 @@ impl DeadLetterer {
     }
 
     /// Publishes one dead letter; `Ok` only once the broker acknowledged it
-    /// (the producer runs with `acks=all`).
+    /// (the producer runs with `acks=all`). A retry copy is dead-lettered to
+    /// the dead-letter topic of its original topic, with its original
+    /// coordinates.
     pub(crate) async fn publish(
         &self,
         envelope: &Envelope,
         letter: &DeadLetter<'_>,
     ) -> Result<(), ConsumerError> {
+        let attempts = letter.attempts.to_string();
+        let extra = [
+            (headers::REASON, Some(letter.reason.as_bytes())),
+            (headers::ERROR, Some(letter.error.as_bytes())),
+            (headers::ATTEMPTS, Some(attempts.as_bytes())),
+            (headers::IDEMPOTENCY_KEY, letter.key.map(str::as_bytes)),
+        ];
+        let origin = Origin::of(envelope, self.is_retry_copy(&envelope.message));
+        let topic = self.topic_for(&origin.topic);
+        self.send(envelope, &origin, &topic, &extra)
+            .await
+            .map_err(|source| ConsumerError::DeadLetter { topic, source })
+    }
+
+    /// Publishes a copy of the record to the retry topic, due at `due_ms`
+    /// after `attempts` attempts; `Ok` once acknowledged. Its partition then
+    /// moves on.
+    pub(crate) async fn publish_retry(
+        &self,
+        envelope: &Envelope,
+        attempts: u32,
+        due_ms: u64,
+    ) -> Result<(), ConsumerError> {
+        let Some(topic) = self.retry_topic.clone() else {
+            return Err(ConsumerError::Config(
+                "non-blocking retries need a retry topic".into(),
+            ));
+        };
+        let attempts = attempts.to_string();
+        let due = due_ms.to_string();
+        let extra = [
+            (headers::ATTEMPTS, Some(attempts.as_bytes())),
+            (headers::DUE, Some(due.as_bytes())),
+        ];
+        let origin = Origin::of(envelope, self.is_retry_copy(&envelope.message));
+        self.send(envelope, &origin, &topic, &extra)
+            .await
+            .map_err(|source| ConsumerError::RetryCopy { topic, source })
+    }
+
+    /// Sends a copy of the record (payload, key, its own headers) to
+    /// `topic` with onceonly's headers: the origin, the scope, and `extra`.
+    async fn send(
+        &self,
+        envelope: &Envelope,
+        origin: &Origin,
+        topic: &str,
+        extra: &[(&str, Option<&[u8]>)],
+    ) -> Result<(), rdkafka::error::KafkaError> {
         let m = &envelope.message;
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
@@ -96,34 +166,19 @@ impl DeadLetterer {
                 }
             }
         }
-        let partition = m.partition().to_string();
-        let offset = m.offset().to_string();
-        let attempts = letter.attempts.to_string();
-        // A replayed record keeps the first-seen time of its first failure.
-        let first_seen = m
-            .headers()
-            .and_then(|hs| {
-                hs.iter()
-                    .find(|h| h.key == headers::FIRST_SEEN)
-                    .and_then(|h| h.value)
-                    .and_then(|v| std::str::from_utf8(v).ok())
-                    .and_then(|v| v.parse::<u64>().ok())
-            })
-            .unwrap_or(envelope.first_seen_ms)
-            .to_string();
-        let text: [(&str, Option<&[u8]>); 10] = [
-            (headers::ORIGINAL_TOPIC, Some(m.topic().as_bytes())),
-            (headers::ORIGINAL_PARTITION, Some(partition.as_bytes())),
-            (headers::ORIGINAL_OFFSET, Some(offset.as_bytes())),
+        let first_seen = origin.first_seen_ms.to_string();
+        let common: [(&str, Option<&[u8]>); 6] = [
+            (headers::ORIGINAL_TOPIC, Some(origin.topic.as_bytes())),
+            (
+                headers::ORIGINAL_PARTITION,
+                Some(origin.partition.as_bytes()),
+            ),
+            (headers::ORIGINAL_OFFSET, Some(origin.offset.as_bytes())),
             (headers::ORIGINAL_KEY, m.key()),
-            (headers::REASON, Some(letter.reason.as_bytes())),
-            (headers::ERROR, Some(letter.error.as_bytes())),
-            (headers::ATTEMPTS, Some(attempts.as_bytes())),
             (headers::FIRST_SEEN, Some(first_seen.as_bytes())),
-            (headers::IDEMPOTENCY_KEY, letter.key.map(str::as_bytes)),
             (headers::SCOPE, Some(self.scope.as_bytes())),
         ];
-        for (key, value) in text {
+        for &(key, value) in common.iter().chain(extra) {
             if let Some(value) = value {
                 h = h.insert(Header {
                     key,
@@ -131,8 +186,7 @@ impl DeadLetterer {
                 });
             }
         }
-        let topic = self.topic_for(m.topic());
-        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&topic).headers(h);
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(h);
         if let Some(payload) = m.payload() {
             record = record.payload(payload);
         }
@@ -141,7 +195,53 @@ impl DeadLetterer {
         }
         match self.producer.send(record, self.timeout).await {
             Ok(_) => Ok(()),
-            Err((e, _)) => Err(ConsumerError::DeadLetter { topic, source: e }),
+            Err((e, _)) => Err(e),
         }
     }
+}
+
+/// Where a record first came from: itself, or, for a copy in the retry
+/// topic, the coordinates its headers carry.
+struct Origin {
+    topic: String,
+    partition: String,
+    offset: String,
+    first_seen_ms: u64,
+}
+
+impl Origin {
+    fn of(envelope: &Envelope, retry_copy: bool) -> Self {
+        let m = &envelope.message;
+        // A replayed or retried record keeps the first-seen time of its
+        // first failure.
+        let first_seen_ms = header_text(m, headers::FIRST_SEEN)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(envelope.first_seen_ms);
+        let from_headers = || {
+            Some(Self {
+                topic: header_text(m, headers::ORIGINAL_TOPIC)?.to_owned(),
+                partition: header_text(m, headers::ORIGINAL_PARTITION)?.to_owned(),
+                offset: header_text(m, headers::ORIGINAL_OFFSET)?.to_owned(),
+                first_seen_ms,
+            })
+        };
+        match retry_copy.then(from_headers).flatten() {
+            Some(origin) => origin,
+            None => Self {
+                topic: m.topic().to_owned(),
+                partition: m.partition().to_string(),
+                offset: m.offset().to_string(),
+                first_seen_ms,
+            },
+        }
+    }
+}
+
+/// The value of header `name` of `m`, as text.
+pub(crate) fn header_text<'m>(m: &'m impl Message, name: &str) -> Option<&'m str> {
+    m.headers()?
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+        .and_then(|v| std::str::from_utf8(v).ok())
 }

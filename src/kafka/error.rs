@@ -24,6 +24,14 @@ pub enum ConsumerError {
         /// The producer's error.
         source: rdkafka::error::KafkaError,
     },
+    /// A copy for a non-blocking retry was not acknowledged by the broker.
+    #[error("publishing a retry copy to {topic} failed: {source}")]
+    RetryCopy {
+        /// The retry topic.
+        topic: String,
+        /// The producer's error.
+        source: rdkafka::error::KafkaError,
+    },
     /// librdkafka reported a fatal error (e.g. a fenced static member).
     #[error("fatal Kafka client error: {0}")]
     Fatal(String),

@@ -18,9 +18,17 @@
 //!
 //! One thread polls librdkafka and dispatches records; each assigned
 //! partition gets one tokio task per lane ([`key_concurrency`], default one:
-//! strict partition order). Partitions run in parallel. A partition with
-//! [`max_in_flight`] unfinished records is paused until its lanes catch up,
-//! which bounds memory whatever the backlog.
+//! strict partition order). Partitions run in parallel. Each assigned
+//! partition is read from its own librdkafka queue (split from the main
+//! queue on every assignment), and a partition with [`max_in_flight`]
+//! unfinished records is simply not read until its lanes catch up: its
+//! records wait in librdkafka, whose prefetch is bounded per partition
+//! (`queued.max.messages.kbytes`, 16 MiB here), so memory stays bounded
+//! whatever the backlog, and nothing is paused, dropped or fetched again.
+//! The polling thread sleeps until a queue becomes non-empty or a worker
+//! finishes a record. Records that reach the main queue before their
+//! partition's queue is split are handed out first, in order, with the
+//! former pause-at-the-bound as the fallback.
 //!
 //! With [`batch_size`] above one, a lane claims up to that many records in one
 //! transaction through the store's batch claim (duplicates, also within the

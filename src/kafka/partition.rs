@@ -25,6 +25,32 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Wakes the polling thread when there may be something to do: a
+/// partition queue or the main queue became non-empty (librdkafka's
+/// callbacks), or a worker finished a record (room for more).
+#[derive(Default)]
+pub(crate) struct Wake {
+    pending: Mutex<bool>,
+    cond: std::sync::Condvar,
+}
+
+impl Wake {
+    pub(crate) fn notify(&self) {
+        *lock(&self.pending) = true;
+        self.cond.notify_one();
+    }
+
+    /// Waits until notified or `timeout` passed; consumes the notification.
+    pub(crate) fn wait(&self, timeout: Duration) {
+        let pending = lock(&self.pending);
+        let (mut pending, _) = self
+            .cond
+            .wait_timeout_while(pending, timeout, |p| !*p)
+            .unwrap_or_else(PoisonError::into_inner);
+        *pending = false;
+    }
+}
+
 /// What a worker shares with the registry about its partition.
 pub(crate) struct Partition {
     pub(crate) topic: String,
@@ -34,12 +60,15 @@ pub(crate) struct Partition {
     /// uncommitted and is redelivered to the next owner).
     pub(crate) stop: CancellationToken,
     tracker: Mutex<OffsetTracker>,
+    wake: Arc<Wake>,
 }
 
 impl Partition {
-    /// Marks `offset` final (committed, duplicate or dead-lettered).
+    /// Marks `offset` final (committed, duplicate or dead-lettered), and
+    /// tells the polling thread there is room for more.
     pub(crate) fn finish(&self, offset: i64) {
         lock(&self.tracker).finish(offset);
+        self.wake.notify();
     }
 }
 
@@ -62,6 +91,9 @@ struct State {
     /// (even an empty one: more members than partitions), rather than a
     /// revoke still waiting for the next assignment.
     joined: bool,
+    /// Counts assignments: librdkafka deactivates split partition queues on
+    /// every assign, so the polling thread splits them again when it moves.
+    epoch: u64,
     slots: HashMap<Tp, Slot>,
     /// The last assignment change or fetched record.
     last_activity: Instant,
@@ -84,6 +116,7 @@ pub(crate) struct Registry {
     max_in_flight: usize,
     drain_timeout: Duration,
     runtime: Handle,
+    wake: Arc<Wake>,
 }
 
 impl Registry {
@@ -93,11 +126,13 @@ impl Registry {
         max_in_flight: usize,
         drain_timeout: Duration,
         runtime: Handle,
+        wake: Arc<Wake>,
     ) -> Self {
         Self {
             state: Mutex::new(State {
                 assigned: HashSet::new(),
                 joined: false,
+                epoch: 0,
                 slots: HashMap::new(),
                 last_activity: Instant::now(),
             }),
@@ -106,6 +141,7 @@ impl Registry {
             max_in_flight: max_in_flight.max(1),
             drain_timeout,
             runtime,
+            wake,
         }
     }
 
@@ -114,11 +150,14 @@ impl Registry {
         let mut state = lock(&self.state);
         state.last_activity = Instant::now();
         state.joined = true;
+        state.epoch += 1;
         state.assigned.extend(tps);
     }
 
     /// Hands a fetched record to the worker of its lane, or holds it back
-    /// when its partition is at the in-flight bound. Records of partitions
+    /// when its partition is at the in-flight bound (only records that came
+    /// through the main queue can be held: a partition's own queue is read
+    /// only when it [has room](Self::has_room)). Records of partitions
     /// not (or no longer) assigned are dropped: they stay uncommitted.
     pub(crate) fn dispatch(&self, envelope: Envelope) -> Dispatched {
         use rdkafka::Message;
@@ -153,7 +192,9 @@ impl Registry {
     /// partitions to resume fetching: paused ones whose held records are
     /// down to half the bound.
     ///
-    /// A partition has up to `max_in_flight` records at its workers and as
+    /// This is the fallback for records that came through the main queue
+    /// (before their partition's queue was split, or if it cannot be). A
+    /// partition has up to `max_in_flight` records at its workers and as
     /// many again held here, fetched, before it is paused; it resumes with
     /// half a window still held. The slack matters: librdkafka drops what it
     /// prefetched for a paused partition and fetches it again on resume, so
@@ -182,9 +223,24 @@ impl Registry {
         resume
     }
 
-    /// Whether records wait here for room at their workers.
-    pub(crate) fn any_held(&self) -> bool {
-        lock(&self.state).slots.values().any(|s| !s.held.is_empty())
+    /// Whether `tp` is assigned and can take another record now: nothing
+    /// held back for it and fewer than `max_in_flight` at its workers. The
+    /// polling thread reads a partition's own queue only then, so a full
+    /// partition simply stays unread in librdkafka (no pause, no refetch).
+    pub(crate) fn has_room(&self, tp: &Tp) -> bool {
+        let state = lock(&self.state);
+        if !state.assigned.contains(tp) {
+            return false;
+        }
+        state.slots.get(tp).is_none_or(|slot| {
+            slot.held.is_empty() && lock(&slot.shared.tracker).in_flight() < self.max_in_flight
+        })
+    }
+
+    /// The current assignment and its epoch (see `State::epoch`).
+    pub(crate) fn assignment(&self) -> (u64, Vec<Tp>) {
+        let state = lock(&self.state);
+        (state.epoch, state.assigned.iter().cloned().collect())
     }
 
     /// Commit positions that moved since the last commit.
@@ -298,6 +354,7 @@ impl Registry {
             partition: tp.1,
             stop: CancellationToken::new(),
             tracker: Mutex::default(),
+            wake: Arc::clone(&self.wake),
         });
         let (lanes, tasks) = (0..self.lanes)
             .map(|_| {

@@ -13,9 +13,10 @@ use rdkafka::Message;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 
-use super::dead_letter::{DeadLetter, DeadLetterer};
+use super::dead_letter::{DeadLetter, DeadLetterer, header_text, headers};
 use super::message::Envelope;
 use super::partition::{Partition, lock};
+use crate::clock::{Clock, SystemClock};
 use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
 use crate::engine::{Decision, Engine, Handler, Report, decide};
 use crate::store::SqlStore;
@@ -113,6 +114,19 @@ where
     S: SqlStore,
     H: Handler<S::Db>,
 {
+    // Copies in the retry topic wait until they are due (non-blocking
+    // retries); a stop meanwhile leaves them uncommitted.
+    let due = batch
+        .iter()
+        .filter(|e| env.dead_letters.is_retry_copy(&e.message))
+        .filter_map(|e| header_text(&e.message, headers::DUE)?.parse::<u64>().ok())
+        .max();
+    if let Some(due) = due {
+        let now = u64::try_from(SystemClock.now_ms()).unwrap_or(0);
+        if due > now && !sleep_unless(&partition.stop, Duration::from_millis(due - now)).await {
+            return;
+        }
+    }
     let deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
     let batched = if deliveries.len() > 1 {
         env.engine
@@ -187,7 +201,15 @@ where
     S: SqlStore,
     H: Handler<S::Db>,
 {
-    let mut attempts: u32 = 1;
+    // A copy in the retry topic carries the attempts made before it.
+    let mut attempts: u32 = if env.dead_letters.is_retry_copy(&envelope.message) {
+        header_text(&envelope.message, headers::ATTEMPTS)
+            .and_then(|a| a.parse::<u32>().ok())
+            .unwrap_or(0)
+            .saturating_add(1)
+    } else {
+        1
+    };
     let mut outage = InfraWait::new(env.engine.telemetry());
     loop {
         match decide(&report.outcome, attempts, env.engine.retry_policy()) {
@@ -198,6 +220,22 @@ where
                 if !outage.wait(&partition.stop, fault, &error).await {
                     return false;
                 }
+            }
+            Decision::Retry { delay, reason } if env.dead_letters.retry_topic().is_some() => {
+                // Non-blocking: a copy waits in the retry topic, the
+                // partition moves on.
+                let due = u64::try_from(SystemClock.now_ms())
+                    .unwrap_or(0)
+                    .saturating_add(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
+                let sent = republish(partition, "retry copy", || {
+                    env.dead_letters.publish_retry(envelope, attempts, due)
+                })
+                .await;
+                if sent {
+                    env.engine.telemetry().retried(reason);
+                    tracing::debug!(attempts, ?delay, reason, "retry copy published");
+                }
+                return sent;
             }
             Decision::Retry { delay, reason } => {
                 env.engine.telemetry().retried(reason);
@@ -225,30 +263,46 @@ where
     }
 }
 
-/// Publishes until acknowledged; `false` if the partition stopped first.
+/// Publishes a dead letter until acknowledged; `false` if the partition
+/// stopped first.
 async fn publish<S: SqlStore, H>(
     env: &Env<S, H>,
     partition: &Partition,
     envelope: &Envelope,
     letter: &DeadLetter<'_>,
 ) -> bool {
+    let sent = republish(partition, "dead letter", || {
+        env.dead_letters.publish(envelope, letter)
+    })
+    .await;
+    if sent {
+        env.engine.telemetry().dead_lettered(letter.reason);
+        tracing::warn!(
+            topic = %partition.topic,
+            partition = partition.partition,
+            offset = envelope.message.offset(),
+            reason = letter.reason,
+            error = %letter.error,
+            "record dead-lettered"
+        );
+    }
+    sent
+}
+
+/// Runs `send` until the broker acknowledges it, backing off between
+/// failures; `false` if the partition stopped first (the record stays
+/// uncommitted).
+async fn republish<F, Fut>(partition: &Partition, what: &str, mut send: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), super::ConsumerError>>,
+{
     let mut backoff = outage_backoff();
     loop {
-        match env.dead_letters.publish(envelope, letter).await {
-            Ok(()) => {
-                env.engine.telemetry().dead_lettered(letter.reason);
-                tracing::warn!(
-                    topic = %partition.topic,
-                    partition = partition.partition,
-                    offset = envelope.message.offset(),
-                    reason = letter.reason,
-                    error = %letter.error,
-                    "record dead-lettered"
-                );
-                return true;
-            }
+        match send().await {
+            Ok(()) => return true,
             Err(e) => {
-                tracing::error!(error = %e, "dead-letter publish failed; the record stays uncommitted and is retried");
+                tracing::error!(error = %e, what, "publish failed; the record stays uncommitted and is retried");
                 let delay = backoff.next().unwrap_or(Duration::from_secs(10));
                 if !sleep_unless(&partition.stop, delay).await {
                     return false;

@@ -286,6 +286,15 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
         self.sql.complete(conn, scope, key, result).await
     }
 
+    async fn complete_many(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        results: &[(&str, &[u8])],
+    ) -> Result<(), StoreError> {
+        self.sql.complete_many(conn, scope, results).await
+    }
+
     async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
         self.sql.get(scope, key).await
     }

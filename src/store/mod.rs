@@ -264,6 +264,21 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         result: &[u8],
     ) -> Result<(), StoreError>;
 
+    /// Records the results of many claimed keys, in the same transaction
+    /// as their claims; one statement where the backend allows (PostgreSQL),
+    /// one [`complete`](Self::complete) per key otherwise.
+    async fn complete_many(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        results: &[(&str, &[u8])],
+    ) -> Result<(), StoreError> {
+        for (key, result) in results {
+            self.complete(conn, scope, key, result).await?;
+        }
+        Ok(())
+    }
+
     /// Reads one committed record (expired or not).
     async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError>;
 

@@ -247,6 +247,33 @@ impl SqlStore for PgStore {
         self.complete_in(conn, scope, key, result).await
     }
 
+    async fn complete_many(
+        &self,
+        conn: &mut PgConnection,
+        scope: &str,
+        results: &[(&str, &[u8])],
+    ) -> Result<(), StoreError> {
+        if results.is_empty() {
+            return Ok(());
+        }
+        let (keys, values): (Vec<&str>, Vec<&[u8]>) = results.iter().copied().unzip();
+        let done = sqlx::query(&self.sql.complete_many)
+            .bind(scope)
+            .bind(&keys)
+            .bind(&values)
+            .execute(&mut *conn)
+            .await?;
+        match done.rows_affected() {
+            n if n == results.len() as u64 => Ok(()),
+            // Fewer: a claim vanished from its own transaction.
+            n if n < results.len() as u64 => Err(StoreError::ClaimLost(keys[0].to_owned())),
+            n => Err(StoreError::Corrupt(format!(
+                "recording {} results updated {n} rows",
+                results.len()
+            ))),
+        }
+    }
+
     async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
         self.get_in(scope, key).await
     }

@@ -14,6 +14,8 @@ pub(crate) struct Sql {
     pub existing_many: String,
     pub reclaim: String,
     pub complete: String,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub complete_many: String,
     pub get: String,
     pub purge: String,
     pub purge_scope: String,
@@ -53,6 +55,10 @@ fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
              result = NULL WHERE scope = $1 AND idem_key = $2 AND expires_at_ms <= $5"
         ),
         complete: format!("UPDATE {t} SET result = $3 WHERE scope = $1 AND idem_key = $2"),
+        complete_many: format!(
+            "UPDATE {t} AS t SET result = u.r FROM UNNEST($2::text[], $3::bytea[]) AS u(k, r) \
+             WHERE t.scope = $1 AND t.idem_key = u.k"
+        ),
         get: format!("SELECT {COLS}, result FROM {t} WHERE scope = $1 AND idem_key = $2"),
         purge: purge(""),
         purge_scope: purge(" AND scope = $3"),
@@ -130,6 +136,7 @@ impl Sql {
                  result = NULL WHERE scope = ? AND idem_key = ? AND expires_at_ms <= ?"
             ),
             complete: format!("UPDATE {t} SET result = ? WHERE scope = ? AND idem_key = ?"),
+            complete_many: String::new(),
             get: format!("SELECT {COLS}, result FROM {t} WHERE scope = ? AND idem_key = ?"),
             purge: purge(""),
             purge_scope: purge("scope = ? AND "),
