@@ -255,3 +255,35 @@ pub async fn pg_schema(prefix: &str) -> String {
     let sep = if base.contains('?') { '&' } else { '?' };
     format!("{base}{sep}options=-c%20search_path%3D{schema}")
 }
+
+/// The command line of a `kafka_payments` process of `group` reading
+/// `topic` at `brokers` into the ledger at `db_url`, with a 6 s session
+/// timeout (the crash and chaos tests).
+pub fn payments_args(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    db_url: &str,
+    dead_letter_topic: &str,
+    batch_size: usize,
+) -> Vec<String> {
+    [
+        "--brokers",
+        brokers,
+        "--topic",
+        topic,
+        "--group",
+        group,
+        "--database-url",
+        db_url,
+        "--dead-letter-topic",
+        dead_letter_topic,
+        "--batch-size",
+        &batch_size.to_string(),
+        "--session-timeout-ms",
+        "6000",
+    ]
+    .iter()
+    .map(|a| (*a).to_owned())
+    .collect()
+}

@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use onceonly_integration_tests::child::Logged;
-use onceonly_integration_tests::kafka::{Record, committed_on, pg_schema, produce_on, read_all_on};
+use onceonly_integration_tests::kafka::{
+    Record, committed_on, payments_args, pg_schema, produce_on, read_all_on,
+};
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
 use onceonly_integration_tests::mock::MockKafka;
 use onceonly_integration_tests::unique;
@@ -39,25 +41,14 @@ struct Group {
 
 impl Group {
     fn spawn(&self) -> Child {
-        let args: Vec<String> = [
-            "--brokers",
+        let args = payments_args(
             &self.bootstrap,
-            "--topic",
             &self.topic,
-            "--group",
             &self.group,
-            "--database-url",
             &self.url,
-            "--dead-letter-topic",
             &self.dlt,
-            "--batch-size",
-            &self.batch_size.to_string(),
-            "--session-timeout-ms",
-            "6000",
-        ]
-        .iter()
-        .map(|a| (*a).to_owned())
-        .collect();
+            self.batch_size,
+        );
         self.log.spawn("kafka_payments", &args)
     }
 }

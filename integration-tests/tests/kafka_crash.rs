@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::kafka::{
-    Record, brokers, committed, create_topic, pg_schema, produce, read_all,
+    Record, brokers, committed, create_topic, payments_args, pg_schema, produce, read_all,
 };
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
 use onceonly_integration_tests::unique;
@@ -32,25 +32,14 @@ struct Run {
 
 impl Run {
     fn spawn(&self, batch_size: usize, exit_when_idle: Option<u64>) -> Child {
-        let mut args: Vec<String> = [
-            "--brokers",
+        let mut args = payments_args(
             &brokers(),
-            "--topic",
             &self.topic,
-            "--group",
             &self.group,
-            "--database-url",
             &self.url,
-            "--dead-letter-topic",
             &self.dlt,
-            "--batch-size",
-            &batch_size.to_string(),
-            "--session-timeout-ms",
-            "6000",
-        ]
-        .iter()
-        .map(|a| (*a).to_owned())
-        .collect();
+            batch_size,
+        );
         if let Some(secs) = exit_when_idle {
             args.extend(["--exit-when-idle".to_owned(), secs.to_string()]);
         }
