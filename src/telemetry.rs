@@ -18,7 +18,7 @@
 //! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
 //! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
-//! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`InfraFault`](crate::store::InfraFault)) |
+//! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
 //! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
 //!
 //! `transport` is `kafka`, `amqp`, `http`, or `engine` when an

@@ -38,7 +38,7 @@ pub enum PurgeMode {
     CreatedBefore(i64),
 }
 
-/// Options of a one-off [`purge`].
+/// Options of a one-off [`purge_in_batches`].
 #[derive(Clone, Debug)]
 pub struct PurgeOptions {
     scope: Option<String>,

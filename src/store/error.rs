@@ -12,27 +12,7 @@
 //! dead-lettered. The decision is made in one place,
 //! [`engine::decide`](crate::engine::decide).
 //!
-//! # The table
-//!
-//! | class | PostgreSQL (SQLSTATE) | MySQL / MariaDB (error number) | SQLite (primary result code) | client side (sqlx) |
-//! |---|---|---|---|---|
-//! | [`Unreachable`](InfraFault::Unreachable) | `08xxx`, `57P03` | 1040, 1081, 1129, 1130, 1152, 1158–1161, 1184, 1203, 2002, 2003, 2006, 2013, 4031 | `CANTOPEN` (14) | I/O, TLS, protocol, pool timed out or closed, worker crashed |
-//! | [`ReadOnly`](InfraFault::ReadOnly) | `25006` | 1290, 1792, 1836, 1874 | `READONLY` (8) | |
-//! | [`MissingSchema`](InfraFault::MissingSchema) | `42P01`, `42703`, `3F000`, `3D000`, `42883` | 1049, 1054, 1146 | "no such table/column" | column not found |
-//! | [`Permission`](InfraFault::Permission) | `42501`, `28xxx` | 1044, 1045, 1142, 1143, 1227, 1370 | `PERM` (3), `AUTH` (23) | |
-//! | [`Resources`](InfraFault::Resources) | `53xxx`, `58xxx`, `XX001`, `XX002` | 1021, 1030, 1037, 1038, 1041, 1114, 1135, 1637 | `NOMEM` (7), `IOERR` (10), `CORRUPT` (11), `FULL` (13), `NOTADB` (26) | |
-//! | [`Shutdown`](InfraFault::Shutdown) | `57P01`, `57P02`, `57P04`, `57P05` | 1053, 1927 | | |
-//! | [`Timeout`](InfraFault::Timeout) | `57014` | 1317, 1969, 3024 | `INTERRUPT` (9) | |
-//! | [`Contention`](InfraFault::Contention) | `40001`, `40P01`, `55P03`, `55006`, `25P02` | 1205, 1213, 1412, 1615 | `BUSY` (5), `LOCKED` (6), `SCHEMA` (17) | |
-//! | [`Corrupt`](InfraFault::Corrupt) | | | | a dedup record that does not read back |
-//!
-//! Not infrastructure: constraint violations (`23xxx`, 1062, ...), data
-//! exceptions (`22xxx`: a value of this message does not fit), syntax errors
-//! and anything else: those say something about the message or the code.
-//!
-//! Every [`StoreError`] of the dedup store's own statements is an
-//! infrastructure fault except a data exception (`22xxx`, MySQL 1366/1406),
-//! which only a value taken from the message can cause.
+//! The classes and the codes of each backend are listed on [`InfraFault`].
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -78,8 +58,29 @@ impl From<sqlx::Error> for StoreError {
 }
 
 /// Why the database cannot take a write right now. Nothing about the
-/// message: a transport waits for it to pass (see the [module
-/// documentation](self) for the codes of each class).
+/// message: a transport waits for it to pass.
+///
+/// # The codes
+///
+/// | class | PostgreSQL (SQLSTATE) | MySQL / MariaDB (error number) | SQLite (primary result code) | client side (sqlx) |
+/// |---|---|---|---|---|
+/// | [`Unreachable`](InfraFault::Unreachable) | `08xxx`, `57P03` | 1040, 1081, 1129, 1130, 1152, 1158–1161, 1184, 1203, 2002, 2003, 2006, 2013, 4031 | `CANTOPEN` (14) | I/O, TLS, protocol, pool timed out or closed, worker crashed |
+/// | [`ReadOnly`](InfraFault::ReadOnly) | `25006` | 1290, 1792, 1836, 1874 | `READONLY` (8) | |
+/// | [`MissingSchema`](InfraFault::MissingSchema) | `42P01`, `42703`, `3F000`, `3D000`, `42883` | 1049, 1054, 1146 | "no such table/column" | column not found |
+/// | [`Permission`](InfraFault::Permission) | `42501`, `28xxx` | 1044, 1045, 1142, 1143, 1227, 1370 | `PERM` (3), `AUTH` (23) | |
+/// | [`Resources`](InfraFault::Resources) | `53xxx`, `58xxx`, `XX001`, `XX002` | 1021, 1030, 1037, 1038, 1041, 1114, 1135, 1637 | `NOMEM` (7), `IOERR` (10), `CORRUPT` (11), `FULL` (13), `NOTADB` (26) | |
+/// | [`Shutdown`](InfraFault::Shutdown) | `57P01`, `57P02`, `57P04`, `57P05` | 1053, 1927 | | |
+/// | [`Timeout`](InfraFault::Timeout) | `57014` | 1317, 1969, 3024 | `INTERRUPT` (9) | |
+/// | [`Contention`](InfraFault::Contention) | `40001`, `40P01`, `55P03`, `55006`, `25P02` | 1205, 1213, 1412, 1615 | `BUSY` (5), `LOCKED` (6), `SCHEMA` (17) | |
+/// | [`Corrupt`](InfraFault::Corrupt) | | | | a dedup record that does not read back |
+///
+/// Not infrastructure: constraint violations (`23xxx`, 1062, ...), data
+/// exceptions (`22xxx`: a value of this message does not fit), syntax errors
+/// and anything else: those say something about the message or the code.
+///
+/// Every [`StoreError`] of the dedup store's own statements is an
+/// infrastructure fault except a data exception (`22xxx`, MySQL 1366/1406),
+/// which only a value taken from the message can cause.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum InfraFault {
@@ -185,8 +186,8 @@ impl StoreError {
 }
 
 /// The infrastructure fault a sqlx error is, or `None` when it says
-/// something about the statement's values or the code (see the [module
-/// documentation](self) for the table).
+/// something about the statement's values or the code (see [`InfraFault`]
+/// for the codes of each class).
 pub fn infra_fault(e: &sqlx::Error) -> Option<InfraFault> {
     use InfraFault::*;
     match e {
