@@ -20,9 +20,9 @@ use async_trait::async_trait;
 use ledger::{Payment, Receipt};
 use onceonly::{
     Delivery, Engine, Handler, HandlerError, Json, Outcome, Report, RetryPolicy, SqlStore,
-    SqliteStore,
+    SqliteStore, Tx,
 };
-use sqlx::{Sqlite, SqliteConnection};
+use sqlx::Sqlite;
 
 /// Credits the ledger. Fails once, retryably, for keys listed in `flaky`
 /// (think: a lock timeout), to show that a failure leaves nothing behind.
@@ -37,11 +37,12 @@ impl Handler<Sqlite> for LedgerHandler {
 
     async fn handle(
         &self,
-        conn: &mut SqliteConnection,
+        tx: Tx<Sqlite>,
         Json(payment): Json<Payment>,
         _delivery: &Delivery,
     ) -> Result<Receipt, HandlerError> {
-        let receipt = ledger::sqlite::record(conn, &payment).await?;
+        let mut conn = tx.lock().await?;
+        let receipt = ledger::sqlite::record(&mut conn, &payment).await?;
         // Fail *after* writing: the rollback must undo the write and the claim.
         let fail_now = self
             .flaky

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use onceonly::redis::{CachedStore, RedisStore};
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore, SqlStore};
-use sqlx::{PgConnection, Postgres};
+use sqlx::Postgres;
 use stats::percentile;
 
 /// Redis tier benchmark.
@@ -61,7 +61,7 @@ impl Handler<Postgres> for Noop {
 
     async fn handle(
         &self,
-        _conn: &mut PgConnection,
+        _tx: onceonly::Tx<sqlx::Postgres>,
         _input: Json<serde_json::Value>,
         _d: &Delivery,
     ) -> Result<u32, HandlerError> {

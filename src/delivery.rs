@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 
 /// One delivery of a message, request or callback, as seen by the engine.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Delivery {
     payload: Vec<u8>,
     metadata: Vec<(String, Vec<u8>)>,

@@ -29,10 +29,9 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use delivery::Delivery;
 pub use engine::{
     BuildError, DecodeError, Engine, EngineBuilder, Failure, FromDelivery, Handler, HandlerError,
-    Json, Outcome, OutcomeKind, Rejection, Report, RetryPolicy, handler_fn,
+    Json, Outcome, OutcomeKind, Rejection, Report, RetryPolicy, Tx, handler_fn,
 };
 pub use fingerprint::{Fingerprint, FingerprintSpec};
-pub use futures_util::future::BoxFuture;
 pub use key::{IdemKey, KeyError, KeySpec, KeySpecError};
 #[cfg(feature = "mysql")]
 pub use store::mysql::MySqlStore;
@@ -41,5 +40,6 @@ pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
 pub use store::{
-    CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore, StoreError,
+    CacheTier, CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore,
+    StoreError,
 };

@@ -296,21 +296,6 @@ impl Telemetry {
         }
     }
 
-    /// Handles that record nothing and register no series, for a builder
-    /// that resolves the real ones in its `build`.
-    #[cfg(feature = "http")]
-    pub(crate) fn unresolved(transport: &'static str) -> Self {
-        Self {
-            scope: SharedString::const_str(""),
-            transport,
-            hash_keys: false,
-            outcomes: std::array::from_fn(|_| Counter::noop()),
-            handler: Histogram::noop(),
-            commit: Histogram::noop(),
-            waits: Waits::new(Gauge::noop()),
-        }
-    }
-
     /// Counts one outcome and records it on `span`; a duplicate is logged
     /// at `debug` (it is not an error).
     pub(crate) fn outcome(&self, span: &Span, kind: OutcomeKind) {

@@ -73,9 +73,7 @@ async fn migrate_inspect_stats_and_purge_on_sqlite() {
             .build()
             .expect("engine");
         let handler = handler_fn(
-            |_: &mut sqlx::SqliteConnection, body: Vec<u8>, _: &Delivery| {
-                Box::pin(async move { Ok::<_, onceonly::HandlerError>(body.len()) })
-            },
+            |_tx: onceonly::Tx<sqlx::Sqlite>, body: Vec<u8>| async move { Ok(body.len()) },
         );
         for i in range {
             let body = format!(r#"{{"out_trade_no":"ord-{i}","amount":{i}}}"#);

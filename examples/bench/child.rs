@@ -168,11 +168,12 @@ impl Handler<Postgres> for BenchLedger {
 
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        tx: onceonly::Tx<sqlx::Postgres>,
         Json(m): Json<Msg>,
         _delivery: &Delivery,
     ) -> Result<u8, HandlerError> {
-        business_write(conn, &m).await?;
+        let mut conn = tx.lock().await?;
+        business_write(&mut conn, &m).await?;
         Ok(1)
     }
 }

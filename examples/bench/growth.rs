@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore, SqlStore};
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgPool, Postgres};
 
 use super::common::{Bench, Res, Rng, Schema, now_us, pool};
 use super::stats::{Table, ms, percentile};
@@ -29,7 +29,7 @@ impl Handler<Postgres> for Noop {
 
     async fn handle(
         &self,
-        _conn: &mut PgConnection,
+        _tx: onceonly::Tx<sqlx::Postgres>,
         _input: Json<serde_json::Value>,
         _d: &Delivery,
     ) -> Result<u8, HandlerError> {

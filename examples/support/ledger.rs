@@ -154,17 +154,18 @@ pub mod postgres {
 
         async fn handle(
             &self,
-            conn: &mut PgConnection,
+            tx: onceonly::Tx<sqlx::Postgres>,
             Json(payment): Json<Payment>,
             _delivery: &Delivery,
         ) -> Result<Receipt, HandlerError> {
+            let mut conn = tx.lock().await?;
             if payment.amount <= 0 {
                 return Err(HandlerError::permanent(format!(
                     "amount must be positive, got {}",
                     payment.amount
                 )));
             }
-            Ok(record(conn, &payment).await?)
+            Ok(record(&mut conn, &payment).await?)
         }
     }
 

@@ -114,7 +114,7 @@ macro_rules! webhook_app {
             ) -> Result<impl IntoResponse, AppError> {
                 let payment = parse_payment(&headers, &body)?;
                 let mut tx = tx.lock().await?;
-                ledger::record(&mut **tx, &payment).await?;
+                ledger::record(&mut *tx, &payment).await?;
                 Ok((
                     StatusCode::OK,
                     [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
@@ -130,7 +130,7 @@ macro_rules! webhook_app {
                     return Err(AppError::BadInput("amount must be positive".into()));
                 }
                 let mut tx = tx.lock().await?;
-                let order = ledger::insert_order(&mut **tx, &new).await?;
+                let order = ledger::insert_order(&mut *tx, &new).await?;
                 Ok((StatusCode::CREATED, Json(order)))
             }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use onceonly::{Delivery, Handler, HandlerError, Json};
-use sqlx::{PgConnection, Postgres};
+use sqlx::Postgres;
 
 use crate::example_ledger::{Payment, Receipt, postgres};
 
@@ -32,10 +32,11 @@ impl Handler<Postgres> for Ledger {
 
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        tx: onceonly::Tx<sqlx::Postgres>,
         Json(v): Json<serde_json::Value>,
         _d: &Delivery,
     ) -> Result<Receipt, HandlerError> {
+        let mut conn = tx.lock().await?;
         self.calls.fetch_add(1, Ordering::SeqCst);
         let payment: Payment =
             serde_json::from_value(v.clone()).map_err(HandlerError::permanent)?;
@@ -48,7 +49,7 @@ impl Handler<Postgres> for Ledger {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
-        let receipt = postgres::record(conn, &payment).await?;
+        let receipt = postgres::record(&mut conn, &payment).await?;
         match payment.account.as_str() {
             "flaky" => Err(HandlerError::retryable("always times out")),
             "broken" => Err(HandlerError::permanent("account closed")),
@@ -84,13 +85,13 @@ impl Handler<Postgres> for Outage {
 
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        tx: onceonly::Tx<sqlx::Postgres>,
         input: Json<serde_json::Value>,
         d: &Delivery,
     ) -> Result<Receipt, HandlerError> {
         if self.down.load(Ordering::SeqCst) {
             return Err(HandlerError::permanent("downstream unavailable"));
         }
-        self.ledger.handle(conn, input, d).await
+        self.ledger.handle(tx, input, d).await
     }
 }

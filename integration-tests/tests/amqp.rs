@@ -296,8 +296,8 @@ async fn an_undecodable_stored_result_still_gets_an_error_reply() {
     drain(consumer(&s), Arc::new(Ledger::default())).await;
     publish(&channel, &s.queue, &[request("new")]).await;
     let v2 = onceonly::handler_fn(
-        |_: &mut sqlx::PgConnection, _: onceonly::Json<serde_json::Value>, _: &Delivery| {
-            Box::pin(async { Ok::<_, onceonly::HandlerError>(vec!["v2".to_owned()]) })
+        |_tx: onceonly::Tx<sqlx::Postgres>, _: onceonly::Json<serde_json::Value>| async {
+            Ok(vec!["v2".to_owned()])
         },
     );
     let stats = consumer(&s)

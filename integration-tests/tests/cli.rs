@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use onceonly::ops::Purger;
 use onceonly::{
-    Clock as _, Delivery, Engine, HandlerError, Json, KeySpec, MySqlStore, Outcome, PgStore,
-    SqlStore, SystemClock, handler_fn,
+    Clock as _, Delivery, Engine, Json, KeySpec, MySqlStore, Outcome, PgStore, SqlStore,
+    SystemClock, handler_fn,
 };
 use onceonly_integration_tests::cli::onceonly;
 use onceonly_integration_tests::{
@@ -123,16 +123,17 @@ async fn purge_of_200k_expired_records_while_consumers_insert_on_postgres() {
     );
     let insert = sql.insert.clone();
     let handler = Arc::new(handler_fn(
-        move |conn: &mut sqlx::PgConnection, Json(p): Json<Pay>, _: &Delivery| {
+        move |tx: onceonly::Tx<sqlx::Postgres>, Json(p): Json<Pay>| {
             let insert = insert.clone();
-            Box::pin(async move {
+            async move {
+                let mut conn = tx.lock().await?;
                 sqlx::query(&insert)
                     .bind(&p.out_trade_no)
                     .bind(p.amount)
                     .execute(&mut *conn)
                     .await?;
-                Ok::<_, HandlerError>(p.amount)
-            })
+                Ok(p.amount)
+            }
         },
     ));
     let stop = Arc::new(AtomicBool::new(false));

@@ -276,10 +276,11 @@ impl Handler<sqlx::MySql> for MyCharges {
 
     async fn handle(
         &self,
-        conn: &mut sqlx::MySqlConnection,
+        tx: onceonly::Tx<sqlx::MySql>,
         Json(p): Json<ledger::Payment>,
         _: &Delivery,
     ) -> Result<i64, HandlerError> {
+        let mut conn = tx.lock().await?;
         sqlx::query("INSERT INTO charges (out_trade_no, amount) VALUES (?, ?)")
             .bind(&p.out_trade_no)
             .bind(p.amount)

@@ -207,7 +207,7 @@ macro_rules! http_suite {
                         let run = f.runs.fetch_add(1, Ordering::SeqCst);
                         let mut tx = tx.lock().await.unwrap();
                         sqlx::query("INSERT INTO attempts (n) VALUES (1)")
-                            .execute(&mut **tx)
+                            .execute(&mut *tx)
                             .await
                             .unwrap();
                         if body.as_ref() == br#"{"panic":true}"# {
@@ -398,7 +398,7 @@ macro_rules! http_suite {
                 let slow = |tx: Tx<$db>| async move {
                     let mut tx = tx.lock().await.unwrap();
                     sqlx::query("INSERT INTO slow (n) VALUES (1)")
-                        .execute(&mut **tx)
+                        .execute(&mut *tx)
                         .await
                         .unwrap();
                     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -463,7 +463,7 @@ macro_rules! http_suite {
                 let make = |tx: Tx<$db>| async move {
                     let mut tx = tx.lock().await.unwrap();
                     sqlx::query("INSERT INTO made (n) VALUES (1)")
-                        .execute(&mut **tx)
+                        .execute(&mut *tx)
                         .await
                         .unwrap();
                     (StatusCode::SEE_OTHER, [("location", "/made/1")], "")

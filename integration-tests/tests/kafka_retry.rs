@@ -16,7 +16,7 @@ use onceonly_integration_tests::kafka::{
 };
 use onceonly_integration_tests::ledger::{Expected, assert_exact, payment};
 use onceonly_integration_tests::{pg_store, unique};
-use sqlx::{PgConnection, Postgres};
+use sqlx::Postgres;
 
 /// The examples' ledger; `SLOW` fails (retryably, after writing) on its
 /// first two runs, `NEVER` on every run.
@@ -32,11 +32,12 @@ impl Handler<Postgres> for Flaky {
 
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        tx: onceonly::Tx<sqlx::Postgres>,
         Json(p): Json<Payment>,
         _: &Delivery,
     ) -> Result<Receipt, HandlerError> {
-        let receipt = ledger::postgres::record(conn, &p).await?;
+        let mut conn = tx.lock().await?;
+        let receipt = ledger::postgres::record(&mut conn, &p).await?;
         match p.out_trade_no.as_str() {
             "SLOW" if self.slow_runs.fetch_add(1, Ordering::SeqCst) < 2 => {
                 Err(HandlerError::retryable("downstream timed out"))

@@ -14,7 +14,7 @@ use onceonly_integration_tests::example_ledger::{self as ledger, Payment, Receip
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
 use onceonly_integration_tests::ledger::{Expected, assert_exact, payment, rows};
 use onceonly_integration_tests::{pg_store, unique};
-use sqlx::{PgConnection, Postgres};
+use sqlx::Postgres;
 
 /// The examples' ledger, except that the first run for `STUCK` never ends
 /// (after writing: its transaction holds the claim).
@@ -31,11 +31,12 @@ impl Handler<Postgres> for Hangs {
 
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        tx: onceonly::Tx<sqlx::Postgres>,
         Json(p): Json<Payment>,
         _: &Delivery,
     ) -> Result<Receipt, HandlerError> {
-        let receipt = ledger::postgres::record(conn, &p).await?;
+        let mut conn = tx.lock().await?;
+        let receipt = ledger::postgres::record(&mut conn, &p).await?;
         if p.out_trade_no == "STUCK" && self.hang_once.swap(false, Ordering::SeqCst) {
             self.hanging.fetch_add(1, Ordering::SeqCst);
             std::future::pending::<()>().await;

@@ -30,7 +30,7 @@ use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
 use onceonly_integration_tests::ledger::payment;
 use onceonly_integration_tests::{pg_store, sqlite_store, unique};
-use sqlx::{Sqlite, SqliteConnection};
+use sqlx::Sqlite;
 use tracing::span::{Attributes, Id, Record as SpanRecord};
 use tracing::{Event, Subscriber};
 use tracing_subscriber::Layer;
@@ -579,7 +579,7 @@ impl Handler<Sqlite> for Noisy {
 
     async fn handle(
         &self,
-        _conn: &mut SqliteConnection,
+        _tx: onceonly::Tx<sqlx::Sqlite>,
         _input: Json<serde_json::Value>,
         _d: &Delivery,
     ) -> Result<(), HandlerError> {

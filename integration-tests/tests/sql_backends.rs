@@ -107,10 +107,11 @@ macro_rules! backend_suite {
                 > + use<S> {
                     let insert = self.sql.insert.clone();
                     let probe = probe.clone();
-                    handler_fn(move |conn: &mut $conn, Json(p): Json<Pay>, _: &Delivery| {
+                    handler_fn(move |tx: onceonly::Tx<<$conn as sqlx::Connection>::Database>, Json(p): Json<Pay>| {
                         let insert = insert.clone();
                         let probe = probe.clone();
-                        Box::pin(async move {
+                        async move {
+ let mut conn = tx.lock().await?;
                             probe.runs.fetch_add(1, Ordering::SeqCst);
                             sqlx::query(&insert)
                                 .bind(&p.out_trade_no)
@@ -128,8 +129,8 @@ macro_rules! backend_suite {
                                     "injected failure after the write",
                                 ));
                             }
-                            Ok::<_, HandlerError>((p.out_trade_no, p.amount))
-                        })
+                            Ok((p.out_trade_no, p.amount))
+                        }
                     })
                 }
 
@@ -653,8 +654,8 @@ macro_rules! backend_suite {
                 let d = Delivery::new(pay("U-1", 5));
                 let first = engine.process(&handler, &d).await;
                 assert!(matches!(first.outcome, Outcome::Processed { .. }));
-                let v2 = handler_fn(|_: &mut $conn, Json(p): Json<PayV2>, _: &Delivery| {
-                    Box::pin(async move { Ok::<_, HandlerError>((p.out_trade_no, 0i64)) })
+                let v2 = handler_fn(|_tx: onceonly::Tx<<$conn as sqlx::Connection>::Database>, Json(p): Json<PayV2>| {
+                    async move { Ok((p.out_trade_no, 0i64)) }
                 });
                 let again = engine.process(&v2, &d).await;
                 assert!(
@@ -703,6 +704,7 @@ macro_rules! backend_suite {
                     key,
                     fingerprint: Some(&fps[i]),
                     source: Some("t/0@1"),
+                    lock_wait: None,
                 };
                 let reqs = [
                     req("B-a", 0),
@@ -844,62 +846,61 @@ async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
     let handler = {
         let (runs, deadlocked) = (runs.clone(), deadlocked.clone());
         let (locks, filler, charges) = (locks.clone(), filler.clone(), charges.clone());
-        handler_fn(
-            move |conn: &mut sqlx::MySqlConnection, Json(p): Json<Pay>, _: &Delivery| {
-                let (runs, deadlocked, pool) = (runs.clone(), deadlocked.clone(), pool.clone());
-                let (locks, filler, charges) = (locks.clone(), filler.clone(), charges.clone());
-                Box::pin(async move {
-                    let run = runs.fetch_add(1, Ordering::SeqCst);
-                    sqlx::query(&format!("INSERT INTO {charges} VALUES (?, ?)"))
-                        .bind(&p.out_trade_no)
-                        .bind(p.amount)
+        handler_fn(move |tx: onceonly::Tx<sqlx::MySql>, Json(p): Json<Pay>| {
+            let (runs, deadlocked, pool) = (runs.clone(), deadlocked.clone(), pool.clone());
+            let (locks, filler, charges) = (locks.clone(), filler.clone(), charges.clone());
+            async move {
+                let mut conn = tx.lock().await?;
+                let run = runs.fetch_add(1, Ordering::SeqCst);
+                sqlx::query(&format!("INSERT INTO {charges} VALUES (?, ?)"))
+                    .bind(&p.out_trade_no)
+                    .bind(p.amount)
+                    .execute(&mut *conn)
+                    .await?;
+                if run == 0 {
+                    sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 1"))
                         .execute(&mut *conn)
                         .await?;
-                    if run == 0 {
+                    // A bigger transaction takes row 2 and waits for row 1:
+                    // InnoDB rolls back the smaller one, this handler's.
+                    let other_locks = locks.clone();
+                    let other = tokio::spawn(async move {
+                        let locks = other_locks;
+                        let mut tx = pool.begin().await.unwrap();
+                        sqlx::query(&format!("UPDATE {filler} SET v = v + 1"))
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
+                        sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 2"))
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
                         sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 1"))
-                            .execute(&mut *conn)
-                            .await?;
-                        // A bigger transaction takes row 2 and waits for row 1:
-                        // InnoDB rolls back the smaller one, this handler's.
-                        let other_locks = locks.clone();
-                        let other = tokio::spawn(async move {
-                            let locks = other_locks;
-                            let mut tx = pool.begin().await.unwrap();
-                            sqlx::query(&format!("UPDATE {filler} SET v = v + 1"))
-                                .execute(&mut *tx)
-                                .await
-                                .unwrap();
-                            sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 2"))
-                                .execute(&mut *tx)
-                                .await
-                                .unwrap();
-                            sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 1"))
-                                .execute(&mut *tx)
-                                .await
-                                .unwrap();
-                            tx.commit().await.unwrap();
-                        });
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        let r = sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 2"))
-                            .execute(&mut *conn)
-                            .await;
-                        // The handler's bug under test: the error is swallowed.
-                        if let Err(e) = r {
-                            deadlocked.store(
-                                e.as_database_error()
-                                    .and_then(|d| {
-                                        d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-                                    })
-                                    .is_some_and(|m| m.number() == 1213),
-                                Ordering::SeqCst,
-                            );
-                        }
-                        other.await.unwrap();
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
+                        tx.commit().await.unwrap();
+                    });
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let r = sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 2"))
+                        .execute(&mut *conn)
+                        .await;
+                    // The handler's bug under test: the error is swallowed.
+                    if let Err(e) = r {
+                        deadlocked.store(
+                            e.as_database_error()
+                                .and_then(|d| {
+                                    d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                                })
+                                .is_some_and(|m| m.number() == 1213),
+                            Ordering::SeqCst,
+                        );
                     }
-                    Ok::<_, HandlerError>(p.amount)
-                })
-            },
-        )
+                    other.await.unwrap();
+                }
+                Ok(p.amount)
+            }
+        })
     };
     let report = engine
         .process(&handler, &Delivery::new(pay("DL-1", 7)))

@@ -9,7 +9,7 @@
 //! others.
 
 use super::{
-    Engine, Failure, FromDelivery, Handler, Outcome, Report, decode_stored, report, settled,
+    Engine, Failure, FromDelivery, Handler, Outcome, Report, Tx, decode_stored, report, settled,
 };
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
@@ -109,8 +109,10 @@ impl<S: SqlStore> Engine<S> {
                 key: key.as_str(),
                 fingerprint: fingerprint.as_ref(),
                 source: delivery.source(),
+                lock_wait: None,
             };
-            if let Some(outcome) = self.settled_by_cache(&key, &req).await {
+            if let Some(hit) = self.cached_claim(&self.inner.scope, &req).await {
+                let outcome = settled(&key, hit, fingerprint.as_ref());
                 reports[index] = Some(report(Some(key), outcome));
                 continue;
             }
@@ -166,6 +168,7 @@ impl<S: SqlStore> Engine<S> {
                     key: r.key.as_str(),
                     fingerprint: r.fingerprint.as_ref(),
                     source: r.delivery.source(),
+                    lock_wait: None,
                 })
                 .collect();
             match inner
@@ -181,6 +184,7 @@ impl<S: SqlStore> Engine<S> {
                 }
             }
         };
+        let tx = Tx::new(tx);
         let mut outcomes = Vec::with_capacity(ready.len());
         let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
         for (i, (item, claim)) in ready.iter_mut().zip(claims).enumerate() {
@@ -190,7 +194,7 @@ impl<S: SqlStore> Engine<S> {
                     let run = match item.input.take() {
                         Some(input) => {
                             // Results are recorded together, below.
-                            self.run_handler(&mut tx, handler, item.delivery, input)
+                            self.run_handler(tx.clone(), handler, item.delivery, input)
                                 .instrument(item.span.clone())
                                 .await
                         }
@@ -205,7 +209,9 @@ impl<S: SqlStore> Engine<S> {
                         }
                         Err(failure) => {
                             tracing::debug!(parent: &item.span, error = %failure, "failure inside a batch, processing one by one");
-                            drop(tx.rollback().await);
+                            if let Some(tx) = tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
+                                drop(tx.rollback().await);
+                            }
                             return None;
                         }
                     }
@@ -233,6 +239,8 @@ impl<S: SqlStore> Engine<S> {
             };
             outcomes.push(outcome);
         }
+        // A handler that kept the transaction: it rolls back when let go.
+        let mut tx = tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await?;
         // Every new key's result in one statement where the backend can.
         let results: Vec<(&str, &[u8])> = ready
             .iter()
@@ -271,17 +279,15 @@ impl<S: SqlStore> Engine<S> {
             })
             .collect();
         for (key, fingerprint, bytes) in &done {
-            inner
-                .store
-                .committed(&Completed {
-                    scope: &inner.scope,
-                    key: key.as_str(),
-                    fingerprint: fingerprint.as_ref(),
-                    result: bytes,
-                    now_ms: times.now_ms,
-                    expires_at_ms: times.expires_at_ms,
-                })
-                .await;
+            self.tell_tier(&Completed {
+                scope: &inner.scope,
+                key: key.as_str(),
+                fingerprint: fingerprint.as_ref(),
+                result: bytes,
+                now_ms: times.now_ms,
+                expires_at_ms: times.expires_at_ms,
+            })
+            .await;
         }
         Some(outcomes)
     }

@@ -3,12 +3,14 @@
 use std::error::Error as StdError;
 use std::marker::PhantomData;
 
+use std::future::Future;
+
 use async_trait::async_trait;
-use futures_util::future::BoxFuture;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::Database;
 
+use super::tx::{Tx, TxGone};
 use crate::delivery::Delivery;
 use crate::store::InfraFault;
 
@@ -51,6 +53,20 @@ impl FromDelivery for String {
     fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
         String::from_utf8(delivery.payload().to_vec())
             .map_err(|e| DecodeError(format!("payload is not UTF-8: {e}")))
+    }
+}
+
+/// The whole delivery: its payload, metadata and source.
+impl FromDelivery for Delivery {
+    fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
+        Ok(delivery.clone())
+    }
+}
+
+/// Two inputs decoded from the same delivery, e.g. `(Json<T>, Delivery)`.
+impl<A: FromDelivery, B: FromDelivery> FromDelivery for (A, B) {
+    fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
+        Ok((A::from_delivery(delivery)?, B::from_delivery(delivery)?))
     }
 }
 
@@ -134,15 +150,53 @@ impl From<sqlx::Error> for HandlerError {
     }
 }
 
+/// A handle used after the engine finished its delivery: a bug of the
+/// handler, never retried.
+impl From<TxGone> for HandlerError {
+    fn from(e: TxGone) -> Self {
+        Self::permanent(e)
+    }
+}
+
 /// Business logic run once per key, inside the claim's transaction.
 ///
-/// `conn` is the open transaction: every write made through it commits
-/// together with the claim, or rolls back with it. Do not commit or roll back
-/// yourself, and do not perform effects outside the database that cannot be
-/// undone (or make them idempotent on their own, e.g. with the Redis store).
+/// `tx` is the open transaction ([`Tx`]): every write made through it
+/// commits together with the claim, or rolls back with it. Do not commit or
+/// roll back yourself, and do not perform effects outside the database that
+/// cannot be undone (or make them idempotent on their own, e.g. with the
+/// Redis store). A closure does the same with [`handler_fn`].
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")] {
+/// use onceonly::{Delivery, Handler, HandlerError, Json, Tx};
+/// use sqlx::Sqlite;
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { out_trade_no: String, amount: i64 }
+///
+/// struct Ledger;
+///
+/// #[async_trait::async_trait]
+/// impl Handler<Sqlite> for Ledger {
+///     type Input = Json<Payment>;
+///     type Output = i64;
+///
+///     async fn handle(&self, tx: Tx<Sqlite>, Json(p): Json<Payment>, _: &Delivery) -> Result<i64, HandlerError> {
+///         let mut conn = tx.lock().await?;
+///         sqlx::query("INSERT INTO ledger (out_trade_no, amount) VALUES (?, ?)")
+///             .bind(&p.out_trade_no)
+///             .bind(p.amount)
+///             .execute(&mut *conn)
+///             .await?;
+///         Ok(p.amount)
+///     }
+/// }
+/// # }
+/// ```
 #[async_trait]
 pub trait Handler<DB: Database>: Send + Sync {
-    /// The decoded input ([`Json<T>`], `Vec<u8>`, `String`, or your own [`FromDelivery`]).
+    /// The decoded input ([`Json<T>`], `Vec<u8>`, `String`, [`Delivery`],
+    /// a pair of these, or your own [`FromDelivery`]).
     type Input: FromDelivery;
     /// The result, stored with the key and returned to duplicates.
     type Output: Serialize + DeserializeOwned + Send + Sync + 'static;
@@ -150,48 +204,50 @@ pub trait Handler<DB: Database>: Send + Sync {
     /// Handles one delivery whose key was just claimed.
     async fn handle(
         &self,
-        conn: &mut DB::Connection,
+        tx: Tx<DB>,
         input: Self::Input,
         delivery: &Delivery,
     ) -> Result<Self::Output, HandlerError>;
 }
 
 /// A handler made from a closure; see [`handler_fn`].
-pub struct FnHandler<C, I, O, F> {
+pub struct FnHandler<F, DB, I> {
     f: F,
-    _types: PhantomData<fn(C, I) -> O>,
+    _types: PhantomData<fn(DB, I)>,
 }
 
-/// Wraps a closure as a [`Handler`]. Annotate the connection type:
+/// Wraps an async closure over the claim's transaction and the decoded
+/// input as a [`Handler`]:
 ///
 /// ```
 /// # #[cfg(feature = "sqlite")] {
-/// use onceonly::{handler_fn, Delivery, HandlerError, Json};
-/// use sqlx::SqliteConnection;
+/// use onceonly::{handler_fn, Json, Tx};
+/// use sqlx::Sqlite;
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { out_trade_no: String, amount: i64 }
 ///
-/// let handler = handler_fn(|conn: &mut SqliteConnection, Json(p): Json<Payment>, _: &Delivery| {
-///     Box::pin(async move {
-///         sqlx::query("INSERT INTO ledger (out_trade_no, amount) VALUES (?, ?)")
-///             .bind(&p.out_trade_no)
-///             .bind(p.amount)
-///             .execute(&mut *conn)
-///             .await?;
-///         Ok::<_, HandlerError>(p.amount)
-///     })
+/// let handler = handler_fn(|tx: Tx<Sqlite>, Json(p): Json<Payment>| async move {
+///     let mut conn = tx.lock().await?;
+///     sqlx::query("INSERT INTO ledger (out_trade_no, amount) VALUES (?, ?)")
+///         .bind(&p.out_trade_no)
+///         .bind(p.amount)
+///         .execute(&mut *conn)
+///         .await?;
+///     Ok(p.amount)
 /// });
 /// # let _ = handler; }
 /// ```
-pub fn handler_fn<C, I, O, F>(f: F) -> FnHandler<C, I, O, F>
+///
+/// The input is anything [`FromDelivery`]; take `(Json<T>, Delivery)` to
+/// read the delivery's metadata too.
+pub fn handler_fn<F, Fut, DB, I, O>(f: F) -> FnHandler<F, DB, I>
 where
-    C: Send + 'static,
+    DB: Database,
     I: FromDelivery,
     O: Serialize + DeserializeOwned + Send + Sync + 'static,
-    F: for<'c> Fn(&'c mut C, I, &'c Delivery) -> BoxFuture<'c, Result<O, HandlerError>>
-        + Send
-        + Sync,
+    F: Fn(Tx<DB>, I) -> Fut + Send + Sync,
+    Fut: Future<Output = Result<O, HandlerError>> + Send,
 {
     FnHandler {
         f,
@@ -200,21 +256,19 @@ where
 }
 
 #[async_trait]
-impl<DB, C, I, O, F> Handler<DB> for FnHandler<C, I, O, F>
+impl<F, Fut, DB, I, O> Handler<DB> for FnHandler<F, DB, I>
 where
-    DB: Database<Connection = C>,
-    C: Send + 'static,
+    DB: Database,
     I: FromDelivery,
     O: Serialize + DeserializeOwned + Send + Sync + 'static,
-    F: for<'c> Fn(&'c mut C, I, &'c Delivery) -> BoxFuture<'c, Result<O, HandlerError>>
-        + Send
-        + Sync,
+    F: Fn(Tx<DB>, I) -> Fut + Send + Sync,
+    Fut: Future<Output = Result<O, HandlerError>> + Send,
 {
     type Input = I;
     type Output = O;
 
-    async fn handle(&self, conn: &mut C, input: I, delivery: &Delivery) -> Result<O, HandlerError> {
-        (self.f)(conn, input, delivery).await
+    async fn handle(&self, tx: Tx<DB>, input: I, _: &Delivery) -> Result<O, HandlerError> {
+        (self.f)(tx, input).await
     }
 }
 
@@ -231,10 +285,10 @@ where
 
     async fn handle(
         &self,
-        conn: &mut DB::Connection,
+        tx: Tx<DB>,
         input: Self::Input,
         delivery: &Delivery,
     ) -> Result<Self::Output, HandlerError> {
-        (**self).handle(conn, input, delivery).await
+        (**self).handle(tx, input, delivery).await
     }
 }

@@ -12,6 +12,8 @@ mod decision;
 mod handler;
 mod outcome;
 mod retry;
+mod session;
+mod tx;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -24,9 +26,7 @@ use crate::clock::Clock;
 use crate::delivery::Delivery;
 use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{IdemKey, KeySpec};
-use crate::store::{
-    Claim, ClaimRequest, ClaimTimes, Completed, InfraFault, SqlStore, StoreError, classify_existing,
-};
+use crate::store::{Claim, ClaimRequest, InfraFault, SqlStore, StoreError, classify_existing};
 use crate::telemetry::Telemetry;
 
 #[cfg(any(feature = "kafka", feature = "amqp"))]
@@ -38,6 +38,8 @@ pub use handler::{
 };
 pub use outcome::{Failure, Outcome, OutcomeKind, Rejection, Report};
 pub use retry::RetryPolicy;
+pub use session::{ClaimError, ClaimSpec, Claimed, Session};
+pub use tx::{Tx, TxGone, TxGuard};
 
 /// Claims keys and runs handlers exactly once per key, over a [`SqlStore`].
 ///
@@ -98,9 +100,21 @@ impl<S: SqlStore> Engine<S> {
     }
 
     /// The metric handles and span settings of this engine.
-    #[cfg(any(feature = "kafka", feature = "amqp"))]
+    #[cfg(any(feature = "kafka", feature = "amqp", feature = "http"))]
     pub(crate) fn telemetry(&self) -> &Telemetry {
         &self.inner.telemetry
+    }
+
+    /// What the payload fingerprint covers.
+    #[cfg(feature = "http")]
+    pub(crate) fn fingerprint_spec(&self) -> &FingerprintSpec {
+        &self.inner.fingerprint
+    }
+
+    /// Now, by the engine's clock, in ms since the Unix epoch.
+    #[cfg(feature = "http")]
+    pub(crate) fn now_ms(&self) -> i64 {
+        self.inner.clock.now_ms()
     }
 
     /// A new `onceonly.delivery` span for `delivery` (see
@@ -229,9 +243,10 @@ impl<S: SqlStore> Engine<S> {
             key: key.as_str(),
             fingerprint,
             source: delivery.source(),
+            lock_wait: None,
         };
-        if let Some(outcome) = self.settled_by_cache(key, &req).await {
-            return outcome;
+        if let Some(hit) = self.cached_claim(&inner.scope, &req).await {
+            return settled(key, hit, fingerprint);
         }
         match inner.store.get(&inner.scope, key.as_str()).await {
             Ok(Some(record)) if record.expires_at_ms > inner.clock.now_ms() => settled(
@@ -297,89 +312,41 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
-        let inner = &*self.inner;
-        let req = ClaimRequest {
-            key: key.as_str(),
-            fingerprint,
-            source: delivery.source(),
-        };
-        if let Some(outcome) = self.settled_by_cache(key, &req).await {
-            return outcome;
-        }
-        let mut tx = match inner.store.begin().await {
-            Ok(tx) => tx,
+        let spec = ClaimSpec::new(key)
+            .fingerprint(fingerprint.copied())
+            .source(delivery.source());
+        let session = match self.claim_with(spec).await {
+            Ok(Claimed::New(session)) => session,
+            Ok(Claimed::Duplicate { result }) => {
+                return Outcome::Duplicate {
+                    result: result.and_then(|bytes| decode_stored(&bytes)),
+                };
+            }
+            Ok(Claimed::Conflict { stored, received }) => {
+                return Outcome::Conflict { stored, received };
+            }
             Err(e) => return Outcome::Failed(Failure::Store(e)),
         };
-        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
-        let claim = match inner.store.claim(&mut tx, &inner.scope, times, &req).await {
-            Ok(claim) => claim,
-            Err(e) => return Outcome::Failed(Failure::Store(e)),
-        };
-        if claim != Claim::Claimed {
-            // Nothing was written: end the transaction and report what the
-            // claim found.
-            drop(tx.rollback().await);
-            return settled(key, claim, fingerprint);
-        }
         match self
-            .run_claimed(&mut tx, handler, delivery, key, input)
+            .run_handler(session.tx(), handler, delivery, input)
             .await
         {
-            // A failed commit is ambiguous (it may have reached the
-            // database); reporting it as a failure leads to a redelivery,
-            // and the claim then tells whether it had committed.
-            Ok((output, bytes)) => match self.commit(tx).await {
-                Ok(()) => {
-                    inner
-                        .store
-                        .committed(&Completed {
-                            scope: &inner.scope,
-                            key: key.as_str(),
-                            fingerprint,
-                            result: &bytes,
-                            now_ms: times.now_ms,
-                            expires_at_ms: times.expires_at_ms,
-                        })
-                        .await;
-                    Outcome::Processed { result: output }
-                }
-                Err(e) => Outcome::Failed(Failure::Store(e.into())),
+            Ok((output, bytes)) => match session.finish(&bytes).await {
+                Ok(()) => Outcome::Processed { result: output },
+                Err(failure) => Outcome::Failed(failure),
             },
             Err(failure) => {
-                drop(tx.rollback().await);
+                session.abandon().await;
                 Outcome::Failed(failure)
             }
         }
-    }
-
-    /// Runs the handler for a claimed key on the open transaction and
-    /// records its result there. Returns the output and its stored bytes; on
-    /// error the caller must roll back.
-    async fn run_claimed<H>(
-        &self,
-        conn: &mut <S::Db as sqlx::Database>::Connection,
-        handler: &H,
-        delivery: &Delivery,
-        key: &IdemKey,
-        input: H::Input,
-    ) -> Result<(H::Output, Vec<u8>), Failure>
-    where
-        H: Handler<S::Db>,
-    {
-        let (output, bytes) = self.run_handler(conn, handler, delivery, input).await?;
-        self.inner
-            .store
-            .complete(conn, &self.inner.scope, key.as_str(), &bytes)
-            .await
-            .map_err(Failure::Store)?;
-        Ok((output, bytes))
     }
 
     /// Runs the handler on the open transaction (panics caught) and encodes
     /// its output for storage; the caller records it.
     async fn run_handler<H>(
         &self,
-        conn: &mut <S::Db as sqlx::Database>::Connection,
+        tx: Tx<S::Db>,
         handler: &H,
         delivery: &Delivery,
         input: H::Input,
@@ -388,7 +355,7 @@ impl<S: SqlStore> Engine<S> {
         H: Handler<S::Db>,
     {
         let started = Instant::now();
-        let output = AssertUnwindSafe(handler.handle(conn, input, delivery))
+        let output = AssertUnwindSafe(handler.handle(tx, input, delivery))
             .catch_unwind()
             .await;
         self.inner.telemetry.handler_time(started.elapsed());
@@ -397,32 +364,6 @@ impl<S: SqlStore> Engine<S> {
             .map_err(Failure::Handler)?;
         let bytes = serde_json::to_vec(&output).map_err(Failure::Encode)?;
         Ok((output, bytes))
-    }
-
-    /// Commits the claim transaction, timing it.
-    async fn commit(&self, tx: sqlx::Transaction<'static, S::Db>) -> Result<(), sqlx::Error> {
-        let started = Instant::now();
-        let committed = tx.commit().await;
-        self.inner.telemetry.commit_time(started.elapsed());
-        committed
-    }
-}
-
-impl<S: SqlStore> Engine<S> {
-    /// What a cache tier in front of the store knows of `req.key`, without
-    /// any SQL: `Some` duplicate or conflict for a completed key, `None`
-    /// when the database must be asked.
-    async fn settled_by_cache<T: serde::de::DeserializeOwned>(
-        &self,
-        key: &IdemKey,
-        req: &ClaimRequest<'_>,
-    ) -> Option<Outcome<T>> {
-        let hit = self
-            .inner
-            .store
-            .cached(&self.inner.scope, key.as_str())
-            .await?;
-        Some(settled(key, hit.classify(req), req.fingerprint))
     }
 }
 

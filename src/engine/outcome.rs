@@ -167,6 +167,12 @@ pub enum Failure {
     /// The handler's result could not be serialized for storage.
     #[error("cannot serialize the handler's result: {0}")]
     Encode(#[source] serde_json::Error),
+    /// The handler kept a lock on its [`Tx`](crate::Tx) after it returned
+    /// (moved into a spawned task or a streaming body): the engine could
+    /// not take the transaction back, which rolls back when the lock is
+    /// dropped. A bug of the handler, never retried.
+    #[error("the handler kept the transaction after it returned")]
+    TxHeld,
 }
 
 impl Failure {
@@ -177,7 +183,7 @@ impl Failure {
             Self::Handler(e) => e.is_retryable() || e.is_infrastructure(),
             Self::Store(e) => e.is_infrastructure(),
             Self::Panic(_) => true,
-            Self::Encode(_) => false,
+            Self::Encode(_) | Self::TxHeld => false,
         }
     }
 
@@ -189,7 +195,7 @@ impl Failure {
         match self {
             Self::Store(e) => e.infra_fault(),
             Self::Handler(e) => e.infra_fault(),
-            Self::Panic(_) | Self::Encode(_) => None,
+            Self::Panic(_) | Self::Encode(_) | Self::TxHeld => None,
         }
     }
 

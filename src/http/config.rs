@@ -8,11 +8,12 @@ use axum::http::{HeaderName, Method, StatusCode};
 
 use super::layer::IdempotencyLayer;
 use super::signature::SignatureCheck;
-use crate::clock::{Clock, SystemClock};
+use crate::clock::Clock;
+use crate::engine::{BuildError, Engine, EngineBuilder};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{KeySpec, KeySpecError};
 use crate::store::{SqlStore, StoreError, validate_scope};
-use crate::telemetry::{TRANSPORT_HTTP, Telemetry};
+use crate::telemetry::TRANSPORT_HTTP;
 
 /// The authenticated caller, put into request extensions by your auth
 /// middleware (before the layer runs). Keys are scoped per principal: one
@@ -117,14 +118,16 @@ pub enum HttpBuildError {
     ZeroRetention,
 }
 
-pub(crate) struct Config<S> {
-    pub(crate) store: S,
-    pub(crate) scope: String,
+pub(crate) struct Config<S: SqlStore> {
+    /// Claims, commits, the cache tier and telemetry (`transport="http"`).
+    pub(crate) engine: Engine<S>,
+    pub(crate) http: Settings,
+}
+
+/// What only HTTP needs.
+pub(crate) struct Settings {
     pub(crate) mode: Mode,
-    pub(crate) key: KeySpec,
-    pub(crate) fingerprint: FingerprintSpec,
     pub(crate) methods: Vec<Method>,
-    pub(crate) retention: Duration,
     pub(crate) in_flight: InFlight,
     pub(crate) store_client_errors: bool,
     pub(crate) max_request_body: usize,
@@ -133,17 +136,17 @@ pub(crate) struct Config<S> {
     pub(crate) signature: Option<SignatureCheck>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) principal: PrincipalFn,
-    pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) telemetry: Telemetry,
 }
 
 /// Builds an [`IdempotencyLayer`]: start with
 /// [`IdempotencyLayer::idempotency_key`] or
 /// [`IdempotencyLayer::payment_callback`].
 pub struct IdempotencyLayerBuilder<S> {
-    cfg: Config<S>,
+    engine: EngineBuilder<S>,
+    scope: String,
+    retention: Duration,
+    cfg: Settings,
     key: Result<KeySpec, KeySpecError>,
-    hash_keys: bool,
 }
 
 impl<S: SqlStore> IdempotencyLayerBuilder<S> {
@@ -159,17 +162,16 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             // a repeated notification must get the ack, not a conflict.
             Mode::Callback { .. } => (vec![Method::POST], FingerprintSpec::Disabled),
         };
-        // Resolved by `build`, for the final scope and the recorder installed then.
-        let telemetry = Telemetry::unresolved(TRANSPORT_HTTP);
         Self {
-            cfg: Config {
-                store,
-                scope,
+            engine: Engine::builder(store)
+                .scope(scope.clone())
+                .fingerprint(fingerprint)
+                .transport(TRANSPORT_HTTP),
+            scope,
+            retention: Duration::from_secs(24 * 3600),
+            cfg: Settings {
                 mode,
-                key: KeySpec::fingerprint(),
-                fingerprint,
                 methods,
-                retention: Duration::from_secs(24 * 3600),
                 in_flight: InFlight::Conflict {
                     wait: Duration::from_millis(50),
                     retry_after_secs: 1,
@@ -192,11 +194,8 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 principal: Arc::new(|parts: &Parts| {
                     parts.extensions.get::<Principal>().map(|p| p.0.clone())
                 }),
-                clock: Arc::new(SystemClock),
-                telemetry,
             },
             key,
-            hash_keys: false,
         }
     }
 
@@ -233,7 +232,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     /// published expiry policy: a key reused after it is processed again).
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.cfg.retention = retention;
+        self.retention = retention;
         self
     }
 
@@ -245,7 +244,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     /// business fields (amount, currency) to refuse a tampered notification.
     #[must_use]
     pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-        self.cfg.fingerprint = spec;
+        self.engine = self.engine.fingerprint(spec);
         self
     }
 
@@ -318,7 +317,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     /// The clock for expiry (tests).
     #[must_use]
     pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.cfg.clock = Arc::new(clock);
+        self.engine = self.engine.clock(clock);
         self
     }
 
@@ -327,25 +326,36 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     /// [`EngineBuilder::hash_keys_in_traces`](crate::EngineBuilder::hash_keys_in_traces).
     #[must_use]
     pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
-        self.hash_keys = hash;
+        self.engine = self.engine.hash_keys_in_traces(hash);
         self
     }
 
     /// Validates the settings. Metric handles (label `transport="http"`,
     /// `scope` the layer's scope without the per-principal suffix) are
     /// resolved here: install the metrics recorder before.
-    pub fn build(mut self) -> Result<IdempotencyLayer<S>, HttpBuildError> {
-        validate_scope(&self.cfg.scope)?;
-        if self.cfg.scope.len() > 90 {
+    pub fn build(self) -> Result<IdempotencyLayer<S>, HttpBuildError> {
+        validate_scope(&self.scope)?;
+        if self.scope.len() > 90 {
             return Err(HttpBuildError::ScopeTooLong);
         }
-        if self.cfg.retention.is_zero() {
+        if self.retention.is_zero() {
             return Err(HttpBuildError::ZeroRetention);
         }
         let key = self.key?;
         key.validate()?;
-        self.cfg.key = key;
-        self.cfg.telemetry = Telemetry::new(&self.cfg.scope, TRANSPORT_HTTP, self.hash_keys);
-        Ok(IdempotencyLayer::from_config(self.cfg))
+        let engine = self
+            .engine
+            .key(key)
+            .retention(self.retention)
+            .build()
+            .map_err(|e| match e {
+                BuildError::Key(e) => HttpBuildError::Key(e),
+                BuildError::Scope(e) => HttpBuildError::Scope(e),
+                _ => HttpBuildError::ZeroRetention,
+            })?;
+        Ok(IdempotencyLayer::from_config(Config {
+            engine,
+            http: self.cfg,
+        }))
     }
 }

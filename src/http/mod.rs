@@ -16,7 +16,8 @@
 //!    another payload gets `422`; a key held by a request in flight gets
 //!    `409` with `Retry-After` (or, with [`InFlight::WaitThenReplay`], the
 //!    replay once it completes).
-//! 6. Otherwise the handler runs with the transaction ([`Tx`] extractor).
+//! 6. Otherwise the handler runs with the claim's transaction ([`Tx`]
+//!    extractor; the engine's [claim session](crate::engine::Session)).
 //!    A 2xx response (and 4xx if configured) is stored in that same
 //!    transaction, which then commits; only then is the response sent. A
 //!    5xx, a 4xx not stored, or a panic rolls everything back and stores
@@ -50,17 +51,20 @@
 //! [`IdempotencyLayerBuilder::retention`]); a key reused after that is a new
 //! request. Publish this to your clients, as the IETF draft asks.
 
+mod answer;
 mod config;
 mod form;
 mod layer;
 mod problem;
+mod request;
 mod signature;
 mod stored;
 mod tx;
 
+pub use crate::engine::{Tx, TxGone, TxGuard};
 pub use config::{
     Ack, HttpBuildError, IdempotencyLayerBuilder, InFlight, OnStoreError, Principal, PrincipalFn,
 };
 pub use layer::{IdempotencyLayer, Idempotent};
 pub use signature::{SignatureCheck, SignatureError};
-pub use tx::{Tx, TxGone, TxGuard};
+pub use tx::TxRejection;

@@ -114,6 +114,30 @@ impl StoredResponse {
     }
 }
 
+/// Reads `body` until it ends (`rest` is `None`) or more than `max` bytes
+/// were read (`rest` is the unread remainder).
+pub(crate) async fn read_up_to(
+    mut body: Body,
+    max: usize,
+) -> Result<(Bytes, Option<Body>), String> {
+    use http_body_util::BodyExt as _;
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => return Ok((buf.freeze(), None)),
+            Some(Err(e)) => return Err(e.to_string()),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > max {
+                        return Ok((buf.freeze(), Some(body)));
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

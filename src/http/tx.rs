@@ -1,53 +1,36 @@
-//! The open transaction, handed to the handler through request extensions.
-
-use std::sync::Arc;
+//! The claim's transaction as an axum extractor.
 
 use axum::body::Body;
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::request::Parts;
 use axum::http::{Response, StatusCode};
 use axum::response::IntoResponse;
-use sqlx::{Database, Transaction};
-use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
+use sqlx::Database;
 
 use super::problem::problem;
+use crate::engine::{Tx, TxGone};
 
-/// Where the layer keeps the claim's transaction while the handler runs.
-pub(crate) struct TxSlot<DB: Database>(pub(crate) Arc<Mutex<Option<Transaction<'static, DB>>>>);
+/// The handler's [`Tx`] could not be extracted: the route is not behind an
+/// [`IdempotencyLayer`](super::IdempotencyLayer), or the request went
+/// through without a key (optional keys, or a fail-open outage; take
+/// `Option<Tx<DB>>` where a handler must also run without one). Answers
+/// `500` with problem type `urn:onceonly:problem:no-transaction`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "no onceonly transaction: the route is not behind the IdempotencyLayer, or the request had no key"
+)]
+pub struct TxRejection;
 
-impl<DB: Database> Clone for TxSlot<DB> {
-    fn clone(&self) -> Self {
-        Self(Arc::clone(&self.0))
+impl IntoResponse for TxRejection {
+    fn into_response(self) -> Response<Body> {
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "no-transaction",
+            "No idempotency transaction",
+            "this route is not behind the onceonly IdempotencyLayer, or the request went through without a key",
+        )
     }
 }
-
-/// The transaction the key was claimed in: an axum extractor. Write through
-/// it and your writes commit together with the claim and the stored
-/// response, or not at all.
-///
-/// ```rust,ignore
-/// async fn create_order(tx: Tx<Postgres>, Json(order): Json<NewOrder>) -> Result<impl IntoResponse, AppError> {
-///     let mut tx = tx.lock().await?;
-///     let id: i64 = sqlx::query_scalar("INSERT INTO orders (account, amount) VALUES ($1, $2) RETURNING id")
-///         .bind(&order.account)
-///         .bind(order.amount)
-///         .fetch_one(&mut **tx)
-///         .await?;
-///     Ok((StatusCode::CREATED, Json(Order { id, .. })))
-/// }
-/// ```
-///
-/// Do not commit or roll it back yourself: the layer commits after the
-/// response is stored (2xx, and 4xx if configured) and rolls back otherwise.
-/// Extraction fails with a 500 problem on a route the layer does not cover;
-/// use `Option<Tx<DB>>` where a handler must also run without one (a
-/// request without a key where keys are optional, or a fail-open outage).
-pub struct Tx<DB: Database>(TxSlot<DB>);
-
-/// The transaction is gone (the layer already finished the request).
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-#[error("the onceonly transaction is no longer available")]
-pub struct TxGone;
 
 impl IntoResponse for TxGone {
     fn into_response(self) -> Response<Body> {
@@ -60,31 +43,43 @@ impl IntoResponse for TxGone {
     }
 }
 
-/// The locked transaction: use `&mut **guard` as the sqlx executor.
-pub type TxGuard<DB> =
-    OwnedMappedMutexGuard<Option<Transaction<'static, DB>>, Transaction<'static, DB>>;
-
-impl<DB: Database> Tx<DB> {
-    /// Locks the transaction for the handler's statements: use
-    /// `&mut **guard` as the executor.
-    pub async fn lock(&self) -> Result<TxGuard<DB>, TxGone> {
-        OwnedMutexGuard::try_map(Arc::clone(&self.0.0).lock_owned().await, Option::as_mut)
-            .map_err(|_| TxGone)
-    }
-}
-
+/// The transaction the request's key was claimed in. Write through it and
+/// your writes commit together with the claim and the stored response, or
+/// not at all:
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")] mod f {
+/// use axum::http::StatusCode;
+/// use axum::Json;
+/// use onceonly::Tx;
+/// use sqlx::Postgres;
+///
+/// #[derive(serde::Deserialize)]
+/// struct NewOrder { account: String, amount: i64 }
+///
+/// async fn create_order(
+///     tx: Tx<Postgres>,
+///     Json(order): Json<NewOrder>,
+/// ) -> Result<(StatusCode, String), StatusCode> {
+///     let mut conn = tx.lock().await.map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     let id: i64 = sqlx::query_scalar("INSERT INTO orders (account, amount) VALUES ($1, $2) RETURNING id")
+///         .bind(&order.account)
+///         .bind(order.amount)
+///         .fetch_one(&mut *conn)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     Ok((StatusCode::CREATED, id.to_string()))
+/// }
+/// # }
+/// ```
+///
+/// The layer commits after the response is stored (2xx, and 4xx if
+/// configured) and rolls back otherwise.
 impl<DB: Database, S: Send + Sync> FromRequestParts<S> for Tx<DB> {
-    type Rejection = Response<Body>;
+    type Rejection = TxRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<TxSlot<DB>>().cloned().map(Tx).ok_or_else(|| {
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "no-transaction",
-                "No idempotency transaction",
-                "this route is not behind the onceonly IdempotencyLayer, or the request went through without a key",
-            )
-        })
+        parts.extensions.get::<Tx<DB>>().cloned().ok_or(TxRejection)
     }
 }
 
@@ -95,6 +90,6 @@ impl<DB: Database, S: Send + Sync> OptionalFromRequestParts<S> for Tx<DB> {
         parts: &mut Parts,
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<TxSlot<DB>>().cloned().map(Tx))
+        Ok(parts.extensions.get::<Tx<DB>>().cloned())
     }
 }

@@ -19,8 +19,8 @@ use super::error::RedisError;
 use super::keys::KeyLayout;
 use crate::fingerprint::Fingerprint;
 use crate::store::{
-    CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore, StoreError,
-    TableName,
+    CacheTier, CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore,
+    StoreError, TableName,
 };
 
 /// Counters of a [`CachedStore`].
@@ -194,66 +194,8 @@ impl<S: SqlStore> SqlStore for CachedStore<S> {
         self.sql.begin().await
     }
 
-    async fn set_lock_timeout(
-        &self,
-        conn: &mut <Self::Db as Database>::Connection,
-        timeout: Option<std::time::Duration>,
-    ) -> Result<(), StoreError> {
-        self.sql.set_lock_timeout(conn, timeout).await
-    }
-
-    async fn cached(&self, scope: &str, key: &str) -> Option<CachedRecord> {
-        if self.redis_skipped() {
-            return None;
-        }
-        match self.lookup(scope, key).await {
-            Ok(Some(value)) => match decode(&value) {
-                Some(hit) => {
-                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                    Some(hit)
-                }
-                None => {
-                    // Not ours (a shared prefix?): a miss, SQL decides.
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(scope, "unexpected value in the Redis tier; asking SQL");
-                    None
-                }
-            },
-            Ok(None) => {
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-            Err(e) => {
-                self.failed();
-                tracing::warn!(error = %e, scope, "Redis lookup failed; asking SQL (Redis skipped for 1 s)");
-                None
-            }
-        }
-    }
-
-    async fn committed(&self, done: &Completed<'_>) {
-        if self.redis_skipped() {
-            return;
-        }
-        let redis_key = self.keys.key(done.scope, done.key);
-        let value = encode(done.fingerprint, done.result);
-        // Relative to the engine's clock, like the SQL expiry: no reliance
-        // on Redis's clock agreeing with ours.
-        let ttl_ms = u64::try_from(done.expires_at_ms.saturating_sub(done.now_ms))
-            .unwrap_or(0)
-            .max(1);
-        let mut conn = self.conn.clone();
-        let mut cmd = ::redis::cmd("SET");
-        cmd.arg(&redis_key).arg(value).arg("PX").arg(ttl_ms);
-        let set = cmd.query_async::<()>(&mut conn);
-        let written = match tokio::time::timeout(OP_TIMEOUT, set).await {
-            Ok(result) => result.map_err(RedisError::from),
-            Err(_) => Err(timed_out()),
-        };
-        if let Err(e) = written {
-            self.failed();
-            tracing::warn!(error = %e, scope = done.scope, "Redis write after commit failed; SQL still has the record");
-        }
+    fn tier(&self) -> Option<&dyn CacheTier> {
+        Some(self)
     }
 
     async fn claim(
@@ -340,6 +282,65 @@ impl<S: AdminStore> AdminStore for CachedStore<S> {
         self.sql
             .purge_created_before(scope, cutoff_ms, after, batch)
             .await
+    }
+}
+
+/// The Redis side of the tier: a hit answers without SQL, a committed key
+/// is written after its commit.
+#[async_trait]
+impl<S: SqlStore> CacheTier for CachedStore<S> {
+    async fn cached(&self, scope: &str, key: &str) -> Option<CachedRecord> {
+        if self.redis_skipped() {
+            return None;
+        }
+        match self.lookup(scope, key).await {
+            Ok(Some(value)) => match decode(&value) {
+                Some(hit) => {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    Some(hit)
+                }
+                None => {
+                    // Not ours (a shared prefix?): a miss, SQL decides.
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(scope, "unexpected value in the Redis tier; asking SQL");
+                    None
+                }
+            },
+            Ok(None) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(e) => {
+                self.failed();
+                tracing::warn!(error = %e, scope, "Redis lookup failed; asking SQL (Redis skipped for 1 s)");
+                None
+            }
+        }
+    }
+
+    async fn committed(&self, done: &Completed<'_>) {
+        if self.redis_skipped() {
+            return;
+        }
+        let redis_key = self.keys.key(done.scope, done.key);
+        let value = encode(done.fingerprint, done.result);
+        // Relative to the engine's clock, like the SQL expiry: no reliance
+        // on Redis's clock agreeing with ours.
+        let ttl_ms = u64::try_from(done.expires_at_ms.saturating_sub(done.now_ms))
+            .unwrap_or(0)
+            .max(1);
+        let mut conn = self.conn.clone();
+        let mut cmd = ::redis::cmd("SET");
+        cmd.arg(&redis_key).arg(value).arg("PX").arg(ttl_ms);
+        let set = cmd.query_async::<()>(&mut conn);
+        let written = match tokio::time::timeout(OP_TIMEOUT, set).await {
+            Ok(result) => result.map_err(RedisError::from),
+            Err(_) => Err(timed_out()),
+        };
+        if let Err(e) = written {
+            self.failed();
+            tracing::warn!(error = %e, scope = done.scope, "Redis write after commit failed; SQL still has the record");
+        }
     }
 }
 

@@ -22,6 +22,7 @@ mod numbered;
 mod rows;
 mod sql;
 mod table;
+mod tier;
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -39,6 +40,7 @@ use crate::fingerprint::Fingerprint;
 
 pub use error::{InfraFault, StoreError, infra_fault, is_stale_connection, pool_options};
 pub use table::TableName;
+pub use tier::{CacheTier, CachedRecord, Completed};
 
 /// The default dedup table name.
 pub const DEFAULT_TABLE: &str = "onceonly_keys";
@@ -58,6 +60,26 @@ pub struct ClaimRequest<'a> {
     pub fingerprint: Option<&'a Fingerprint>,
     /// Source coordinates for audits, e.g. `payments/3@1042`.
     pub source: Option<&'a str>,
+    /// How long the claim may wait for the key while another transaction
+    /// holds it (a request in flight) before it fails with contention
+    /// ([`StoreError::is_contention`]). `None`: the store's own bound (the
+    /// lock timeout of [`PgStore`](crate::store::postgres::PgStore),
+    /// SQLite's busy timeout, MySQL's `innodb_lock_wait_timeout`).
+    /// PostgreSQL applies it to the claim's own statement only, in the same
+    /// round trip; the other backends keep their own bound.
+    pub lock_wait: Option<Duration>,
+}
+
+impl<'a> ClaimRequest<'a> {
+    /// A request for `key`, without fingerprint, source or lock wait.
+    pub fn new(key: &'a str) -> Self {
+        Self {
+            key,
+            fingerprint: None,
+            source: None,
+            lock_wait: None,
+        }
+    }
 }
 
 /// The clock values of a claim: records expire at `expires_at_ms`; a record
@@ -79,39 +101,6 @@ impl ClaimTimes {
             expires_at_ms: now_ms.saturating_add(ttl),
         }
     }
-}
-
-/// A completed key as a cache tier remembers it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CachedRecord {
-    /// Its payload fingerprint, if one was stored.
-    pub fingerprint: Option<Fingerprint>,
-    /// Its stored result.
-    pub result: Option<Vec<u8>>,
-}
-
-impl CachedRecord {
-    /// What a claim of `req` would have found in the database.
-    pub fn classify(self, req: &ClaimRequest<'_>) -> Claim {
-        classify_existing(self.fingerprint, self.result, req)
-    }
-}
-
-/// A key whose transaction committed, for [`SqlStore::committed`].
-#[derive(Clone, Copy, Debug)]
-pub struct Completed<'a> {
-    /// The scope.
-    pub scope: &'a str,
-    /// The key.
-    pub key: &'a str,
-    /// Its fingerprint.
-    pub fingerprint: Option<&'a Fingerprint>,
-    /// Its stored result.
-    pub result: &'a [u8],
-    /// The claim time the expiry was computed from (the engine's clock).
-    pub now_ms: i64,
-    /// When the record expires, in milliseconds since the Unix epoch.
-    pub expires_at_ms: i64,
 }
 
 /// What a claim found.
@@ -196,38 +185,10 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// Begins a transaction with the isolation this backend's claim relies on.
     async fn begin(&self) -> Result<Transaction<'static, Self::Db>, StoreError>;
 
-    /// Bounds, for the rest of the open transaction `conn`, how long a
-    /// statement waits for a row lock, so a claim of a key another
-    /// transaction holds fails fast with a lock timeout
-    /// ([`StoreError::is_contention`]) instead of waiting for it to finish.
-    /// PostgreSQL sets `lock_timeout` locally; the other backends keep their
-    /// own bound (SQLite's busy timeout, MySQL's `innodb_lock_wait_timeout`),
-    /// which is the default.
-    /// `None` restores the default for the rest of the transaction.
-    async fn set_lock_timeout(
-        &self,
-        conn: &mut <Self::Db as Database>::Connection,
-        timeout: Option<std::time::Duration>,
-    ) -> Result<(), StoreError> {
-        let _ = (conn, timeout);
-        Ok(())
-    }
-
-    /// A cache tier in front of the database (see `onceonly::redis::CachedStore`)
-    /// answers whether `key` is known to be completed, *before* any SQL
-    /// runs: `Some` is final (a duplicate, or a conflict if the fingerprint
-    /// differs); `None` means "ask the database". Plain SQL stores have no
-    /// cache.
-    async fn cached(&self, scope: &str, key: &str) -> Option<CachedRecord> {
-        let _ = (scope, key);
+    /// The cache tier in front of this store, if any (see
+    /// [`CacheTier`]); plain SQL stores have none.
+    fn tier(&self) -> Option<&dyn CacheTier> {
         None
-    }
-
-    /// Called after the transaction that completed `key` with `result`
-    /// committed, never before: a cache tier records it there. Best effort;
-    /// plain SQL stores do nothing.
-    async fn committed(&self, done: &Completed<'_>) {
-        let _ = done;
     }
 
     /// Claims `req.key` in `scope` inside the open transaction `conn`.

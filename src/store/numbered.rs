@@ -18,6 +18,22 @@ macro_rules! numbered_store {
                 times: $crate::store::ClaimTimes,
                 req: &$crate::store::ClaimRequest<'_>,
             ) -> Result<bool, $crate::store::StoreError> {
+                if let Some(wait) = req
+                    .lock_wait
+                    .filter(|_| !self.sql.insert_waiting.is_empty())
+                {
+                    let written: i64 = sqlx::query_scalar(&self.sql.insert_waiting)
+                        .bind(scope)
+                        .bind(req.key)
+                        .bind(req.fingerprint.map(|f| f.as_bytes().as_slice()))
+                        .bind(req.source.map($crate::store::clamp_source))
+                        .bind(times.now_ms)
+                        .bind(times.expires_at_ms)
+                        .bind($crate::store::sql::lock_timeout_value(wait))
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    return Ok(written == 1);
+                }
                 let row = sqlx::query(&self.sql.insert)
                     .bind(scope)
                     .bind(req.key)
@@ -57,6 +73,22 @@ macro_rules! numbered_store {
                 times: $crate::store::ClaimTimes,
                 req: &$crate::store::ClaimRequest<'_>,
             ) -> Result<bool, $crate::store::StoreError> {
+                if let Some(wait) = req
+                    .lock_wait
+                    .filter(|_| !self.sql.reclaim_waiting.is_empty())
+                {
+                    let written: i64 = sqlx::query_scalar(&self.sql.reclaim_waiting)
+                        .bind(scope)
+                        .bind(req.key)
+                        .bind(req.fingerprint.map(|f| f.as_bytes().as_slice()))
+                        .bind(req.source.map($crate::store::clamp_source))
+                        .bind(times.now_ms)
+                        .bind(times.expires_at_ms)
+                        .bind($crate::store::sql::lock_timeout_value(wait))
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    return Ok(written == 1);
+                }
                 let done = sqlx::query(&self.sql.reclaim)
                     .bind(scope)
                     .bind(req.key)

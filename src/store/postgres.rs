@@ -39,8 +39,8 @@ fn begin_sql(lock_timeout: Option<std::time::Duration>) -> Arc<str> {
     match lock_timeout {
         None => Arc::from("BEGIN"),
         Some(t) => Arc::from(format!(
-            "BEGIN; SET LOCAL lock_timeout = '{}ms'",
-            t.as_millis().clamp(1, i32::MAX as u128)
+            "BEGIN; SET LOCAL lock_timeout = '{}'",
+            super::sql::lock_timeout_value(t)
         )),
     }
 }
@@ -131,35 +131,6 @@ impl SqlStore for PgStore {
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
         Ok(self.pool.begin_with(self.begin.to_string()).await?)
-    }
-
-    async fn set_lock_timeout(
-        &self,
-        conn: &mut PgConnection,
-        timeout: Option<std::time::Duration>,
-    ) -> Result<(), StoreError> {
-        match timeout {
-            // Keep the current value (perhaps set per session) to restore;
-            // 0 would mean "no limit" to Postgres.
-            Some(t) => {
-                sqlx::query(
-                    "SELECT set_config('onceonly.saved_lock_timeout', current_setting('lock_timeout'), true), \
-                            set_config('lock_timeout', $1, true)",
-                )
-                .bind(format!("{}ms", t.as_millis().clamp(1, i32::MAX as u128)))
-                .execute(conn)
-                .await?;
-            }
-            None => {
-                sqlx::query(
-                    "SELECT set_config('lock_timeout', \
-                     COALESCE(NULLIF(current_setting('onceonly.saved_lock_timeout', true), ''), '0'), true)",
-                )
-                .execute(conn)
-                .await?;
-            }
-        }
-        Ok(())
     }
 
     async fn claim(

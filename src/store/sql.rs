@@ -13,6 +13,14 @@ pub(crate) struct Sql {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub existing_many: String,
     pub reclaim: String,
+    /// `insert` and `reclaim` bounded by a lock wait (`$7`, a
+    /// `lock_timeout` value) for their own statement only, restored in the
+    /// same statement (PostgreSQL; empty elsewhere). They return how many
+    /// rows they wrote.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub insert_waiting: String,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub reclaim_waiting: String,
     pub complete: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub complete_many: String,
@@ -54,6 +62,8 @@ fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
             "UPDATE {t} SET fingerprint = $3, source = $4, created_at_ms = $5, expires_at_ms = $6, \
              result = NULL WHERE scope = $1 AND idem_key = $2 AND expires_at_ms <= $5"
         ),
+        insert_waiting: String::new(),
+        reclaim_waiting: String::new(),
         complete: format!("UPDATE {t} SET result = $3 WHERE scope = $1 AND idem_key = $2"),
         complete_many: format!(
             "UPDATE {t} AS t SET result = u.r FROM UNNEST($2::text[], $3::bytea[]) AS u(k, r) \
@@ -82,7 +92,30 @@ impl Sql {
             ),
         ];
         // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
-        numbered(&t, ddl, " FOR UPDATE SKIP LOCKED")
+        let mut sql = numbered(&t, ddl, " FOR UPDATE SKIP LOCKED");
+        // The bound is set before the write runs (the write reads its row
+        // from `w`) and the saved value restored after it ended (the outer
+        // select needs the count of its rows): no extra round trips.
+        let waiting = |write: &str| {
+            format!(
+                "WITH w AS (SELECT current_setting('lock_timeout') AS saved, \
+                 set_config('lock_timeout', $7::text, true) AS bound), \
+                 s AS ({write} RETURNING 1) \
+                 SELECT c.n, set_config('lock_timeout', w.saved, true) \
+                 FROM w, (SELECT count(*) AS n FROM s) AS c"
+            )
+        };
+        sql.insert_waiting = waiting(&format!(
+            "INSERT INTO {t} ({COLS}) \
+             SELECT $1::text, $2::text, $3::bytea, $4::text, $5::bigint, $6::bigint FROM w \
+             ON CONFLICT (scope, idem_key) DO NOTHING"
+        ));
+        sql.reclaim_waiting = waiting(&format!(
+            "UPDATE {t} SET fingerprint = $3::bytea, source = $4::text, created_at_ms = $5::bigint, \
+             expires_at_ms = $6::bigint, result = NULL FROM w \
+             WHERE scope = $1::text AND idem_key = $2::text AND expires_at_ms <= $5::bigint"
+        ));
+        sql
     }
 
     #[cfg(feature = "sqlite")]
@@ -135,6 +168,8 @@ impl Sql {
                 "UPDATE {t} SET fingerprint = ?, source = ?, created_at_ms = ?, expires_at_ms = ?, \
                  result = NULL WHERE scope = ? AND idem_key = ? AND expires_at_ms <= ?"
             ),
+            insert_waiting: String::new(),
+            reclaim_waiting: String::new(),
             complete: format!("UPDATE {t} SET result = ? WHERE scope = ? AND idem_key = ?"),
             complete_many: String::new(),
             get: format!("SELECT {COLS}, result FROM {t} WHERE scope = ? AND idem_key = ?"),
@@ -142,4 +177,11 @@ impl Sql {
             purge_scope: purge("scope = ? AND "),
         }
     }
+}
+
+/// A PostgreSQL `lock_timeout` value for `wait`, at least 1 ms (0 would
+/// mean "no limit").
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn lock_timeout_value(wait: std::time::Duration) -> String {
+    format!("{}ms", wait.as_millis().clamp(1, i32::MAX as u128))
 }

@@ -8,7 +8,7 @@
 use std::io::Write;
 use std::time::Duration;
 
-use onceonly::{Delivery, Engine, HandlerError, Json, handler_fn};
+use onceonly::{Delivery, Engine, Json, handler_fn};
 use onceonly_integration_tests::{BusinessSql, Pay, mysql_store, pay, pg_store, sqlite_store};
 
 macro_rules! run {
@@ -20,22 +20,25 @@ macro_rules! run {
             .expect("engine");
         let insert = $sql.insert;
         let hang = $hang;
-        let handler = handler_fn(move |conn: &mut $conn, Json(p): Json<Pay>, _: &Delivery| {
-            let insert = insert.clone();
-            Box::pin(async move {
-                sqlx::query(&insert)
-                    .bind(&p.out_trade_no)
-                    .bind(p.amount)
-                    .execute(&mut *conn)
-                    .await?;
-                if hang {
-                    println!("CLAIMED");
-                    std::io::stdout().flush().ok();
-                    tokio::time::sleep(Duration::from_secs(120)).await;
+        let handler = handler_fn(
+            move |tx: onceonly::Tx<<$conn as sqlx::Connection>::Database>, Json(p): Json<Pay>| {
+                let insert = insert.clone();
+                async move {
+                    let mut conn = tx.lock().await?;
+                    sqlx::query(&insert)
+                        .bind(&p.out_trade_no)
+                        .bind(p.amount)
+                        .execute(&mut *conn)
+                        .await?;
+                    if hang {
+                        println!("CLAIMED");
+                        std::io::stdout().flush().ok();
+                        tokio::time::sleep(Duration::from_secs(120)).await;
+                    }
+                    Ok(p.amount)
                 }
-                Ok::<_, HandlerError>(p.amount)
-            })
-        });
+            },
+        );
         let delivery = Delivery::new(pay(&$key, 7)).with_source("crash/0@1");
         let report = engine.process(&handler, &delivery).await;
         println!("{}", report.outcome.kind().as_str());

@@ -1,0 +1,302 @@
+//! The claim session: the one path from a claim to a commit. The engine's
+//! single and batch paths, the HTTP layer and the broker consumers all run
+//! on it: claim the key in a new transaction, let the caller work in that
+//! transaction ([`Tx`]), then [`finish`](Session::finish) (record the
+//! result, commit, tell the cache tier) or [`abandon`](Session::abandon).
+
+use std::time::{Duration, Instant};
+
+use super::tx::Tx;
+use super::{Engine, Failure};
+use crate::delivery::Delivery;
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdemKey, KeyError};
+use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+
+/// What to claim, for [`Engine::claim_with`]: a key, and optionally another
+/// scope, a fingerprint, source coordinates and a bound on waiting for a
+/// holder of the key.
+#[derive(Clone, Debug)]
+pub struct ClaimSpec<'a> {
+    key: &'a str,
+    scope: Option<&'a str>,
+    fingerprint: Option<Fingerprint>,
+    source: Option<&'a str>,
+    lock_wait: Option<Duration>,
+}
+
+impl<'a> ClaimSpec<'a> {
+    /// A claim of `key` in the engine's scope, without fingerprint.
+    pub fn new(key: &'a IdemKey) -> Self {
+        Self {
+            key: key.as_str(),
+            scope: None,
+            fingerprint: None,
+            source: None,
+            lock_wait: None,
+        }
+    }
+
+    /// Claims in `scope` instead of the engine's (the HTTP layer's
+    /// per-principal scopes).
+    #[must_use]
+    pub fn scope(mut self, scope: &'a str) -> Self {
+        self.scope = Some(scope);
+        self
+    }
+
+    /// The payload fingerprint stored with the key and compared with a
+    /// stored one.
+    #[must_use]
+    pub fn fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Source coordinates stored with the record, e.g. `payments/3@1042`.
+    #[must_use]
+    pub fn source(mut self, source: Option<&'a str>) -> Self {
+        self.source = source;
+        self
+    }
+
+    /// How long the claim may wait while another transaction holds the key
+    /// (see [`ClaimRequest::lock_wait`]).
+    #[must_use]
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = Some(wait);
+        self
+    }
+}
+
+/// What a claim found.
+#[non_exhaustive]
+pub enum Claimed<S: SqlStore> {
+    /// The key is new (or its record had expired): work in
+    /// [`Session::tx`], then [`finish`](Session::finish) or
+    /// [`abandon`](Session::abandon).
+    New(Session<S>),
+    /// The key was already committed with the same payload (or without
+    /// fingerprints): nothing to do.
+    Duplicate {
+        /// The stored result, `None` if none was recorded.
+        result: Option<Vec<u8>>,
+    },
+    /// The key was already committed with another payload.
+    Conflict {
+        /// The fingerprint stored with the key.
+        stored: Option<Fingerprint>,
+        /// The fingerprint of this delivery.
+        received: Option<Fingerprint>,
+    },
+}
+
+impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::New(session) => f.debug_tuple("New").field(&session.key).finish(),
+            Self::Duplicate { result } => f
+                .debug_struct("Duplicate")
+                .field("result_bytes", &result.as_ref().map(Vec::len))
+                .finish(),
+            Self::Conflict { stored, received } => f
+                .debug_struct("Conflict")
+                .field("stored", stored)
+                .field("received", received)
+                .finish(),
+        }
+    }
+}
+
+impl<S: SqlStore> Claimed<S> {
+    /// The claim a store or cache tier returned, as seen by the caller.
+    fn settled(claim: Claim, received: Option<Fingerprint>) -> Result<Self, StoreError> {
+        match claim {
+            Claim::Duplicate { result } => Ok(Self::Duplicate { result }),
+            Claim::Conflict { stored } => Ok(Self::Conflict { stored, received }),
+            other => Err(StoreError::Corrupt(format!(
+                "unexpected claim {other:?} outside a batch"
+            ))),
+        }
+    }
+}
+
+/// Why [`Engine::claim`] could not claim a delivery.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClaimError {
+    /// The delivery has no valid key: reject it.
+    #[error(transparent)]
+    BadKey(#[from] KeyError),
+    /// The store failed (see [`StoreError::infra_fault`]).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A key claimed in an open transaction. Dropping it without
+/// [`finish`](Session::finish) rolls the transaction back.
+pub struct Session<S: SqlStore> {
+    engine: Engine<S>,
+    tx: Tx<S::Db>,
+    scope: Option<String>,
+    key: String,
+    fingerprint: Option<Fingerprint>,
+    times: ClaimTimes,
+}
+
+impl<S: SqlStore> Engine<S> {
+    /// Claims the key of `delivery` (derived and fingerprinted as this
+    /// engine is configured) in a new transaction. The building block of
+    /// [`Engine::process`], for callers that run their own work:
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn f(engine: onceonly::Engine<onceonly::SqliteStore>, delivery: onceonly::Delivery) -> Result<(), Box<dyn std::error::Error>> {
+    /// use onceonly::engine::Claimed;
+    ///
+    /// match engine.claim(&delivery).await? {
+    ///     Claimed::New(session) => {
+    ///         let mut conn = session.tx().lock().await?;
+    ///         sqlx::query("INSERT INTO ledger (out_trade_no) VALUES ('T-1')")
+    ///             .execute(&mut *conn)
+    ///             .await?;
+    ///         drop(conn);
+    ///         session.finish(b"\"ok\"").await?;
+    ///     }
+    ///     Claimed::Duplicate { .. } => { /* acknowledge */ }
+    ///     _ => { /* a conflict: dead-letter */ }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn claim(&self, delivery: &Delivery) -> Result<Claimed<S>, ClaimError> {
+        let key = self.inner.key.derive(delivery)?;
+        let fingerprint = self.inner.fingerprint.compute(delivery);
+        let spec = ClaimSpec::new(&key)
+            .fingerprint(fingerprint)
+            .source(delivery.source());
+        Ok(self.claim_with(spec).await?)
+    }
+
+    /// Claims `spec`'s key: answered by the cache tier if it knows the key,
+    /// otherwise claimed in a new transaction that stays open in the
+    /// returned [`Session`] when the key is new.
+    pub async fn claim_with(&self, spec: ClaimSpec<'_>) -> Result<Claimed<S>, StoreError> {
+        let inner = &*self.inner;
+        let scope = spec.scope.unwrap_or(&inner.scope);
+        let req = ClaimRequest {
+            key: spec.key,
+            fingerprint: spec.fingerprint.as_ref(),
+            source: spec.source,
+            lock_wait: spec.lock_wait,
+        };
+        if let Some(hit) = self.cached_claim(scope, &req).await {
+            tracing::debug!("answered from the cache tier");
+            return Claimed::settled(hit, spec.fingerprint);
+        }
+        let mut tx = inner.store.begin().await?;
+        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
+        let claim = match inner.store.claim(&mut tx, scope, times, &req).await {
+            Ok(claim) => claim,
+            Err(e) => {
+                drop(tx.rollback().await);
+                return Err(e);
+            }
+        };
+        if claim != Claim::Claimed {
+            // Nothing was written: end the transaction, report what the
+            // claim found.
+            drop(tx.rollback().await);
+            return Claimed::settled(claim, spec.fingerprint);
+        }
+        Ok(Claimed::New(Session {
+            engine: self.clone(),
+            tx: Tx::new(tx),
+            scope: spec.scope.map(str::to_owned),
+            key: spec.key.to_owned(),
+            fingerprint: spec.fingerprint,
+            times,
+        }))
+    }
+
+    /// What the cache tier in front of the store knows of `req.key`: a
+    /// completed key's claim (duplicate or conflict) without any SQL.
+    pub(super) async fn cached_claim(&self, scope: &str, req: &ClaimRequest<'_>) -> Option<Claim> {
+        let tier = self.inner.store.tier()?;
+        Some(tier.cached(scope, req.key).await?.classify(req))
+    }
+
+    /// Commits `tx`, timing it.
+    pub(super) async fn commit(
+        &self,
+        tx: sqlx::Transaction<'static, S::Db>,
+    ) -> Result<(), sqlx::Error> {
+        let started = Instant::now();
+        let committed = tx.commit().await;
+        self.inner.telemetry.commit_time(started.elapsed());
+        committed
+    }
+
+    /// Tells the cache tier, if any, of a committed key.
+    pub(super) async fn tell_tier(&self, done: &Completed<'_>) {
+        if let Some(tier) = self.inner.store.tier() {
+            tier.committed(done).await;
+        }
+    }
+}
+
+impl<S: SqlStore> Session<S> {
+    /// The claim's open transaction, to work in.
+    pub fn tx(&self) -> Tx<S::Db> {
+        self.tx.clone()
+    }
+
+    /// The claimed key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Records `result` with the key, commits the claim with everything
+    /// written through [`tx`](Session::tx), and tells the cache tier. A
+    /// failed commit is ambiguous (it may have reached the database):
+    /// report it as a failure, and a redelivery's claim tells whether it
+    /// had committed.
+    pub async fn finish(self, result: &[u8]) -> Result<(), Failure> {
+        let engine = &self.engine;
+        let Some(mut tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await else {
+            return Err(Failure::TxHeld);
+        };
+        let scope = self.scope.as_deref().unwrap_or(&engine.inner.scope);
+        let recorded = engine
+            .inner
+            .store
+            .complete(&mut tx, scope, &self.key, result)
+            .await;
+        if let Err(e) = recorded {
+            drop(tx.rollback().await);
+            return Err(Failure::Store(e));
+        }
+        engine
+            .commit(tx)
+            .await
+            .map_err(|e| Failure::Store(e.into()))?;
+        engine
+            .tell_tier(&Completed {
+                scope,
+                key: &self.key,
+                fingerprint: self.fingerprint.as_ref(),
+                result,
+                now_ms: self.times.now_ms,
+                expires_at_ms: self.times.expires_at_ms,
+            })
+            .await;
+        Ok(())
+    }
+
+    /// Rolls the claim and everything written through
+    /// [`tx`](Session::tx) back: the key stays free for a redelivery.
+    pub async fn abandon(self) {
+        if let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
+            drop(tx.rollback().await);
+        }
+    }
+}
