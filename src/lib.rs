@@ -7,6 +7,8 @@
 pub mod amqp;
 pub mod clock;
 #[cfg(any(feature = "kafka", feature = "amqp"))]
+mod consumer_stats;
+#[cfg(any(feature = "kafka", feature = "amqp"))]
 mod consumer_support;
 pub mod delivery;
 pub mod engine;
@@ -26,6 +28,9 @@ pub mod store;
 pub mod telemetry;
 
 pub use clock::{Clock, ManualClock, SystemClock};
+#[cfg(any(feature = "kafka", feature = "amqp"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "kafka", feature = "amqp"))))]
+pub use consumer_stats::ConsumerStats;
 pub use delivery::Delivery;
 pub use engine::{
     BuildError, DecodeError, Engine, EngineBuilder, Failure, FromDelivery, Handler, HandlerError,

@@ -7,7 +7,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ledger::Receipt;
-use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken, headers};
+use onceonly::amqp::{
+    AmqpConsumer, AmqpConsumerBuilder, CancellationToken, ConsumerStats, headers,
+};
 use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, declare_reply_queue, depth, header, publish, take, url,
@@ -53,7 +55,7 @@ fn consumer(s: &Setup) -> AmqpConsumerBuilder<PgStore> {
         .exit_when_idle(Duration::from_secs(3))
 }
 
-async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> AmqpStats {
+async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> ConsumerStats {
     let run = builder
         .build()
         .expect("consumer")

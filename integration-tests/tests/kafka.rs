@@ -62,7 +62,10 @@ fn consumer(s: &Setup) -> onceonly::kafka::KafkaConsumerBuilder<PgStore> {
 }
 
 /// Runs the consumer until it is drained and idle, with a hard limit.
-async fn drain(builder: onceonly::kafka::KafkaConsumerBuilder<PgStore>, handler: Arc<Ledger>) {
+async fn drain(
+    builder: onceonly::kafka::KafkaConsumerBuilder<PgStore>,
+    handler: Arc<Ledger>,
+) -> onceonly::ConsumerStats {
     let run = builder
         .build()
         .expect("consumer")
@@ -70,7 +73,7 @@ async fn drain(builder: onceonly::kafka::KafkaConsumerBuilder<PgStore>, handler:
     tokio::time::timeout(Duration::from_secs(120), run)
         .await
         .expect("consumer did not drain within 120 s")
-        .expect("consumer failed");
+        .expect("consumer failed")
 }
 
 fn assert_no_lag(group: &str, topic: &str, ends: &BTreeMap<i32, i64>, partitions: i32) {
@@ -120,7 +123,7 @@ async fn duplicates_within_and_across_batches_are_charged_once() {
     assert!(records.len() >= 460, "{} records", records.len());
     let ends = produce(&s.topic, &records).await;
     let handler = Arc::new(Ledger::default());
-    drain(
+    let stats = drain(
         consumer(&s)
             .batch_size(50)
             .linger(Duration::from_millis(20)),
@@ -128,6 +131,23 @@ async fn duplicates_within_and_across_batches_are_charged_once() {
     )
     .await;
     assert_exact(&s.pool, &expected).await;
+    // The same statistics as the AMQP consumer's: every record settled,
+    // each key processed once, every repeat a duplicate.
+    assert_eq!(
+        (
+            stats.processed,
+            stats.duplicates,
+            stats.acked,
+            stats.dead_lettered
+        ),
+        (
+            expected.len() as u64,
+            (records.len() - expected.len()) as u64,
+            records.len() as u64,
+            0
+        ),
+        "{stats:?}"
+    );
     assert_eq!(
         handler.calls.load(Ordering::SeqCst),
         expected.len(),

@@ -75,7 +75,9 @@ impl Setup {
             .build()
             .expect("consumer")
             .run_until(Arc::new(Ledger::default()), CancellationToken::new());
-        tokio::spawn(async move { run.await.expect("consumer failed") })
+        tokio::spawn(async move {
+            let _stats = run.await.expect("consumer failed");
+        })
     }
 
     async fn wait_for_rows(&self, n: i64) {
@@ -218,7 +220,9 @@ async fn paused_partitions_revoked_and_reassigned_resume() {
             .build()
             .expect("consumer")
             .run_until(Arc::clone(&handler), CancellationToken::new());
-        tokio::spawn(async move { run.await.expect("consumer failed") })
+        tokio::spawn(async move {
+            let _stats = run.await.expect("consumer failed");
+        })
     };
     let a = start(slow(s.member()));
     s.wait_for_rows(50).await;
@@ -230,7 +234,9 @@ async fn paused_partitions_revoked_and_reassigned_resume() {
         .build()
         .unwrap()
         .run_until(Arc::clone(&handler), stop.clone());
-    let c = tokio::spawn(async move { c.await.expect("consumer failed") });
+    let c = tokio::spawn(async move {
+        let _stats = c.await.expect("consumer failed");
+    });
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.cancel();
     finish(vec![a, b, c]).await;

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use onceonly::amqp::{AmqpConsumer, AmqpStats, CancellationToken, headers};
+use onceonly::amqp::{AmqpConsumer, CancellationToken, ConsumerStats, headers};
 use onceonly::ops::replay::REPLAYED_FROM;
 use onceonly::{Delivery, Engine, PgStore, SqlStore};
 use onceonly_integration_tests::amqp::{
@@ -48,7 +48,7 @@ async fn setup(name: &str) -> Setup {
 }
 
 /// Runs the consumer (one handler at a time) until the queue is idle.
-async fn drain<H>(s: &Setup, handler: Arc<H>) -> AmqpStats
+async fn drain<H>(s: &Setup, handler: Arc<H>) -> ConsumerStats
 where
     H: onceonly::Handler<sqlx::Postgres> + 'static,
 {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::ConsumerError;
+use super::AmqpConsumerError;
 use super::consumer::{AmqpConsumer, Settings};
 use super::topology::{DeadLetterTarget, QueueKind, Topology};
 use crate::engine::{Engine, EngineBuilder, RetryPolicy};
@@ -15,7 +15,6 @@ use crate::store::SqlStore;
 /// [`key_expr`](Self::key_expr)).
 pub struct AmqpConsumerBuilder<S> {
     engine: EngineBuilder<S>,
-    retry: RetryPolicy,
     scope: Option<String>,
     url: Option<String>,
     queue: Option<String>,
@@ -33,7 +32,6 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     pub(super) fn new(store: S) -> Self {
         Self {
             engine: Engine::builder(store),
-            retry: RetryPolicy::default(),
             scope: None,
             url: None,
             queue: None,
@@ -98,7 +96,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     /// `x-onceonly-attempts: n`. The queue never waits on a retry.
     #[must_use]
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
-        self.retry = retry;
+        self.engine = self.engine.retry(retry);
         self
     }
 
@@ -163,21 +161,21 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     }
 
     /// Validates the settings.
-    pub fn build(self) -> Result<AmqpConsumer<S>, ConsumerError> {
-        let missing = |what: &str| ConsumerError::Config(format!("{what} is required"));
+    pub fn build(self) -> Result<AmqpConsumer<S>, AmqpConsumerError> {
+        let missing = |what: &str| AmqpConsumerError::Config(format!("{what} is required"));
         let url = self.url.ok_or_else(|| missing("url"))?;
         if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
-            return Err(ConsumerError::Config(format!("invalid AMQP URL: {e}")));
+            return Err(AmqpConsumerError::Config(format!("invalid AMQP URL: {e}")));
         }
         let queue = self.queue.ok_or_else(|| missing("queue"))?;
         if queue.is_empty() || queue.len() > 200 {
-            return Err(ConsumerError::Config(
+            return Err(AmqpConsumerError::Config(
                 "queue names are 1 to 200 bytes (room for the retry and dead-letter suffixes)"
                     .into(),
             ));
         }
         if self.prefetch == 0 || self.concurrency == 0 {
-            return Err(ConsumerError::Config(
+            return Err(AmqpConsumerError::Config(
                 "prefetch and concurrency must be at least 1".into(),
             ));
         }
@@ -185,7 +183,6 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
         let engine = self
             .engine
             .scope(scope)
-            .retry(self.retry)
             .transport(crate::telemetry::TRANSPORT_AMQP)
             .build()?;
         let dead_letter = self.dead_letter.unwrap_or_else(|| DeadLetterTarget {
@@ -197,7 +194,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             queue,
             self.kind,
             self.delivery_limit,
-            &self.retry,
+            engine.retry_policy(),
             dead_letter,
         );
         Ok(AmqpConsumer::new(
@@ -212,5 +209,33 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
                 reconnect_max: self.reconnect_max,
             },
         ))
+    }
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+    use crate::store::sqlite::SqliteStore;
+
+    fn builder(store: SqliteStore) -> AmqpConsumerBuilder<SqliteStore> {
+        AmqpConsumer::builder(store)
+            .url("amqp://127.0.0.1:5672/%2f")
+            .queue("orders")
+            .key_expr("json:/id")
+    }
+
+    #[tokio::test]
+    async fn retry_policy_set_either_way_is_the_one_used() {
+        let pool = sqlx::SqlitePool::connect_lazy("sqlite::memory:").expect("pool");
+        let store = SqliteStore::new(pool);
+        let policy = RetryPolicy::none();
+        assert_ne!(policy, RetryPolicy::default());
+        let configured = builder(store.clone())
+            .configure_engine(|e| e.retry(policy))
+            .build()
+            .expect("build");
+        assert_eq!(configured.engine().retry_policy(), &policy);
+        let direct = builder(store).retry(policy).build().expect("build");
+        assert_eq!(direct.engine().retry_policy(), &policy);
     }
 }

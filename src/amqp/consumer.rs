@@ -17,11 +17,11 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::ConsumerError;
+use super::AmqpConsumerError;
 use super::builder::AmqpConsumerBuilder;
-use super::stats::{AmqpStats, Counters, bump};
 use super::topology::{Topology, is_connection_level};
 use super::worker::{Env, handle};
+use crate::consumer_stats::{ConsumerStats, Counters, bump};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
@@ -72,7 +72,7 @@ impl<S: SqlStore> AmqpConsumer<S> {
     /// Runs until SIGINT or SIGTERM (or until idle, if
     /// [`exit_when_idle`](AmqpConsumerBuilder::exit_when_idle) is set), then
     /// shuts down gracefully (see [`run_until`](Self::run_until)).
-    pub async fn run<H>(self, handler: H) -> Result<AmqpStats, ConsumerError>
+    pub async fn run<H>(self, handler: H) -> Result<ConsumerStats, AmqpConsumerError>
     where
         H: Handler<S::Db> + 'static,
     {
@@ -92,7 +92,7 @@ impl<S: SqlStore> AmqpConsumer<S> {
         self,
         handler: H,
         shutdown: CancellationToken,
-    ) -> Result<AmqpStats, ConsumerError>
+    ) -> Result<ConsumerStats, AmqpConsumerError>
     where
         H: Handler<S::Db> + 'static,
     {
@@ -136,7 +136,7 @@ async fn session<S, H>(
     settings: &Settings,
     shutdown: &CancellationToken,
     idle_since: &mut Instant,
-) -> Result<End, ConsumerError>
+) -> Result<End, AmqpConsumerError>
 where
     S: SqlStore,
     H: Handler<S::Db> + 'static,
@@ -162,12 +162,12 @@ where
                 FieldTable::default(),
             )
             .await?;
-        Ok::<_, ConsumerError>((conn, channel, consumer))
+        Ok::<_, AmqpConsumerError>((conn, channel, consumer))
     };
     let (conn, channel, mut consumer) = match tokio::time::timeout(SETUP_TIMEOUT, setup).await {
         Ok(result) => result?,
         Err(_) => {
-            return Err(ConsumerError::ConnectionLost(format!(
+            return Err(AmqpConsumerError::ConnectionLost(format!(
                 "connection setup took longer than {SETUP_TIMEOUT:?}"
             )));
         }
@@ -194,7 +194,7 @@ where
     // strictly one after the other); the rest wait, unacked, in the
     // prefetch buffer.
     let mut permit: Option<OwnedSemaphorePermit> = None;
-    let end: Result<End, ConsumerError> = loop {
+    let end: Result<End, AmqpConsumerError> = loop {
         tokio::select! {
             () = shutdown.cancelled() => break Ok(End::Stopped),
             p = Arc::clone(&permits).acquire_owned(), if permit.is_none() => match p {
@@ -231,8 +231,8 @@ where
                 // The broker closed the channel (an ack timeout, a refused
                 // publish) or the connection: reconnect either way; only a
                 // topology refused at setup is fatal.
-                Some(Err(e)) => break Err(ConsumerError::ConnectionLost(e.to_string())),
-                None => break Err(ConsumerError::ConnectionLost(
+                Some(Err(e)) => break Err(AmqpConsumerError::ConnectionLost(e.to_string())),
+                None => break Err(AmqpConsumerError::ConnectionLost(
                     "the broker ended the consumer (connection closed or consumer cancelled)".into(),
                 )),
             },
@@ -248,7 +248,7 @@ where
                 // Do not rely on the delivery stream alone to notice a dead
                 // connection.
                 if !conn.status().connected() || !channel.status().connected() {
-                    break Err(ConsumerError::ConnectionLost(
+                    break Err(AmqpConsumerError::ConnectionLost(
                         "the connection or channel is no longer open".into(),
                     ));
                 }
@@ -317,10 +317,10 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Whether reconnecting may help.
-fn is_reconnectable(e: &ConsumerError) -> bool {
+fn is_reconnectable(e: &AmqpConsumerError) -> bool {
     match e {
-        ConsumerError::Client(e) => is_connection_level(e),
-        ConsumerError::ConnectionLost(_) | ConsumerError::NotConfirmed { .. } => true,
+        AmqpConsumerError::Client(e) => is_connection_level(e),
+        AmqpConsumerError::ConnectionLost(_) | AmqpConsumerError::NotConfirmed { .. } => true,
         _ => false,
     }
 }

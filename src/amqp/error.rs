@@ -6,7 +6,7 @@ use crate::engine::BuildError;
 /// stopped with an error.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum ConsumerError {
+pub enum AmqpConsumerError {
     /// A required setting is missing or a setting is out of range.
     #[error("invalid AMQP consumer configuration: {0}")]
     Config(String),

@@ -12,7 +12,7 @@
 //! redelivers it, and dedup turns the redelivery into a duplicate if it had
 //! committed. Acks are never sent twice; an ack that cannot reach the broker
 //! (lapin's `Ok(false)`: the channel is gone) is counted in
-//! [`AmqpStats::acks_lost`] and logged.
+//! [`ConsumerStats::acks_lost`] and logged.
 //!
 //! # Topology
 //!
@@ -71,13 +71,12 @@ mod error;
 pub mod headers;
 pub(crate) mod message;
 pub(crate) mod publish;
-mod stats;
 mod topology;
 mod worker;
 
+pub use crate::consumer_stats::ConsumerStats;
 pub use builder::AmqpConsumerBuilder;
 pub use consumer::AmqpConsumer;
-pub use error::ConsumerError;
-pub use stats::AmqpStats;
+pub use error::AmqpConsumerError;
 pub use tokio_util::sync::CancellationToken;
 pub use topology::QueueKind;

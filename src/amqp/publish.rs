@@ -5,7 +5,7 @@ use lapin::options::BasicPublishOptions;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation};
 
-use super::ConsumerError;
+use super::AmqpConsumerError;
 use super::message::set_text;
 
 /// Publishes and waits for the broker's confirm.
@@ -15,8 +15,8 @@ pub(crate) async fn publish_confirmed(
     routing_key: &str,
     body: &[u8],
     properties: BasicProperties,
-) -> Result<(), ConsumerError> {
-    let failed = |reason: String| ConsumerError::NotConfirmed {
+) -> Result<(), AmqpConsumerError> {
+    let failed = |reason: String| AmqpConsumerError::NotConfirmed {
         exchange: exchange.to_owned(),
         routing_key: routing_key.to_owned(),
         reason,

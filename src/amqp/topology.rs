@@ -8,7 +8,7 @@ use lapin::Channel;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-use super::ConsumerError;
+use super::AmqpConsumerError;
 use crate::engine::RetryPolicy;
 
 /// How the work queue is obtained.
@@ -93,8 +93,8 @@ impl Topology {
     }
 
     /// Declares everything (idempotent). A queue that exists with other
-    /// arguments is a [`ConsumerError::Topology`].
-    pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), ConsumerError> {
+    /// arguments is a [`AmqpConsumerError::Topology`].
+    pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), AmqpConsumerError> {
         let durable = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -167,16 +167,16 @@ async fn declare(
     name: &str,
     options: QueueDeclareOptions,
     args: FieldTable,
-) -> Result<(), ConsumerError> {
+) -> Result<(), AmqpConsumerError> {
     channel
         .queue_declare(name.into(), options, args)
         .await
         .map(drop)
         .map_err(|e| {
             if is_connection_level(&e) {
-                ConsumerError::Client(e)
+                AmqpConsumerError::Client(e)
             } else {
-                ConsumerError::Topology(e)
+                AmqpConsumerError::Topology(e)
             }
         })
 }

@@ -9,13 +9,13 @@ use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::ConsumerError;
+use super::AmqpConsumerError;
 use super::headers;
 use super::message::{header_text, set_int, set_text, to_delivery};
 use super::publish::{copy_properties, publish_confirmed};
-use super::stats::{Counters, bump};
 use super::topology::Topology;
 use crate::clock::{Clock, SystemClock};
+use crate::consumer_stats::{Counters, bump};
 use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
 use crate::engine::{Decision, Engine, Handler, Outcome, decide};
 use crate::store::SqlStore;
@@ -340,8 +340,8 @@ async fn publish_until_confirmed<S: SqlStore, H>(
     }
 }
 
-fn timed_out(exchange: &str, routing_key: &str) -> ConsumerError {
-    ConsumerError::NotConfirmed {
+fn timed_out(exchange: &str, routing_key: &str) -> AmqpConsumerError {
+    AmqpConsumerError::NotConfirmed {
         exchange: exchange.to_owned(),
         routing_key: routing_key.to_owned(),
         reason: format!("no confirm within {CONFIRM_TIMEOUT:?}"),

@@ -5,7 +5,7 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::producer::FutureProducer;
 
-use super::ConsumerError;
+use super::KafkaConsumerError;
 use super::consumer::{KafkaConsumer, Settings};
 use super::dead_letter::DeadLetterer;
 use crate::engine::{Engine, EngineBuilder, RetryPolicy};
@@ -259,8 +259,8 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
     }
 
     /// Validates the settings and creates the dead-letter producer.
-    pub fn build(self) -> Result<KafkaConsumer<S>, ConsumerError> {
-        let missing = |what: &str| ConsumerError::Config(format!("{what} is required"));
+    pub fn build(self) -> Result<KafkaConsumer<S>, KafkaConsumerError> {
+        let missing = |what: &str| KafkaConsumerError::Config(format!("{what} is required"));
         let brokers = self.brokers.ok_or_else(|| missing("brokers"))?;
         let group = self.group_id.ok_or_else(|| missing("group_id"))?;
         if self.topics.is_empty() {
@@ -272,7 +272,9 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             ("max_in_flight", self.max_in_flight),
         ] {
             if value == 0 {
-                return Err(ConsumerError::Config(format!("{name} must be at least 1")));
+                return Err(KafkaConsumerError::Config(format!(
+                    "{name} must be at least 1"
+                )));
             }
         }
         for (key, value) in &self.consumer {
@@ -281,7 +283,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
                 "enable.auto.commit" | "enable.auto.offset.store"
             ) && value != "false";
             if forbidden {
-                return Err(ConsumerError::Config(format!(
+                return Err(KafkaConsumerError::Config(format!(
                     "{key}={value} would commit offsets of unfinished records"
                 )));
             }
@@ -295,7 +297,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             .and_then(|(_, v)| v.parse::<u64>().ok())
             .map_or(Duration::from_secs(300), Duration::from_millis);
         if self.drain_timeout >= max_poll_interval {
-            return Err(ConsumerError::Config(format!(
+            return Err(KafkaConsumerError::Config(format!(
                 "drain_timeout ({:?}) must be below max.poll.interval.ms ({max_poll_interval:?}): a revoke that waits longer gets the member thrown out of the group",
                 self.drain_timeout
             )));
@@ -347,7 +349,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         let mut topics = self.topics;
         if let Some(retry) = &self.retry_topic {
             if topics.contains(retry) {
-                return Err(ConsumerError::Config(format!(
+                return Err(KafkaConsumerError::Config(format!(
                     "the retry topic {retry:?} must not also be a source topic"
                 )));
             }

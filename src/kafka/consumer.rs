@@ -11,7 +11,7 @@ use rdkafka::{ClientConfig, TopicPartitionList};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
-use super::ConsumerError;
+use super::KafkaConsumerError;
 use super::builder::KafkaConsumerBuilder;
 use super::context::{ConsumerLag, DedupContext, commit};
 use super::dead_letter::DeadLetterer;
@@ -19,6 +19,7 @@ use super::message::Envelope;
 use super::partition::{Dispatched, Registry, Spawner, Tp, Wake, lock};
 use super::worker::{Env, run_lane};
 use crate::clock::{Clock, SystemClock};
+use crate::consumer_stats::{ConsumerStats, Counters};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
@@ -77,7 +78,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
     /// Runs until SIGINT or SIGTERM (Ctrl-C elsewhere than Unix), or until
     /// idle if [`exit_when_idle`](KafkaConsumerBuilder::exit_when_idle) is
     /// set; then shuts down gracefully (see [`run_until`](Self::run_until)).
-    pub async fn run<H>(self, handler: H) -> Result<(), ConsumerError>
+    pub async fn run<H>(self, handler: H) -> Result<ConsumerStats, KafkaConsumerError>
     where
         H: Handler<S::Db> + 'static,
     {
@@ -93,7 +94,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
         self,
         handler: H,
         shutdown: CancellationToken,
-    ) -> Result<(), ConsumerError>
+    ) -> Result<ConsumerStats, KafkaConsumerError>
     where
         H: Handler<S::Db> + 'static,
     {
@@ -109,6 +110,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
             linger: self.settings.linger,
             shutdown: shutdown.clone(),
             failure: Mutex::new(None),
+            counters: Counters::default(),
         });
         let spawn_on = runtime.clone();
         let lanes_env = Arc::clone(&env);
@@ -154,13 +156,13 @@ impl<S: SqlStore> KafkaConsumer<S> {
                 // revoke callback has nothing left to commit).
                 let _ = done_tx.send(result);
             })
-            .map_err(|e| ConsumerError::PollThread(e.to_string()))?;
+            .map_err(|e| KafkaConsumerError::PollThread(e.to_string()))?;
         done_rx
             .await
-            .map_err(|_| ConsumerError::PollThread("the polling thread panicked".into()))??;
+            .map_err(|_| KafkaConsumerError::PollThread("the polling thread panicked".into()))??;
         match lock(&env.failure).take() {
-            Some(why) => Err(ConsumerError::Worker(why)),
-            None => Ok(()),
+            Some(why) => Err(KafkaConsumerError::Worker(why)),
+            None => Ok(env.counters.snapshot()),
         }
     }
 }
@@ -179,7 +181,7 @@ struct Poller {
 }
 
 impl Poller {
-    fn run(mut self) -> Result<(), ConsumerError> {
+    fn run(mut self) -> Result<(), KafkaConsumerError> {
         let mut last_commit = Instant::now();
         let mut fatal = None;
         while !self.shutdown.is_cancelled() {
@@ -235,7 +237,7 @@ impl Poller {
     /// Serves the main queue until it is empty: rebalance callbacks, errors,
     /// and records of partitions without a queue of their own. `Err` on a
     /// fatal client error.
-    fn drain_main_queue(&self) -> Result<(), ConsumerError> {
+    fn drain_main_queue(&self) -> Result<(), KafkaConsumerError> {
         // `poll` answers `None` both when the queue is empty and when it
         // served an event (a rebalance, a commit result): stop at the second
         // `None` in a row.
@@ -252,7 +254,7 @@ impl Poller {
                     nothing = 0;
                     if let Some((code, reason)) = self.consumer.client().fatal_error() {
                         tracing::error!(?code, %reason, "fatal Kafka client error; stopping");
-                        return Err(ConsumerError::Fatal(format!("{code:?}: {reason}")));
+                        return Err(KafkaConsumerError::Fatal(format!("{code:?}: {reason}")));
                     }
                     tracing::warn!(error = %e, "Kafka consumer error");
                 }

@@ -10,7 +10,7 @@ use rdkafka::Message;
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use super::error::ConsumerError;
+use super::error::KafkaConsumerError;
 use super::message::Envelope;
 
 /// Header names written on every dead-lettered record. Values are UTF-8
@@ -107,7 +107,7 @@ impl DeadLetterer {
         &self,
         envelope: &Envelope,
         letter: &DeadLetter<'_>,
-    ) -> Result<(), ConsumerError> {
+    ) -> Result<(), KafkaConsumerError> {
         let attempts = letter.attempts.to_string();
         let extra = [
             (headers::REASON, Some(letter.reason.as_bytes())),
@@ -119,7 +119,7 @@ impl DeadLetterer {
         let topic = self.topic_for(&origin.topic);
         self.send(envelope, &origin, &topic, &extra)
             .await
-            .map_err(|source| ConsumerError::DeadLetter { topic, source })
+            .map_err(|source| KafkaConsumerError::DeadLetter { topic, source })
     }
 
     /// Publishes a copy of the record to the retry topic, due at `due_ms`
@@ -130,9 +130,9 @@ impl DeadLetterer {
         envelope: &Envelope,
         attempts: u32,
         due_ms: u64,
-    ) -> Result<(), ConsumerError> {
+    ) -> Result<(), KafkaConsumerError> {
         let Some(topic) = self.retry_topic.clone() else {
-            return Err(ConsumerError::Config(
+            return Err(KafkaConsumerError::Config(
                 "non-blocking retries need a retry topic".into(),
             ));
         };
@@ -145,7 +145,7 @@ impl DeadLetterer {
         let origin = Origin::of(envelope, self.is_retry_copy(&envelope.message));
         self.send(envelope, &origin, &topic, &extra)
             .await
-            .map_err(|source| ConsumerError::RetryCopy { topic, source })
+            .map_err(|source| KafkaConsumerError::RetryCopy { topic, source })
     }
 
     /// Sends a copy of the record (payload, key, its own headers) to

@@ -6,7 +6,7 @@ use crate::engine::BuildError;
 /// with an error.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum ConsumerError {
+pub enum KafkaConsumerError {
     /// A required setting is missing or a setting is out of range.
     #[error("invalid Kafka consumer configuration: {0}")]
     Config(String),

@@ -98,8 +98,9 @@ mod offsets;
 mod partition;
 mod worker;
 
+pub use crate::consumer_stats::ConsumerStats;
 pub use builder::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_STATISTICS_INTERVAL, KafkaConsumerBuilder};
 pub use consumer::KafkaConsumer;
 pub use dead_letter::headers;
-pub use error::ConsumerError;
+pub use error::KafkaConsumerError;
 pub use tokio_util::sync::CancellationToken;

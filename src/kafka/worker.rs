@@ -17,6 +17,7 @@ use super::dead_letter::{DeadLetter, DeadLetterer, header_text, headers};
 use super::message::Envelope;
 use super::partition::{Partition, lock};
 use crate::clock::{Clock, SystemClock};
+use crate::consumer_stats::{Counters, bump};
 use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
 use crate::engine::{Decision, Engine, Handler, Report, decide};
 use crate::store::SqlStore;
@@ -33,6 +34,8 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) shutdown: CancellationToken,
     /// Why the consumer stopped on its own, if it did.
     pub(crate) failure: Mutex<Option<String>>,
+    /// What it did, returned by `run`.
+    pub(crate) counters: Counters,
 }
 
 impl<S: SqlStore, H> Env<S, H> {
@@ -143,7 +146,10 @@ where
         let done = match batched {
             // Committed in the batch, which counted it and traced it in
             // its own span: nothing left to do.
-            Some(report) if report.outcome.is_done() => true,
+            Some(report) if report.outcome.is_done() => {
+                env.counters.settled(report.outcome.kind());
+                true
+            }
             None if stopped => return,
             batched => {
                 // One span per record, over its processing, retries and
@@ -179,6 +185,7 @@ where
             }
         };
         if done {
+            bump(&env.counters.acked);
             partition.finish(envelope.offset());
         } else {
             stopped = true;
@@ -213,7 +220,10 @@ where
     let mut outage = InfraWait::new(env.engine.telemetry());
     loop {
         match decide(&report.outcome, attempts, env.engine.retry_policy()) {
-            Decision::Ack => return true,
+            Decision::Ack => {
+                env.counters.settled(report.outcome.kind());
+                return true;
+            }
             Decision::Wait(fault) => {
                 let error = report.outcome.error_text().unwrap_or_default();
                 tracing::debug!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), %fault, %error, "waiting for the database");
@@ -232,12 +242,14 @@ where
                 })
                 .await;
                 if sent {
+                    bump(&env.counters.retried);
                     env.engine.telemetry().retried(reason);
                     tracing::debug!(attempts, ?delay, reason, "retry copy published");
                 }
                 return sent;
             }
             Decision::Retry { delay, reason } => {
+                bump(&env.counters.retried);
                 env.engine.telemetry().retried(reason);
                 tracing::debug!(attempts, ?delay, reason, "retrying the record");
                 if !sleep_unless(&partition.stop, delay).await {
@@ -276,6 +288,7 @@ async fn publish<S: SqlStore, H>(
     })
     .await;
     if sent {
+        bump(&env.counters.dead_lettered);
         env.engine.telemetry().dead_lettered(letter.reason);
         tracing::warn!(
             topic = %partition.topic,
@@ -295,7 +308,7 @@ async fn publish<S: SqlStore, H>(
 async fn republish<F, Fut>(partition: &Partition, what: &str, mut send: F) -> bool
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), super::ConsumerError>>,
+    Fut: std::future::Future<Output = Result<(), super::KafkaConsumerError>>,
 {
     let mut backoff = outage_backoff();
     loop {

@@ -20,7 +20,7 @@ pub enum RedisError {
 impl RedisError {
     /// Whether Redis is unreachable (I/O error, timeout, refused or dropped
     /// connection), as opposed to answering with an error.
-    pub fn is_outage(&self) -> bool {
+    pub fn is_infrastructure(&self) -> bool {
         match self {
             Self::Redis(e) => {
                 e.is_io_error()

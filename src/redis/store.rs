@@ -286,7 +286,7 @@ impl RedisStore {
             }
             Ok(RedisClaim::Conflict) => return Ok(Once::Conflict),
             Ok(RedisClaim::Busy { retry_after }) => return Ok(Once::Busy { retry_after }),
-            Err(e) if self.on_error == OnRedisError::FailOpen && e.is_outage() => {
+            Err(e) if self.on_error == OnRedisError::FailOpen && e.is_infrastructure() => {
                 self.unclaimed_runs.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(error = %e, scope, key, "Redis unavailable: FAILING OPEN, effect runs unclaimed");
                 return effect

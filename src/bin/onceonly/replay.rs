@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use onceonly::ops::replay::{Action, Progress, ReplayOptions, Report};
+use onceonly::ops::replay::{Action, Progress, ReplayOptions, ReplayReport};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -275,7 +275,7 @@ impl Ui {
     fn finish(
         self,
         source: &str,
-        report: Result<Report, onceonly::ops::replay::ReplayError>,
+        report: Result<ReplayReport, onceonly::ops::replay::ReplayError>,
     ) -> Result<(), BoxError> {
         self.bar.finish_and_clear();
         let r = report?;

@@ -13,7 +13,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 use super::options::{ReplayOptions, required};
-use super::report::{Action, Letter, ProgressFn, Report, record};
+use super::report::{Action, Letter, ProgressFn, ReplayReport, record};
 use super::{REPLAYED_FROM, ReplayError};
 use crate::amqp::headers;
 use crate::amqp::message::{header_text, set_text};
@@ -145,8 +145,8 @@ impl AmqpReplay {
 
     /// Runs the replay. `Err` only when it could not read the queue or ack;
     /// dead letters that could not be republished are counted in
-    /// [`Report::failed`] and stay in the queue.
-    pub async fn run(&self) -> Result<Report, ReplayError> {
+    /// [`ReplayReport::failed`] and stay in the queue.
+    pub async fn run(&self) -> Result<ReplayReport, ReplayError> {
         let conn = bounded(
             "connecting",
             Connection::connect(&self.url, ConnectionProperties::default()),
@@ -161,7 +161,7 @@ impl AmqpReplay {
         result
     }
 
-    async fn run_on(&self, conn: &Connection) -> Result<Report, ReplayError> {
+    async fn run_on(&self, conn: &Connection) -> Result<ReplayReport, ReplayError> {
         let source = bounded("opening a channel", conn.create_channel()).await??;
         let passive = QueueDeclareOptions {
             passive: true,
@@ -179,10 +179,10 @@ impl AmqpReplay {
             _ => ReplayError::Amqp(e),
         })?;
         let total = u64::from(declared.message_count());
-        let mut report = Report {
+        let mut report = ReplayReport {
             dry_run: self.options.dry_run,
             total,
-            ..Report::default()
+            ..ReplayReport::default()
         };
         let mut publisher = if self.options.dry_run {
             None

@@ -4,7 +4,7 @@
 ///
 /// Dead letters that could not be republished are *not* errors of the run:
 /// they stay in the dead-letter queue or topic and are listed in
-/// [`Report::failures`](super::Report::failures).
+/// [`ReplayReport::failures`](super::ReplayReport::failures).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReplayError {

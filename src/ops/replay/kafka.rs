@@ -16,7 +16,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use super::options::{ReplayOptions, required};
-use super::report::{Action, Letter, ProgressFn, Report, record};
+use super::report::{Action, Letter, ProgressFn, ReplayReport, record};
 use super::{REPLAYED_FROM, ReplayError};
 use crate::kafka::headers;
 
@@ -204,7 +204,7 @@ impl KafkaReplayBuilder {
 ///   [`commit_skipped`](KafkaReplayBuilder::commit_skipped): a filtered run
 ///   still replays matching records after it, but cannot commit them. A
 ///   later run offers them again, and the consumer sees duplicates (counted
-///   in [`Report::uncommitted`]). With `commit_skipped`, the skipped ones
+///   in [`ReplayReport::uncommitted`]). With `commit_skipped`, the skipped ones
 ///   fall behind the offset and only a
 ///   [`from_beginning`](KafkaReplayBuilder::from_beginning) run reads them.
 ///
@@ -252,20 +252,20 @@ impl KafkaReplay {
 
     /// Runs the replay. `Err` when the topic cannot be read or offsets
     /// cannot be committed; records that could not be republished are
-    /// counted in [`Report::failed`] and stay uncommitted.
+    /// counted in [`ReplayReport::failed`] and stay uncommitted.
     ///
     /// Metadata, watermark and commit calls block the calling thread
     /// briefly (librdkafka has no async API for them).
-    pub async fn run(&self) -> Result<Report, ReplayError> {
+    pub async fn run(&self) -> Result<ReplayReport, ReplayError> {
         let mut partitions = self.plan()?;
         let total: i64 = partitions
             .values()
             .map(|p| (p.end - p.next_commit).max(0))
             .sum();
-        let mut report = Report {
+        let mut report = ReplayReport {
             dry_run: self.options.dry_run,
             total: u64::try_from(total).unwrap_or(0),
-            ..Report::default()
+            ..ReplayReport::default()
         };
         let mut tpl = TopicPartitionList::new();
         for (id, p) in &mut partitions {

@@ -20,7 +20,7 @@
 //! Selection ([`ReplayOptions`]): by reason, idempotency key, first-seen
 //! time, a limit, a rate, and a dry run. What is not replayed stays where it
 //! is; see [`AmqpReplay`] and [`KafkaReplay`] for how each transport keeps
-//! it, and [`Report`] for the counts. Progress callbacks
+//! it, and [`ReplayReport`] for the counts. Progress callbacks
 //! ([`AmqpReplayBuilder::on_progress`], [`KafkaReplayBuilder::on_progress`])
 //! feed progress bars.
 //!
@@ -54,7 +54,7 @@ pub use error::ReplayError;
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use kafka::{DEFAULT_GROUP, KafkaReplay, KafkaReplayBuilder};
 pub use options::ReplayOptions;
-pub use report::{Action, Failure, Letter, Progress, ProgressFn, Report};
+pub use report::{Action, Letter, Progress, ProgressFn, ReplayFailure, ReplayReport};
 
 /// Header added to every replayed copy: where it was replayed from (the
 /// dead-letter queue, or `<topic>/<partition>/<offset>` of the dead-letter

@@ -36,7 +36,7 @@ pub struct Letter {
 /// A dead letter that matched but could not be republished.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
-pub struct Failure {
+pub struct ReplayFailure {
     /// The dead letter.
     pub letter: Letter,
     /// Why (unroutable, nacked, no original destination, timeout, …).
@@ -46,7 +46,7 @@ pub struct Failure {
 /// Counts of a replay run.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
-pub struct Report {
+pub struct ReplayReport {
     /// Whether this was a dry run (nothing republished, acked or committed).
     pub dry_run: bool,
     /// How many dead letters were expected at the start (queue depth, or
@@ -67,10 +67,10 @@ pub struct Report {
     /// sees duplicates).
     pub uncommitted: u64,
     /// The failed dead letters, in the order met.
-    pub failures: Vec<Failure>,
+    pub failures: Vec<ReplayFailure>,
 }
 
-impl Report {
+impl ReplayReport {
     /// Whether every matching dead letter was replayed.
     pub fn is_success(&self) -> bool {
         self.failed == 0
@@ -88,7 +88,7 @@ pub struct Progress {
     /// The failure text when `action` is [`Action::Failed`].
     pub error: Option<String>,
     /// Counts so far (without the failure list).
-    pub report: Report,
+    pub report: ReplayReport,
 }
 
 /// Receives a [`Progress`] after each dead letter (e.g. to draw a progress
@@ -97,7 +97,7 @@ pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
 
 /// Counts a letter into the report and tells the progress callback.
 pub(crate) fn record(
-    report: &mut Report,
+    report: &mut ReplayReport,
     progress: Option<&ProgressFn>,
     letter: Letter,
     action: Action,
@@ -110,7 +110,7 @@ pub(crate) fn record(
     }
     if let (Action::Failed, Some(e)) = (action, &error) {
         tracing::warn!(position = %letter.position, target = ?letter.target, error = %e, "dead letter not replayed");
-        report.failures.push(Failure {
+        report.failures.push(ReplayFailure {
             letter: letter.clone(),
             error: e.clone(),
         });

@@ -1,27 +1,31 @@
-//! Counters of what a consumer did, returned when it stops.
+//! Counters of what a consumer did, returned by the Kafka and the AMQP
+//! consumer alike when they stop.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// What an [`AmqpConsumer`](super::AmqpConsumer) did during one run.
+/// What a consumer ([`KafkaConsumer`](crate::kafka::KafkaConsumer) or
+/// [`AmqpConsumer`](crate::amqp::AmqpConsumer)) did during one run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct AmqpStats {
+pub struct ConsumerStats {
     /// Messages whose handler ran and committed.
     pub processed: u64,
     /// Messages whose key was already committed (handler not run).
     pub duplicates: u64,
-    /// Messages sent to a retry queue.
+    /// Retries scheduled: an AMQP retry queue, a Kafka retry-topic copy or
+    /// an in-process Kafka retry.
     pub retried: u64,
     /// Messages sent to the dead-letter target.
     pub dead_lettered: u64,
-    /// RPC replies published.
+    /// RPC replies published (AMQP only).
     pub replies: u64,
-    /// Acks that reached the broker.
+    /// Messages settled for good: AMQP acks that reached the broker; Kafka
+    /// records whose offset may now be committed.
     pub acked: u64,
-    /// Acks that could not be sent because the channel was gone (the broker
-    /// redelivers those messages; dedup makes that harmless).
+    /// AMQP acks that could not be sent because the channel was gone (the
+    /// broker redelivers those messages; dedup makes that harmless).
     pub acks_lost: u64,
-    /// Connections (re)established.
+    /// Connections (re)established (AMQP only).
     pub connections: u64,
 }
 
@@ -42,7 +46,18 @@ pub(crate) fn bump(counter: &AtomicU64) {
 }
 
 impl Counters {
+    /// Counts a final outcome that is acknowledged (processed or duplicate).
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) fn settled(&self, kind: crate::engine::OutcomeKind) {
+        match kind {
+            crate::engine::OutcomeKind::Processed => bump(&self.processed),
+            crate::engine::OutcomeKind::Duplicate => bump(&self.duplicates),
+            _ => {}
+        }
+    }
+
     /// Whether a connection was established since the last call.
+    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
     pub(crate) fn connections_since(&self, seen: &mut u64) -> bool {
         let now = self.connections.load(Ordering::Relaxed);
         let new = now > *seen;
@@ -50,9 +65,9 @@ impl Counters {
         new
     }
 
-    pub(crate) fn snapshot(&self) -> AmqpStats {
+    pub(crate) fn snapshot(&self) -> ConsumerStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        AmqpStats {
+        ConsumerStats {
             processed: get(&self.processed),
             duplicates: get(&self.duplicates),
             retried: get(&self.retried),
