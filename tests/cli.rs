@@ -11,6 +11,8 @@ use onceonly::{
     Clock as _, Delivery, Engine, KeySpec, ManualClock, Outcome, SqlStore, SqliteStore, handler_fn,
 };
 
+/// Runs the CLI (this file's one runner); returns its exit status (-1 if
+/// killed by a signal), stdout and stderr.
 fn cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
         .args(args)
@@ -234,12 +236,9 @@ async fn live_count(store: &SqliteStore) -> i64 {
 
 #[cfg(all(feature = "amqp", feature = "kafka"))]
 fn help(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
-        .args(args)
-        .output()
-        .expect("run onceonly");
-    assert!(out.status.success(), "{args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let (code, out, err) = cli(args);
+    assert_eq!(code, 0, "{args:?}: {err}");
+    out
 }
 
 #[test]
@@ -267,10 +266,7 @@ fn replay_help_lists_both_sources_with_examples() {
 #[test]
 #[cfg(feature = "amqp")]
 fn bad_flags_are_rejected_with_a_message() {
-    let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
-        .args(["replay", "amqp", "--queue", "q", "--rate", "0/s"])
-        .output()
-        .expect("run onceonly");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("rate must be positive"));
+    let (code, _, err) = cli(&["replay", "amqp", "--queue", "q", "--rate", "0/s"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("rate must be positive"));
 }

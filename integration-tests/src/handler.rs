@@ -5,10 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use onceonly::{Delivery, Handler, HandlerError, Json};
+use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore};
 use sqlx::Postgres;
 
 use crate::example_ledger::{Payment, Receipt, postgres};
+use crate::ledger::Expected;
 
 /// Credits the ledger like the examples, and also: counts calls, records
 /// the order of `(account, seq)` for payments with a `seq` field, sleeps
@@ -93,5 +94,23 @@ impl Handler<Postgres> for Outage {
             return Err(HandlerError::permanent("downstream unavailable"));
         }
         self.ledger.handle(tx, input, d).await
+    }
+}
+
+/// Runs the payments `keys` of `expected` once each through a fresh
+/// [`Ledger`] under `scope`, keyed like the consumers (`/out_trade_no`): as
+/// if they had been sent again and gone through while copies of them sat
+/// in a dead-letter queue. Each must be done.
+pub async fn process_meanwhile(store: &PgStore, scope: &str, expected: &Expected, keys: &[&str]) {
+    let engine = Engine::builder(store.clone())
+        .scope(scope)
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("engine");
+    let ledger = Ledger::default();
+    for no in keys {
+        let (account, amount) = &expected[*no];
+        let d = Delivery::new(crate::pay(no, *amount).account(account));
+        assert!(engine.process(&ledger, &d).await.outcome.is_done(), "{no}");
     }
 }

@@ -1,5 +1,6 @@
 //! Checks of the examples' Postgres ledger (`ledger`, `accounts`) shared by
-//! the transport tests, and the payment streams they send.
+//! the transport tests, and the payment streams they send (bodies built with
+//! [`crate::pay`]).
 
 use std::collections::BTreeMap;
 
@@ -7,13 +8,6 @@ use sqlx::PgPool;
 
 /// `out_trade_no` -> `(account, amount)` of every distinct payment sent.
 pub type Expected = BTreeMap<String, (String, i64)>;
-
-/// A payment message body.
-pub fn payment(no: &str, account: &str, amount: i64) -> Vec<u8> {
-    serde_json::json!({ "out_trade_no": no, "account": account, "amount": amount })
-        .to_string()
-        .into_bytes()
-}
 
 /// Payment messages in sending order, `(out_trade_no, body)`, and what the
 /// ledger must hold afterwards.
@@ -42,7 +36,7 @@ pub fn crash_stream(prefix: &str, distinct: usize) -> Stream {
         let no = format!("{prefix}-{i:06}");
         let account = format!("acct-{}", i % 23);
         let amount = 1 + (i as i64 * 7919) % 1000;
-        let body = payment(&no, &account, amount);
+        let body = crate::pay(&no, amount).account(&account).body();
         messages.push((no.clone(), body.clone()));
         if i % 4 == 0 {
             messages.push((no.clone(), body.clone()));

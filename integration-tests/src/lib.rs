@@ -149,22 +149,70 @@ impl BusinessSql {
     }
 }
 
-/// A payment message as the tests send it.
+/// A payment message as the tests send it, and as their handlers read it:
+/// `{"out_trade_no", "account", "amount", "seq"}` in that order, `account`
+/// and `seq` only when set. Built with [`pay`]; it converts into the body
+/// bytes wherever a delivery, message or record takes `Into<Vec<u8>>`, and
+/// prints as its JSON text.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[must_use]
 pub struct Pay {
     /// The key.
     pub out_trade_no: String,
+    /// The account charged (the examples' ledger needs it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub account: Option<String>,
     /// The amount.
     pub amount: i64,
+    /// A sequence number (ordering checks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<i64>,
 }
 
-/// JSON bytes of a payment.
-pub fn pay(no: &str, amount: i64) -> Vec<u8> {
-    serde_json::to_vec(&Pay {
+/// A payment of `amount` under key `no`, without account or sequence
+/// number: `{"out_trade_no":no,"amount":amount}`.
+pub fn pay(no: &str, amount: i64) -> Pay {
+    Pay {
         out_trade_no: no.to_owned(),
+        account: None,
         amount,
-    })
-    .expect("serialize")
+        seq: None,
+    }
+}
+
+impl Pay {
+    /// Charges `account`.
+    pub fn account(self, account: &str) -> Self {
+        Self {
+            account: Some(account.to_owned()),
+            ..self
+        }
+    }
+
+    /// Carries sequence number `seq`.
+    pub fn seq(self, seq: i64) -> Self {
+        Self {
+            seq: Some(seq),
+            ..self
+        }
+    }
+
+    /// The JSON body bytes.
+    pub fn body(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("serialize a payment")
+    }
+}
+
+impl From<Pay> for Vec<u8> {
+    fn from(p: Pay) -> Self {
+        p.body()
+    }
+}
+
+impl std::fmt::Display for Pay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&serde_json::to_string(self).map_err(|_| std::fmt::Error)?)
+    }
 }
 
 /// Redis URL: `ONCEONLY_REDIS_URL`, default `redis://127.0.0.1:6379`.

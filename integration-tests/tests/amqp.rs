@@ -17,8 +17,8 @@ use onceonly_integration_tests::amqp::{
 use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::pg_schema;
-use onceonly_integration_tests::ledger::{assert_exact, payment};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::ledger::assert_exact;
+use onceonly_integration_tests::{pay, pg_store, unique};
 use sqlx::PgPool;
 
 struct Setup {
@@ -74,7 +74,7 @@ async fn duplicates_and_redeliveries_are_acked_without_running_twice() {
     for i in 0..300 {
         let no = format!("A-{i:04}");
         let account = format!("acct-{}", i % 9);
-        let body = payment(&no, &account, 10 + i);
+        let body = pay(&no, 10 + i).account(&account).body();
         messages.push(Msg::new(body.clone()));
         if i % 3 == 0 {
             messages.push(Msg::new(body));
@@ -92,7 +92,7 @@ async fn duplicates_and_redeliveries_are_acked_without_running_twice() {
     for i in 0..20 {
         let no = format!("A-{i:04}");
         let (account, amount) = &expected[&no];
-        let d = Delivery::new(payment(&no, account, *amount));
+        let d = Delivery::new(pay(&no, *amount).account(account));
         assert!(engine.process(&earlier, &d).await.outcome.is_done());
     }
     let (_conn, channel) = connect().await;
@@ -134,19 +134,19 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
         ),
         Arc::clone(&handler),
     ));
-    let mut flaky = Msg::new(payment("P-2", "flaky", 20));
+    let mut flaky = Msg::new(pay("P-2", 20).account("flaky"));
     flaky.headers.push(("trace-id".into(), "t-2".into()));
     publish(&channel, &s.queue, &[flaky]).await;
     publish(
         &channel,
         &s.queue,
         &[
-            Msg::new(payment("P-1", "alice", 10)),
+            Msg::new(pay("P-1", 10).account("alice")),
             Msg::new(b"{\"out_trade_no\":\"P-4\",\"amount\":".to_vec()),
-            Msg::new(payment("P-5", "broken", 50)),
+            Msg::new(pay("P-5", 50).account("broken")),
             Msg::new(br#"{"account":"bob","amount":60}"#.to_vec()),
-            Msg::new(payment("P-1", "alice", 999)),
-            Msg::new(payment("P-9", "carol", 90)),
+            Msg::new(pay("P-1", 999).account("alice")),
+            Msg::new(pay("P-9", 90).account("carol")),
         ],
     )
     .await;
@@ -199,15 +199,15 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     assert_eq!(dead.len(), 5, "five dead letters: {summary:?}");
     let reason_of = |body: &[u8]| summary[&String::from_utf8_lossy(body).into_owned()].clone();
     assert_eq!(
-        reason_of(&payment("P-2", "flaky", 20)),
+        reason_of(&pay("P-2", 20).account("flaky").body()),
         ("handler_error".into(), "3".into())
     );
     assert_eq!(
-        reason_of(&payment("P-5", "broken", 50)),
+        reason_of(&pay("P-5", 50).account("broken").body()),
         ("handler_error".into(), "1".into())
     );
     assert_eq!(
-        reason_of(&payment("P-1", "alice", 999)),
+        reason_of(&pay("P-1", 999).account("alice").body()),
         ("fingerprint_mismatch".into(), "1".into())
     );
     assert_eq!(
@@ -230,7 +230,7 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     }
     let flaky = dead
         .iter()
-        .find(|m| m.delivery.data == payment("P-2", "flaky", 20))
+        .find(|m| m.delivery.data == pay("P-2", 20).account("flaky").body())
         .unwrap();
     assert_eq!(
         header(&flaky.delivery.properties, "trace-id").as_deref(),
@@ -253,7 +253,7 @@ async fn rpc_reply_for_a_duplicate_carries_the_original_result() {
     let (_conn, channel) = connect().await;
     let reply_queue = declare_reply_queue(&channel, "arpc_reply").await;
     let request = |corr: &str| Msg {
-        body: payment("R-1", "dora", 77),
+        body: pay("R-1", 77).account("dora").body(),
         reply_to: Some(reply_queue.clone()),
         correlation_id: Some(corr.into()),
         ..Msg::default()
@@ -289,7 +289,7 @@ async fn an_undecodable_stored_result_still_gets_an_error_reply() {
     let (_conn, channel) = connect().await;
     let reply_queue = declare_reply_queue(&channel, "aundec_reply").await;
     let request = |corr: &str| Msg {
-        body: payment("U-1", "erin", 12),
+        body: pay("U-1", 12).account("erin").body(),
         reply_to: Some(reply_queue.clone()),
         correlation_id: Some(corr.into()),
         ..Msg::default()
@@ -384,11 +384,11 @@ async fn a_declared_quorum_queue_works_the_same() {
     let mut messages = Vec::new();
     for i in 0..50 {
         let no = format!("Q-{i}");
-        messages.push(Msg::new(payment(&no, "quinn", 2)));
-        messages.push(Msg::new(payment(&no, "quinn", 2)));
+        messages.push(Msg::new(pay(&no, 2).account("quinn")));
+        messages.push(Msg::new(pay(&no, 2).account("quinn")));
         expected.insert(no, ("quinn".to_owned(), 2));
     }
-    messages.push(Msg::new(payment("Q-bad", "broken", 2)));
+    messages.push(Msg::new(pay("Q-bad", 2).account("broken")));
     publish(&channel, &s.queue, &messages).await;
     let stats = run.await.unwrap();
     assert_exact(&s.pool, &expected).await;
@@ -410,7 +410,7 @@ async fn concurrency_one_processes_in_queue_order() {
     let messages: Vec<Msg> = nos
         .iter()
         .enumerate()
-        .map(|(i, no)| Msg::new(payment(no, &format!("acct-{}", i % 7), 1)))
+        .map(|(i, no)| Msg::new(pay(no, 1).account(&format!("acct-{}", i % 7))))
         .collect();
     let (_conn, channel) = connect().await;
     publish(&channel, &s.queue, &messages).await;

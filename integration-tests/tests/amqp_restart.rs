@@ -13,7 +13,7 @@ use onceonly::{RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{Expected, assert_exact, rows};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::{pay, pg_store, unique};
 
 fn rabbitmqctl(args: &[&str]) {
     let status = Command::new("rabbitmqctl")
@@ -49,10 +49,7 @@ async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
     for i in 0..3_000 {
         let no = format!("X-{i:05}");
         let account = format!("acct-{}", i % 13);
-        let body =
-            serde_json::json!({"out_trade_no": no, "account": account, "amount": 1 + i % 50})
-                .to_string()
-                .into_bytes();
+        let body = pay(&no, 1 + i % 50).account(&account).body();
         messages.push(Msg::new(body.clone()));
         if i % 5 == 0 {
             messages.push(Msg::new(body));

@@ -18,12 +18,6 @@ use onceonly_integration_tests::{
 
 const DAY_MS: i64 = 86_400_000;
 
-/// Runs the CLI; returns its exit status, stdout and stderr.
-async fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let run = onceonly(args).await;
-    (run.code, run.stdout, run.stderr)
-}
-
 /// Seeds `n` records of `scope` claimed `age_ms` ago that expire at
 /// `expires_offset_ms` from now, with one SQL statement (generated rows).
 async fn seed_pg(
@@ -169,7 +163,7 @@ async fn purge_of_200k_expired_records_while_consumers_insert_on_postgres() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
-    let (code, out, err) = run_cli(&[
+    let run = onceonly(&[
         "purge",
         "--database-url",
         &url,
@@ -187,10 +181,11 @@ async fn purge_of_200k_expired_records_while_consumers_insert_on_postgres() {
     for c in consumers {
         inserted += c.await.expect("consumer");
     }
-    assert_eq!(code, 0, "purge failed: {err}");
+    assert_eq!(run.code, 0, "purge failed: {run:?}");
     assert!(
-        out.contains("deleted 200000 records that expired in 41 batches"),
-        "{out}"
+        run.stdout
+            .contains("deleted 200000 records that expired in 41 batches"),
+        "{run:?}"
     );
     assert_eq!(
         count_pg(&store, "idem_key LIKE 'old-%'").await,
@@ -251,11 +246,12 @@ async fn purge_by_age_and_scope(
         "30d",
     ];
 
-    let (code, _, err) = run_cli(&base).await;
-    assert_eq!(code, 1, "records that have not expired need --force");
+    let run = onceonly(&base).await;
+    assert_eq!(run.code, 1, "records that have not expired need --force");
     assert!(
-        err.contains("700 of the records to purge have not expired yet"),
-        "{err}"
+        run.stderr
+            .contains("700 of the records to purge have not expired yet"),
+        "{run:?}"
     );
     assert_eq!(
         count("1 = 1").await,
@@ -263,18 +259,27 @@ async fn purge_by_age_and_scope(
         "a refused purge deletes nothing"
     );
 
-    let (code, out, err) = run_cli(&[&base[..], &["--dry-run"]].concat()).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("dry run: 730 records created before"), "{out}");
-    assert!(out.contains("700 of them not expired yet"), "{out}");
+    let run = onceonly(&[&base[..], &["--dry-run"]].concat()).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains("dry run: 730 records created before"),
+        "{run:?}"
+    );
+    assert!(
+        run.stdout.contains("700 of them not expired yet"),
+        "{run:?}"
+    );
     assert_eq!(count("1 = 1").await, 1730, "a dry run deletes nothing");
 
-    let (code, out, err) = run_cli(&[&base[..], &["--batch", "97", "--force"]].concat()).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("deleted 730 records created before"), "{out}");
+    let run = onceonly(&[&base[..], &["--batch", "97", "--force"]].concat()).await;
+    assert_eq!(run.code, 0, "{run:?}");
     assert!(
-        out.contains("(1230 examined)"),
-        "the walk covers scope a only: {out}"
+        run.stdout.contains("deleted 730 records created before"),
+        "{run:?}"
+    );
+    assert!(
+        run.stdout.contains("(1230 examined)"),
+        "the walk covers scope a only: {run:?}"
     );
     assert_eq!(
         count("scope = 'a'").await,
@@ -286,7 +291,7 @@ async fn purge_by_age_and_scope(
     assert_eq!(count("scope = 'b'").await, 200, "scope b untouched");
 
     // Without --scope: the whole table, in batches.
-    let (code, out, err) = run_cli(&[
+    let run = onceonly(&[
         "purge",
         "--database-url",
         url,
@@ -299,12 +304,12 @@ async fn purge_by_age_and_scope(
         "--force",
     ])
     .await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("deleted 500 records"), "{out}");
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("deleted 500 records"), "{run:?}");
     assert_eq!(count("1 = 1").await, 500);
 
     // inspect and stats on what is left.
-    let (code, out, err) = run_cli(&[
+    let run = onceonly(&[
         "inspect",
         "--database-url",
         url,
@@ -319,8 +324,9 @@ async fn purge_by_age_and_scope(
         "--json",
     ])
     .await;
-    assert_eq!(code, 0, "{err}");
-    let keys: Vec<String> = out
+    assert_eq!(run.code, 0, "{run:?}");
+    let keys: Vec<String> = run
+        .stdout
         .lines()
         .map(|l| {
             serde_json::from_str::<serde_json::Value>(l).expect("JSON line")["key"]
@@ -333,7 +339,7 @@ async fn purge_by_age_and_scope(
     assert_eq!(keys.len(), 11, "{keys:?}");
     assert!(keys.iter().all(|k| k.starts_with("new-")));
     // `_` is no wildcard: no source starts with the literal "seed@1_".
-    let (code, _, _) = run_cli(&[
+    let run = onceonly(&[
         "inspect",
         "--database-url",
         url,
@@ -345,22 +351,32 @@ async fn purge_by_age_and_scope(
         "seed@1_",
     ])
     .await;
-    assert_eq!(code, 3, "nothing matches a literal underscore");
-    let (code, out, err) =
-        run_cli(&["stats", "--database-url", url, "--table", table, "--json"]).await;
-    assert_eq!(code, 0, "{err}");
-    let stats: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(run.code, 3, "nothing matches a literal underscore");
+    let run = onceonly(&["stats", "--database-url", url, "--table", table, "--json"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let stats: serde_json::Value = serde_json::from_str(&run.stdout).expect("JSON");
     assert_eq!(stats["scopes"].as_array().map(Vec::len), Some(1), "{stats}");
     assert_eq!(stats["scopes"][0]["records"], 500);
     assert_eq!(
         stats["scopes"][0]["age_buckets"][2], 500,
         "all claimed just over a day ago: 1d-7d"
     );
-    let (code, out, _) = run_cli(&["stats", "--database-url", url, "--table", table]).await;
-    assert_eq!(code, 0);
+    let run = onceonly(&["stats", "--database-url", url, "--table", table]).await;
+    assert_eq!(run.code, 0);
     assert!(
-        out.contains("table ") && out.contains("500 records in 1 scope,"),
-        "{out}"
+        run.stdout.contains("table ") && run.stdout.contains("500 records in 1 scope,"),
+        "{run:?}"
+    );
+}
+
+/// `onceonly migrate` on `table` succeeds and says the table is ready on
+/// `backend`.
+async fn migrate_with_cli(url: &str, table: &str, backend: &str) {
+    let run = onceonly(&["migrate", "--database-url", url, "--table", table]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains(&format!("is ready ({backend})")),
+        "{run:?}"
     );
 }
 
@@ -369,9 +385,8 @@ async fn purge_by_age_and_scope_on_postgres() {
     let url = pg_url();
     let table = unique("purge_age");
     let store = pg_store(&url, &table).await;
-    let (code, out, err) = run_cli(&["migrate", "--database-url", &url, "--table", &table]).await;
-    assert_eq!(code, 0, "migrating an existing table is a no-op: {err}");
-    assert!(out.contains("is ready (postgres)"), "{out}");
+    // The table exists already: migrating it is a no-op.
+    migrate_with_cli(&url, &table, "postgres").await;
     purge_by_age_and_scope(
         &url,
         &table,
@@ -385,9 +400,7 @@ async fn purge_by_age_and_scope_on_postgres() {
 async fn purge_by_age_and_scope_on_mariadb() {
     let url = mysql_url();
     let table = unique("purge_age");
-    let (code, out, err) = run_cli(&["migrate", "--database-url", &url, "--table", &table]).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("is ready (mysql)"), "{out}");
+    migrate_with_cli(&url, &table, "mysql").await;
     let store = mysql_store(&url, &table).await;
     purge_by_age_and_scope(
         &url,

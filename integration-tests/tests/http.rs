@@ -20,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use onceonly::http::{IdempotencyLayer, InFlight, OnStoreError, Principal, SignatureCheck, Tx};
 use onceonly::{KeySpec, PgStore, SqlStore, SqliteStore};
+use onceonly_integration_tests::pay;
 use reqwest::Client;
 
 /// Serves `app` on an ephemeral port; returns its base URL.
@@ -321,7 +322,7 @@ macro_rules! http_suite {
                         .body(body)
                         .send()
                 };
-                let json = r#"{"out_trade_no":"W-1","account":"erin","amount":300}"#.to_owned();
+                let json = pay("W-1", 300).account("erin").to_string();
                 for _ in 0..3 {
                     let r = post_signed(
                         json.clone(),
@@ -346,7 +347,7 @@ macro_rules! http_suite {
                     assert_eq!(r.text().await.unwrap(), "success");
                 }
                 // Bad and stale signatures: 401, nothing stored.
-                let evil = r#"{"out_trade_no":"W-3","account":"mallory","amount":999}"#.to_owned();
+                let evil = pay("W-3", 999).account("mallory").to_string();
                 let forged = SignatureCheck::new("guess").sign(now, evil.as_bytes());
                 let r = post_signed(evil.clone(), "application/json", forged)
                     .await

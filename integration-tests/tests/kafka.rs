@@ -14,8 +14,8 @@ use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{
     Record, committed, create_topic, header, pg_schema, produce, read_all,
 };
-use onceonly_integration_tests::ledger::{assert_exact, payment};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::ledger::assert_exact;
+use onceonly_integration_tests::{pay, pg_store, unique};
 use sqlx::PgPool;
 
 struct Setup {
@@ -100,7 +100,7 @@ fn duplicated_stream(prefix: &str) -> (Vec<Record>, BTreeMap<String, (String, i6
         // and the handler-call count below is exact.
         let account = format!("acct-{i}");
         let amount = 100 + i;
-        let body = payment(&no, &account, amount);
+        let body = pay(&no, amount).account(&account).body();
         records.push(Record::new(no.clone(), body.clone()));
         if i % 3 == 0 {
             records.push(Record::new(no.clone(), body.clone()));
@@ -111,7 +111,7 @@ fn duplicated_stream(prefix: &str) -> (Vec<Record>, BTreeMap<String, (String, i6
     for i in (0..300).step_by(5) {
         let no = format!("{prefix}-{i:04}");
         let (account, amount) = &expected[&no];
-        records.push(Record::new(no.clone(), payment(&no, account, *amount)));
+        records.push(Record::new(no.clone(), pay(&no, *amount).account(account)));
     }
     (records, expected)
 }
@@ -183,8 +183,8 @@ async fn key_concurrency_keeps_each_key_in_order() {
         for a in 0..8 {
             let account = format!("acct-{a}");
             let no = format!("O-{a}-{seq}");
-            let body = serde_json::json!({"out_trade_no": no, "account": account, "amount": 1, "seq": seq});
-            records.push(Record::new(account.clone(), body.to_string().into_bytes()));
+            let body = pay(&no, 1).account(&account).seq(seq);
+            records.push(Record::new(account.clone(), body));
             expected.insert(no, (account, 1));
         }
     }
@@ -209,15 +209,15 @@ async fn key_concurrency_keeps_each_key_in_order() {
 async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
     let s = setup("kdlt", 1).await;
     let records = vec![
-        Record::new("k1", payment("P-1", "alice", 10)).header("trace-id", "t-1"),
-        Record::new("k2", payment("P-2", "flaky", 20)),
-        Record::new("k3", payment("P-3", "bob", 30)),
+        Record::new("k1", pay("P-1", 10).account("alice")).header("trace-id", "t-1"),
+        Record::new("k2", pay("P-2", 20).account("flaky")),
+        Record::new("k3", pay("P-3", 30).account("bob")),
         Record::new("k4", b"{\"out_trade_no\":\"P-4\",\"amount\":".to_vec()),
-        Record::new("k5", payment("P-5", "broken", 50)),
+        Record::new("k5", pay("P-5", 50).account("broken")),
         Record::new("k6", br#"{"account":"bob","amount":60}"#.to_vec()),
-        Record::new("k7", payment("P-1", "alice", 999)),
-        Record::new("k8", payment("P-1", "alice", 10)),
-        Record::new("k9", payment("P-9", "carol", 90)),
+        Record::new("k7", pay("P-1", 999).account("alice")),
+        Record::new("k8", pay("P-1", 10).account("alice")),
+        Record::new("k9", pay("P-9", 90).account("carol")),
     ];
     let ends = produce(&s.topic, &records).await;
     let handler = Arc::new(Ledger::default());
@@ -290,7 +290,7 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
         let no = format!("R-{i:05}");
         let account = format!("acct-{}", i % 11);
         let amount = 1 + i % 97;
-        let body = payment(&no, &account, amount);
+        let body = pay(&no, amount).account(&account).body();
         records.push(Record::new(no.clone(), body.clone()));
         if i % 4 == 0 {
             records.push(Record::new(no.clone(), body));

@@ -14,7 +14,7 @@ use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, payments_args, pg_schema, produce, read_all,
 };
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
-use onceonly_integration_tests::unique;
+use onceonly_integration_tests::{pay, unique};
 use sqlx::PgPool;
 use tokio::process::Child;
 
@@ -154,8 +154,8 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
     let records: Vec<Record> = (0..4_000)
         .map(|i| {
             let no = format!("T-{i:05}");
-            let body = serde_json::json!({"out_trade_no": no, "account": "a", "amount": 1});
-            Record::new(no, body.to_string())
+            let body = pay(&no, 1).account("a");
+            Record::new(no, body)
         })
         .collect();
     produce(&topic, &records).await;

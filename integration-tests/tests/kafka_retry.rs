@@ -14,8 +14,8 @@ use onceonly_integration_tests::example_ledger::{self as ledger, Payment, Receip
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, header, pg_schema, produce, read_all,
 };
-use onceonly_integration_tests::ledger::{Expected, assert_exact, payment};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::ledger::{Expected, assert_exact};
+use onceonly_integration_tests::{pay, pg_store, unique};
 use sqlx::Postgres;
 
 /// The examples' ledger; `SLOW` fails (retryably, after writing) on its
@@ -70,7 +70,7 @@ async fn a_retryable_failure_waits_in_the_retry_topic_while_the_partition_moves_
             _ => format!("R-{i:02}"),
         };
         let account = format!("acct-{i}");
-        records.push(Record::new(no.clone(), payment(&no, &account, 10 + i)));
+        records.push(Record::new(no.clone(), pay(&no, 10 + i).account(&account)));
         if no != "NEVER" {
             expected.insert(no, (account, 10 + i));
         }

@@ -12,8 +12,8 @@ use onceonly::kafka::{CancellationToken, KafkaConsumer, KafkaConsumerBuilder};
 use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, SqlStore};
 use onceonly_integration_tests::example_ledger::{self as ledger, Payment, Receipt};
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
-use onceonly_integration_tests::ledger::{Expected, assert_exact, payment, rows};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::ledger::{Expected, assert_exact, rows};
+use onceonly_integration_tests::{pay, pg_store, unique};
 use sqlx::Postgres;
 
 /// The examples' ledger, except that the first run for `STUCK` never ends
@@ -79,7 +79,7 @@ async fn setup(name: &str) -> Setup {
             format!("acct-{}", i % 7)
         };
         records.push(
-            Record::new(no.clone(), payment(&no, &account, 10 + i)).to_partition(i as i32 % 2),
+            Record::new(no.clone(), pay(&no, 10 + i).account(&account)).to_partition(i as i32 % 2),
         );
         expected.insert(no, (account, 10 + i));
     }

@@ -28,8 +28,7 @@ use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
-use onceonly_integration_tests::ledger::payment;
-use onceonly_integration_tests::{pg_store, sqlite_store, unique};
+use onceonly_integration_tests::{pay, pg_store, sqlite_store, unique};
 use sqlx::Sqlite;
 use tracing::span::{Attributes, Id, Record as SpanRecord};
 use tracing::{Event, Subscriber};
@@ -168,7 +167,7 @@ async fn purges_count_deleted_records_by_table() {
     ledger::postgres::create_tables(store.pool()).await.unwrap();
     let h = Ledger::default();
     for i in 0..25 {
-        let d = Delivery::new(payment(&format!("P-{i}"), "alice", 1));
+        let d = Delivery::new(pay(&format!("P-{i}"), 1).account("alice"));
         assert!(engine.process(&h, &d).await.outcome.is_done());
     }
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -207,7 +206,7 @@ async fn engine_counts_each_outcome_by_scope_and_transport() {
         .build()
         .unwrap();
     let h = Ledger::default();
-    let d = |no: &str, account: &str, amount: i64| Delivery::new(payment(no, account, amount));
+    let d = |no: &str, account: &str, amount: i64| Delivery::new(pay(no, amount).account(account));
 
     let kinds = [
         engine.process(&h, &d("A", "alice", 10)).await,
@@ -307,8 +306,8 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
         &channel,
         &queue,
         &[
-            Msg::new(payment("A", "alice", 10)),
-            Msg::new(payment("B", "bob", 20)),
+            Msg::new(pay("A", 10).account("alice")),
+            Msg::new(pay("B", 20).account("bob")),
         ],
     )
     .await;
@@ -318,12 +317,12 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
         &channel,
         &queue,
         &[
-            Msg::new(payment("A", "alice", 10)),
-            Msg::new(payment("A", "alice", 99)),
+            Msg::new(pay("A", 10).account("alice")),
+            Msg::new(pay("A", 99).account("alice")),
             Msg::new(&b"not json"[..]),
             Msg::new(&b"{\"amount\":1}"[..]),
-            Msg::new(payment("X", "broken", 1)),
-            Msg::new(payment("F", "flaky", 1)),
+            Msg::new(pay("X", 1).account("broken")),
+            Msg::new(pay("F", 1).account("flaky")),
         ],
     )
     .await;
@@ -374,7 +373,7 @@ async fn kafka_consumer_lag_gauge_reaches_zero_once_everything_is_committed() {
     let records: Vec<Record> = (0..5)
         .map(|i| {
             let no = format!("L-{i}");
-            Record::new(no.clone(), payment(&no, "lara", 1 + i))
+            Record::new(no.clone(), pay(&no, 1 + i).account("lara"))
         })
         .collect();
     produce(&topic, &records).await;
@@ -450,7 +449,7 @@ async fn payment_webhook_example_serves_prometheus_counters() {
         ],
     );
     let client = reqwest::Client::new();
-    let body = serde_json::json!({ "out_trade_no": "P-1", "account": "alice", "amount": 5 });
+    let body = pay("P-1", 5).account("alice");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut posted = 0;
     while posted < 2 {
@@ -606,7 +605,7 @@ async fn delivery_span_wraps_the_handler_and_hashes_keys_when_asked() {
             .unwrap()
     };
     let delivery =
-        |no: &str| Delivery::new(payment(no, "alice", 1)).with_source(format!("test/{no}"));
+        |no: &str| Delivery::new(pay(no, 1).account("alice")).with_source(format!("test/{no}"));
     build(false).process(&Noisy, &delivery("plain-1")).await;
     build(true).process(&Noisy, &delivery("secret-1")).await;
     build(true).process(&Noisy, &delivery("secret-1")).await;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use onceonly::redis::{CachedStore, Once, RedisClaim, RedisStore, RunOnceError};
 use onceonly::{Delivery, Engine, Fingerprint, Outcome, PgStore, SqlStore};
 use onceonly_integration_tests::kafka::pg_schema;
-use onceonly_integration_tests::{redis_unreachable, redis_url, unique};
+use onceonly_integration_tests::{pay, redis_unreachable, redis_url, unique};
 
 async fn redis_store(lease: Duration) -> RedisStore {
     RedisStore::connect(&redis_url())
@@ -190,7 +190,7 @@ async fn two_tier_answers_duplicates_without_sql() {
         .key_expr("json:/out_trade_no")
         .build()
         .unwrap();
-    let body = br#"{"out_trade_no":"T-1","account":"ann","amount":5}"#.to_vec();
+    let body = pay("T-1", 5).account("ann").body();
     let first = engine
         .process(&ledger::postgres::Ledger, &Delivery::new(body.clone()))
         .await;
@@ -219,7 +219,7 @@ async fn two_tier_answers_duplicates_without_sql() {
     let other = engine
         .process(
             &ledger::postgres::Ledger,
-            &Delivery::new(br#"{"out_trade_no":"T-1","account":"ann","amount":6}"#.to_vec()),
+            &Delivery::new(pay("T-1", 6).account("ann")),
         )
         .await;
     assert_eq!(other.outcome.kind().as_str(), "conflict");
@@ -231,12 +231,12 @@ async fn two_tier_answers_duplicates_without_sql() {
     assert_eq!(rows, 1);
 
     // A rolled-back attempt never reaches Redis: its redelivery runs.
-    let broken = br#"{"out_trade_no":"T-2","account":"ann","amount":-5}"#.to_vec();
+    let broken = pay("T-2", -5).account("ann").body();
     let failed = engine
         .process(&ledger::postgres::Ledger, &Delivery::new(broken))
         .await;
     assert_eq!(failed.outcome.kind().as_str(), "failed");
-    let fixed = br#"{"out_trade_no":"T-2","account":"ann","amount":5}"#.to_vec();
+    let fixed = pay("T-2", 5).account("ann").body();
     let retried = engine
         .process(&ledger::postgres::Ledger, &Delivery::new(fixed.clone()))
         .await;
@@ -271,7 +271,7 @@ async fn two_tier_answers_duplicates_without_sql() {
 async fn two_tier_works_under_the_amqp_consumer() {
     use onceonly::amqp::{AmqpConsumer, CancellationToken};
     use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish};
-    use onceonly_integration_tests::ledger::{Expected, assert_exact, payment};
+    use onceonly_integration_tests::ledger::{Expected, assert_exact};
     let url = pg_schema("ramqp").await;
     let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
     ledger::postgres::create_tables(sql.pool()).await.unwrap();
@@ -285,7 +285,7 @@ async fn two_tier_works_under_the_amqp_consumer() {
     let mut messages = Vec::new();
     for i in 0..100 {
         let no = format!("Z-{i}");
-        messages.push(Msg::new(payment(&no, "zed", 3)));
+        messages.push(Msg::new(pay(&no, 3).account("zed")));
         expected.insert(no, ("zed".to_owned(), 3));
     }
     let run = |store: CachedStore<PgStore>| {

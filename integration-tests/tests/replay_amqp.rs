@@ -11,16 +11,16 @@ use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use onceonly::amqp::{AmqpConsumer, CancellationToken, ConsumerStats, headers};
 use onceonly::ops::replay::REPLAYED_FROM;
-use onceonly::{Delivery, Engine, PgStore, SqlStore};
+use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, header, publish, take, url,
 };
 use onceonly_integration_tests::cli::onceonly;
 use onceonly_integration_tests::example_ledger as ledger;
-use onceonly_integration_tests::handler::{Ledger, Outage};
+use onceonly_integration_tests::handler::{Outage, process_meanwhile};
 use onceonly_integration_tests::kafka::pg_schema;
-use onceonly_integration_tests::ledger::{assert_exact, payment};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::ledger::assert_exact;
+use onceonly_integration_tests::{pay, pg_store, unique};
 use sqlx::PgPool;
 
 struct Setup {
@@ -124,7 +124,7 @@ async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
     let mut messages = Vec::new();
     for i in 1..=4 {
         let no = format!("K-{i}");
-        messages.push(Msg::new(payment(&no, "acct", 10 * i)));
+        messages.push(Msg::new(pay(&no, 10 * i).account("acct")));
         expected.insert(no, ("acct".to_owned(), 10 * i));
     }
     publish(&channel, &s.queue, &messages).await;
@@ -132,17 +132,7 @@ async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
     assert_eq!(stats.dead_lettered, 4);
     assert_eq!(depth(&channel, &s.dlq).await, 4);
     // Meanwhile K-1 and K-2 were sent again and went through.
-    let engine = Engine::builder(s.store.clone())
-        .scope(s.queue.as_str())
-        .key_expr("json:/out_trade_no")
-        .build()
-        .unwrap();
-    let earlier = Ledger::default();
-    for no in ["K-1", "K-2"] {
-        let (account, amount) = &expected[no];
-        let d = Delivery::new(payment(no, account, *amount));
-        assert!(engine.process(&earlier, &d).await.outcome.is_done());
-    }
+    process_meanwhile(&s.store, s.queue.as_str(), &expected, &["K-1", "K-2"]).await;
 
     let run = replay(&s, &[]).await;
     assert!(run.success, "{run:?}");
@@ -178,8 +168,8 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
         &channel,
         &s.queue,
         &[
-            Msg::new(payment("P-1", "alice", 10)),
-            Msg::new(payment("P-1", "alice", 999)),
+            Msg::new(pay("P-1", 10).account("alice")),
+            Msg::new(pay("P-1", 999).account("alice")),
         ],
     )
     .await;
@@ -230,7 +220,10 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
         Some("fingerprint_mismatch")
     );
     assert_eq!(header(p, REPLAYED_FROM).as_deref(), Some(s.dlq.as_str()));
-    assert_eq!(dead[0].delivery.data, payment("P-1", "alice", 999));
+    assert_eq!(
+        dead[0].delivery.data,
+        pay("P-1", 999).account("alice").body()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -244,9 +237,21 @@ async fn filters_dry_run_and_limit_leave_the_rest_in_the_queue() {
         &channel,
         &s.dlq,
         &[
-            dead_letter(q, payment("F-1", "a", 1), "handler_error", Some("F-1"), now),
+            dead_letter(
+                q,
+                pay("F-1", 1).account("a").body(),
+                "handler_error",
+                Some("F-1"),
+                now,
+            ),
             dead_letter(q, b"{not json".to_vec(), "decode_error", None, now),
-            dead_letter(q, payment("F-3", "a", 3), "handler_error", Some("F-3"), old),
+            dead_letter(
+                q,
+                pay("F-3", 3).account("a").body(),
+                "handler_error",
+                Some("F-3"),
+                old,
+            ),
             dead_letter(q, br#"{"amount":4}"#.to_vec(), "bad_key", None, now),
         ],
     )
@@ -292,7 +297,7 @@ async fn filters_dry_run_and_limit_leave_the_rest_in_the_queue() {
     let replayed = take(&channel, &s.queue, 1, Duration::from_secs(5)).await;
     assert_eq!(replayed.len(), 1);
     let m = &replayed[0].delivery;
-    assert_eq!(m.data, payment("F-1", "a", 1));
+    assert_eq!(m.data, pay("F-1", 1).account("a").body());
     let p = &m.properties;
     for gone in [headers::REASON, headers::ERROR, headers::ATTEMPTS] {
         assert_eq!(header(p, gone), None, "{gone} stripped");
@@ -339,7 +344,7 @@ async fn rabbitmq_dead_lettered_messages_go_back_by_x_death() {
         )
         .await
         .unwrap();
-    publish(&channel, &work, &[Msg::new(payment("X-1", "a", 1))]).await;
+    publish(&channel, &work, &[Msg::new(pay("X-1", 1).account("a"))]).await;
     let got = channel
         .basic_get(work.as_str().into(), BasicGetOptions::default())
         .await
@@ -361,7 +366,7 @@ async fn rabbitmq_dead_lettered_messages_go_back_by_x_death() {
     assert_eq!(depth(&channel, &s.dlq).await, 0);
     let back = take(&channel, &work, 1, Duration::from_secs(5)).await;
     assert_eq!(back.len(), 1, "back in the work queue");
-    assert_eq!(back[0].delivery.data, payment("X-1", "a", 1));
+    assert_eq!(back[0].delivery.data, pay("X-1", 1).account("a").body());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -371,7 +376,7 @@ async fn a_failed_republish_leaves_the_letter_and_fails_the_run() {
     let now = now_ms();
     let mut gone_exchange = dead_letter(
         &s.queue,
-        payment("G-1", "a", 1),
+        pay("G-1", 1).account("a").body(),
         "handler_error",
         Some("G-1"),
         now,
@@ -379,14 +384,14 @@ async fn a_failed_republish_leaves_the_letter_and_fails_the_run() {
     gone_exchange.headers[3].1 = unique("no_such_exchange");
     let good = dead_letter(
         &s.queue,
-        payment("G-2", "a", 2),
+        pay("G-2", 2).account("a").body(),
         "handler_error",
         Some("G-2"),
         now,
     );
     let unroutable = dead_letter(
         &unique("no_such_queue"),
-        payment("G-3", "a", 3),
+        pay("G-3", 3).account("a").body(),
         "handler_error",
         Some("G-3"),
         now,
@@ -454,7 +459,7 @@ async fn to_queue_replays_only_to_the_dead_lettering_queue() {
     let letter = |no: &str| {
         let mut m = dead_letter(
             &s.queue,
-            payment(no, "a", 1),
+            pay(no, 1).account("a").body(),
             "handler_error",
             Some(no),
             now_ms(),

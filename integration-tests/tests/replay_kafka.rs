@@ -10,15 +10,15 @@ use std::time::Duration;
 
 use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
 use onceonly::ops::replay::REPLAYED_FROM;
-use onceonly::{Delivery, Engine, PgStore, SqlStore};
+use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::cli::{Run, onceonly};
 use onceonly_integration_tests::example_ledger as ledger;
-use onceonly_integration_tests::handler::{Ledger, Outage};
+use onceonly_integration_tests::handler::{Outage, process_meanwhile};
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, header, pg_schema, produce, read_all,
 };
-use onceonly_integration_tests::ledger::{assert_exact, payment};
-use onceonly_integration_tests::{pg_store, unique};
+use onceonly_integration_tests::ledger::assert_exact;
+use onceonly_integration_tests::{pay, pg_store, unique};
 use rdkafka::Message;
 use sqlx::PgPool;
 
@@ -108,7 +108,7 @@ async fn replayed_dead_letters_dedupe_and_commit_the_dead_letter_offsets() {
     let mut records = Vec::new();
     for i in 1..=4 {
         let no = format!("K-{i}");
-        records.push(Record::new(no.clone(), payment(&no, "acct", 10 * i)));
+        records.push(Record::new(no.clone(), pay(&no, 10 * i).account("acct")));
         expected.insert(no, ("acct".to_owned(), 10 * i));
     }
     produce(&s.topic, &records).await;
@@ -116,17 +116,7 @@ async fn replayed_dead_letters_dedupe_and_commit_the_dead_letter_offsets() {
     drain(&s, Arc::new(Outage::down())).await;
     assert_eq!(read_all(&s.dlt, 1, 4, Duration::from_secs(10)).len(), 4);
     // Meanwhile K-1 and K-2 were sent again and went through.
-    let engine = Engine::builder(s.store.clone())
-        .scope(s.group.as_str())
-        .key_expr("json:/out_trade_no")
-        .build()
-        .unwrap();
-    let earlier = Ledger::default();
-    for no in ["K-1", "K-2"] {
-        let (account, amount) = &expected[no];
-        let d = Delivery::new(payment(no, account, *amount));
-        assert!(engine.process(&earlier, &d).await.outcome.is_done());
-    }
+    process_meanwhile(&s.store, s.group.as_str(), &expected, &["K-1", "K-2"]).await;
 
     let group = unique("replay");
     let run = replay(&s, &group, &[]).await;
@@ -162,8 +152,8 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
     produce(
         &s.topic,
         &[
-            Record::new("P-1", payment("P-1", "alice", 10)),
-            Record::new("P-1", payment("P-1", "alice", 999)),
+            Record::new("P-1", pay("P-1", 10).account("alice")),
+            Record::new("P-1", pay("P-1", 999).account("alice")),
         ],
     )
     .await;
@@ -183,7 +173,7 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
     );
     assert_eq!(
         dead[1].payload(),
-        Some(payment("P-1", "alice", 999).as_slice())
+        Some(pay("P-1", 999).account("alice").body().as_slice())
     );
     assert_eq!(handler.ledger.calls.load(Ordering::SeqCst), 1);
     let expected = BTreeMap::from([("P-1".to_owned(), ("alice".to_owned(), 10))]);
@@ -197,9 +187,9 @@ async fn filters_dry_run_and_limit_commit_only_what_is_done() {
     produce(
         &s.dlt,
         &[
-            dead_letter(t, "F-0", payment("F-0", "a", 1), "handler_error"),
+            dead_letter(t, "F-0", pay("F-0", 1).account("a").body(), "handler_error"),
             dead_letter(t, "F-1", b"{not json".to_vec(), "decode_error"),
-            dead_letter(t, "F-2", payment("F-2", "a", 2), "handler_error"),
+            dead_letter(t, "F-2", pay("F-2", 2).account("a").body(), "handler_error"),
             dead_letter(t, "F-3", br#"{"amount":3}"#.to_vec(), "bad_key"),
         ],
     )
@@ -287,10 +277,10 @@ async fn a_record_that_cannot_be_replayed_stops_its_partition_and_fails_the_run(
     produce(
         &s.dlt,
         &[
-            dead_letter(t, "G-0", payment("G-0", "a", 1), "handler_error"),
+            dead_letter(t, "G-0", pay("G-0", 1).account("a").body(), "handler_error"),
             // Not a onceonly dead letter: no original topic.
-            Record::new("G-1", payment("G-1", "a", 2)).header(headers::REASON, "handler_error"),
-            dead_letter(t, "G-2", payment("G-2", "a", 3), "handler_error"),
+            Record::new("G-1", pay("G-1", 2).account("a")).header(headers::REASON, "handler_error"),
+            dead_letter(t, "G-2", pay("G-2", 3).account("a").body(), "handler_error"),
         ],
     )
     .await;

@@ -570,13 +570,13 @@ macro_rules! backend_suite {
                 engine.process(&handler, &Delivery::new(pay("P-done", 1))).await;
                 engine.process(&handler, &Delivery::new(pay("P-other", 1))).await;
                 let batch: Vec<Delivery> = [
-                    pay("P-a", 1),
-                    pay("P-b", 2),
-                    pay("P-a", 1),
+                    pay("P-a", 1).body(),
+                    pay("P-b", 2).body(),
+                    pay("P-a", 1).body(),
                     b"{not json".to_vec(),
-                    pay("P-done", 1),
-                    pay("P-other", 5),
-                    pay("P-b", 3),
+                    pay("P-done", 1).body(),
+                    pay("P-other", 5).body(),
+                    pay("P-b", 3).body(),
                 ]
                 .into_iter()
                 .map(Delivery::new)

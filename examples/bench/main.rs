@@ -29,26 +29,21 @@
 //! cargo run --release --example bench --all-features -- --scenario kafka,http --dup 0 --runs 5
 //! ```
 
-#[path = "support/ledger.rs"]
+// Shared with the other examples: an example is its own crate, so without
+// a library crate the only way to share these files is `#[path]` (relative
+// to this file's directory, `examples/bench/`).
+#[path = "../support/ledger.rs"]
 mod ledger;
-#[path = "support/stats.rs"]
+#[path = "../support/stats.rs"]
 mod stats;
 
-#[path = "bench/amqp.rs"]
 mod amqp;
-#[path = "bench/child.rs"]
 mod child;
-#[path = "bench/common.rs"]
 mod common;
-#[path = "bench/growth.rs"]
 mod growth;
-#[path = "bench/http.rs"]
 mod http;
-#[path = "bench/kafka.rs"]
 mod kafka;
-#[path = "bench/memory.rs"]
 mod memory;
-#[path = "bench/mock.rs"]
 mod mock;
 
 use std::process::ExitCode;
