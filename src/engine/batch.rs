@@ -9,7 +9,8 @@
 //! others.
 
 use super::{
-    Engine, Failure, FromDelivery, Handler, Outcome, Report, Tx, decode_stored, report, settled,
+    Engine, Failure, FromDelivery, Handler, Origin, Outcome, Report, Tx, decode_stored, report,
+    settled,
 };
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
@@ -184,7 +185,7 @@ impl<S: SqlStore> Engine<S> {
                 }
             }
         };
-        let tx = Tx::new(tx);
+        let tx = Tx::new(tx, Origin::new(&inner.scope, "", None));
         let mut outcomes = Vec::with_capacity(ready.len());
         let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
         for (i, (item, claim)) in ready.iter_mut().zip(claims).enumerate() {
@@ -194,9 +195,18 @@ impl<S: SqlStore> Engine<S> {
                     let run = match item.input.take() {
                         Some(input) => {
                             // Results are recorded together, below.
-                            self.run_handler(tx.clone(), handler, item.delivery, input)
-                                .instrument(item.span.clone())
-                                .await
+                            self.run_handler(
+                                tx.for_origin(Origin::new(
+                                    &inner.scope,
+                                    item.key.as_str(),
+                                    super::session::traceparent_of(item.delivery),
+                                )),
+                                handler,
+                                item.delivery,
+                                input,
+                            )
+                            .instrument(item.span.clone())
+                            .await
                         }
                         None => Err(Failure::Store(StoreError::Corrupt(
                             "batch entry claimed twice".into(),

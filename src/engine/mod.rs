@@ -39,7 +39,7 @@ pub use handler::{
 pub use outcome::{Failure, Outcome, OutcomeKind, Rejection, Report};
 pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Session};
-pub use tx::{Tx, TxGone, TxGuard};
+pub use tx::{Origin, Tx, TxGone, TxGuard};
 
 /// Claims keys and runs handlers exactly once per key, over a [`SqlStore`].
 ///
@@ -314,7 +314,8 @@ impl<S: SqlStore> Engine<S> {
     {
         let spec = ClaimSpec::new(key)
             .fingerprint(fingerprint.copied())
-            .source(delivery.source());
+            .source(delivery.source())
+            .traceparent(session::traceparent_of(delivery));
         let session = match self.claim_with(spec).await {
             Ok(Claimed::New(session)) => session,
             Ok(Claimed::Duplicate { result }) => {

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::tx::Tx;
+use super::tx::{Origin, Tx};
 use super::{Engine, Failure};
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
@@ -23,6 +23,7 @@ pub struct ClaimSpec<'a> {
     fingerprint: Option<Fingerprint>,
     source: Option<&'a str>,
     lock_wait: Option<Duration>,
+    traceparent: Option<&'a str>,
 }
 
 impl<'a> ClaimSpec<'a> {
@@ -34,7 +35,16 @@ impl<'a> ClaimSpec<'a> {
             fingerprint: None,
             source: None,
             lock_wait: None,
+            traceparent: None,
         }
+    }
+
+    /// The inbound message's W3C `traceparent`, passed on to the messages
+    /// the handler sends through the [outbox](crate::outbox).
+    #[must_use]
+    pub fn traceparent(mut self, traceparent: Option<&'a str>) -> Self {
+        self.traceparent = traceparent;
+        self
     }
 
     /// Claims in `scope` instead of the engine's (the HTTP layer's
@@ -173,7 +183,8 @@ impl<S: SqlStore> Engine<S> {
         let fingerprint = self.inner.fingerprint.compute(delivery);
         let spec = ClaimSpec::new(&key)
             .fingerprint(fingerprint)
-            .source(delivery.source());
+            .source(delivery.source())
+            .traceparent(traceparent_of(delivery));
         Ok(self.claim_with(spec).await?)
     }
 
@@ -210,7 +221,7 @@ impl<S: SqlStore> Engine<S> {
         }
         Ok(Claimed::New(Session {
             engine: self.clone(),
-            tx: Tx::new(tx),
+            tx: Tx::new(tx, Origin::new(scope, spec.key, spec.traceparent)),
             scope: spec.scope.map(str::to_owned),
             key: spec.key.to_owned(),
             fingerprint: spec.fingerprint,
@@ -299,4 +310,11 @@ impl<S: SqlStore> Session<S> {
             drop(tx.rollback().await);
         }
     }
+}
+
+/// The W3C `traceparent` header of a delivery, if it has a readable one.
+pub(crate) fn traceparent_of(delivery: &Delivery) -> Option<&str> {
+    delivery
+        .metadata("traceparent")
+        .and_then(|v| std::str::from_utf8(v).ok())
 }

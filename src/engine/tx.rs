@@ -1,6 +1,8 @@
 //! The claim's open transaction, as an owned handle the handler works in.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use sqlx::{Database, Transaction};
@@ -30,17 +32,68 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 /// the result and commit (a lock still held after
 /// [`RETURN_TIMEOUT`](Tx::RETURN_TIMEOUT) fails the delivery, and the
 /// transaction rolls back when the lock is finally dropped).
-pub struct Tx<DB: Database>(Arc<Mutex<Option<Transaction<'static, DB>>>>);
+pub struct Tx<DB: Database> {
+    slot: Arc<Mutex<Option<Transaction<'static, DB>>>>,
+    origin: Arc<Origin>,
+}
 
 impl<DB: Database> Clone for Tx<DB> {
     fn clone(&self) -> Self {
-        Self(Arc::clone(&self.0))
+        Self {
+            slot: Arc::clone(&self.slot),
+            origin: Arc::clone(&self.origin),
+        }
     }
 }
 
 impl<DB: Database> std::fmt::Debug for Tx<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tx").finish_non_exhaustive()
+        f.debug_struct("Tx")
+            .field("origin", &self.origin)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a transaction was opened for: the claimed key, its scope and the
+/// inbound message's trace context. Messages a handler sends through the
+/// [outbox](crate::outbox) take their deterministic ids from it.
+#[derive(Debug)]
+pub struct Origin {
+    scope: String,
+    key: String,
+    traceparent: Option<String>,
+    sequence: AtomicU32,
+}
+
+impl Origin {
+    pub(crate) fn new(scope: &str, key: &str, traceparent: Option<&str>) -> Self {
+        Self {
+            scope: scope.to_owned(),
+            key: key.to_owned(),
+            traceparent: traceparent.map(str::to_owned),
+            sequence: AtomicU32::new(0),
+        }
+    }
+
+    /// The scope the key was claimed in.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The claimed key (the inbound message's idempotency key).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The inbound message's W3C `traceparent`, if it carried one.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.traceparent.as_deref()
+    }
+
+    /// The position of the next message sent from this handler run: 0, 1,
+    /// 2... in the order of the calls.
+    pub fn next_position(&self) -> u32 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
     }
 }
 
@@ -51,30 +104,76 @@ impl<DB: Database> std::fmt::Debug for Tx<DB> {
 pub struct TxGone;
 
 /// The locked connection of a [`Tx`]: use `&mut *conn` as the executor.
-pub type TxGuard<DB> =
-    OwnedMappedMutexGuard<Option<Transaction<'static, DB>>, <DB as Database>::Connection>;
+/// It also knows the claim's [`Origin`], for the
+/// [outbox](crate::outbox).
+pub struct TxGuard<DB: Database> {
+    conn: OwnedMappedMutexGuard<Option<Transaction<'static, DB>>, DB::Connection>,
+    origin: Arc<Origin>,
+}
+
+impl<DB: Database> TxGuard<DB> {
+    /// What the transaction was opened for.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
+    }
+}
+
+impl<DB: Database> Deref for TxGuard<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        &self.conn
+    }
+}
+
+impl<DB: Database> DerefMut for TxGuard<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+}
 
 impl<DB: Database> Tx<DB> {
     /// How long the engine waits, after the handler returned, for it to let
     /// go of the transaction.
     pub const RETURN_TIMEOUT: Duration = Duration::from_secs(30);
 
-    pub(crate) fn new(tx: Transaction<'static, DB>) -> Self {
-        Self(Arc::new(Mutex::new(Some(tx))))
+    pub(crate) fn new(tx: Transaction<'static, DB>, origin: Origin) -> Self {
+        Self {
+            slot: Arc::new(Mutex::new(Some(tx))),
+            origin: Arc::new(origin),
+        }
+    }
+
+    /// The same transaction, opened for another key (a batch runs several
+    /// handlers in one transaction).
+    pub(crate) fn for_origin(&self, origin: Origin) -> Self {
+        Self {
+            slot: Arc::clone(&self.slot),
+            origin: Arc::new(origin),
+        }
+    }
+
+    /// What the transaction was opened for.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
     }
 
     /// Locks the transaction's connection for the handler's statements.
     pub async fn lock(&self) -> Result<TxGuard<DB>, TxGone> {
-        OwnedMutexGuard::try_map(Arc::clone(&self.0).lock_owned().await, |slot| {
+        let conn = OwnedMutexGuard::try_map(Arc::clone(&self.slot).lock_owned().await, |slot| {
             slot.as_mut().map(|tx| &mut **tx)
         })
-        .map_err(|_| TxGone)
+        .map_err(|_| TxGone)?;
+        Ok(TxGuard {
+            conn,
+            origin: Arc::clone(&self.origin),
+        })
     }
 
     /// Takes the transaction back once the handler let go of it; `None` if
     /// it is gone or still held after `wait`.
     pub(crate) async fn take(&self, wait: Duration) -> Option<Transaction<'static, DB>> {
-        match tokio::time::timeout(wait, self.0.lock()).await {
+        match tokio::time::timeout(wait, self.slot.lock()).await {
             Ok(mut slot) => slot.take(),
             Err(_) => None,
         }

@@ -237,6 +237,12 @@ where
         .scope(&scope)
         .fingerprint(fingerprint)
         .source(Some(&source))
+        .traceparent(
+            parts
+                .headers
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok()),
+        )
         .lock_wait(wait);
     let session = match cfg.engine.claim_with(spec).await {
         Ok(Claimed::New(session)) => session,
