@@ -14,11 +14,12 @@
 //! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`).
 
 pub mod admin;
+mod backend;
+mod base;
 mod batch;
 mod claim;
 pub(crate) mod error;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-mod numbered;
+pub(crate) mod forward;
 mod rows;
 mod sql;
 mod table;
