@@ -55,7 +55,7 @@ pub(crate) trait Backend: Database {
     }
 
     /// The backend's own batch claim, if it has one; `None`: one claim per
-    /// key ([`SqlBase::claim_each`]).
+    /// key ([`SqlBase::claim_batch`]).
     async fn claim_batch(
         _base: &SqlBase<Self>,
         _conn: &mut Self::Connection,

@@ -8,10 +8,13 @@
 //! and a redelivery processes the key again. Concurrent claims of one key are
 //! serialized by the database's unique index.
 //!
-//! One implementation per backend, each behind its cargo feature:
+//! One store per backend, each behind its cargo feature:
 //! [`PgStore`](crate::store::postgres::PgStore) (`postgres`),
 //! [`MySqlStore`](crate::store::mysql::MySqlStore) (`mysql`, also MariaDB),
-//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`).
+//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`). Their
+//! statements are run by one implementation, generic over the sqlx database;
+//! a backend module holds only what differs (its dialect, DDL and SQL text,
+//! and PostgreSQL's batch statements).
 
 pub mod admin;
 mod backend;

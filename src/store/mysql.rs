@@ -10,7 +10,8 @@
 //!
 //! # Isolation
 //!
-//! Every transaction begun by [`MySqlStore::begin`] runs at READ COMMITTED
+//! Every transaction a [`MySqlStore`] begins
+//! ([`SqlStore::begin`](super::SqlStore::begin)) runs at READ COMMITTED
 //! (`SET TRANSACTION ISOLATION LEVEL READ COMMITTED` for that transaction
 //! only). A claim that lost the insert race waits on the winner's row lock,
 //! then reads the record with a plain consistent read: under READ COMMITTED
