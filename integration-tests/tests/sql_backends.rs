@@ -333,6 +333,44 @@ macro_rules! backend_suite {
                 ctx.drop_tables().await;
             }
 
+            /// A lock wait (PostgreSQL runs the claim's waiting statements;
+            /// the others keep their own bound) changes no outcome: a new
+            /// key is claimed, a committed one is a duplicate, an expired
+            /// one is reclaimed.
+            #[tokio::test]
+            async fn claims_with_a_lock_wait_insert_and_reclaim() {
+                let ctx = ctx().await;
+                let store = &ctx.store;
+                let req = ClaimRequest {
+                    source: Some("t/0@1"),
+                    lock_wait: Some(Duration::from_secs(1)),
+                    ..ClaimRequest::new("T-wait")
+                };
+                let claim = |times: ClaimTimes| async move {
+                    let mut tx = store.begin().await.unwrap();
+                    let claim = store.claim(&mut tx, "payments", times, &req).await.unwrap();
+                    if claim == Claim::Claimed {
+                        store.complete(&mut tx, "payments", req.key, b"ok").await.unwrap();
+                    }
+                    tx.commit().await.unwrap();
+                    claim
+                };
+                let first = ClaimTimes::new(1_000, Duration::from_secs(10));
+                assert_eq!(claim(first).await, Claim::Claimed);
+                assert_eq!(
+                    claim(first).await,
+                    Claim::Duplicate {
+                        result: Some(b"ok".to_vec())
+                    }
+                );
+                let later = ClaimTimes::new(20_000, Duration::from_secs(10));
+                assert_eq!(claim(later).await, Claim::Claimed, "expired → reclaimed");
+                let record = store.get("payments", "T-wait").await.unwrap().unwrap();
+                assert_eq!(record.created_at_ms, 20_000);
+                assert_eq!(record.source.as_deref(), Some("t/0@1"));
+                ctx.drop_tables().await;
+            }
+
             #[tokio::test]
             async fn expired_records_are_reclaimable_and_purged_in_batches() {
                 let ctx = ctx().await;

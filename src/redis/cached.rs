@@ -10,18 +10,12 @@ use ::redis::AsyncCommands;
 use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
 
-use crate::store::admin::{
-    AdminStore, CountFilter, PurgeCursor, PurgeStep, RecordFilter, ScopeStats,
-};
-use sqlx::{Database, Pool, Transaction};
+use crate::store::admin::AdminStore;
 
 use super::error::RedisError;
 use super::keys::KeyLayout;
 use crate::fingerprint::Fingerprint;
-use crate::store::{
-    CacheTier, CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore,
-    StoreError, TableName,
-};
+use crate::store::{CacheTier, CachedRecord, Completed, SqlStore};
 
 /// Counters of a [`CachedStore`].
 #[derive(Default, Debug)]
@@ -174,116 +168,20 @@ fn decode(value: &[u8]) -> Option<CachedRecord> {
     })
 }
 
-#[async_trait]
-impl<S: SqlStore> SqlStore for CachedStore<S> {
-    type Db = S::Db;
-
-    fn pool(&self) -> &Pool<Self::Db> {
-        self.sql.pool()
-    }
-
-    fn table(&self) -> &TableName {
-        self.sql.table()
-    }
-
-    async fn migrate(&self) -> Result<(), StoreError> {
-        self.sql.migrate().await
-    }
-
-    async fn begin(&self) -> Result<Transaction<'static, Self::Db>, StoreError> {
-        self.sql.begin().await
-    }
-
+crate::store::forward::forward_sql_store!(
+    impl[S: SqlStore] for CachedStore<S> => sql,
+    Db = S::Db,
     fn tier(&self) -> Option<&dyn CacheTier> {
         Some(self)
-    }
+    },
+);
 
-    async fn claim(
-        &self,
-        conn: &mut <Self::Db as Database>::Connection,
-        scope: &str,
-        times: ClaimTimes,
-        req: &ClaimRequest<'_>,
-    ) -> Result<Claim, StoreError> {
-        self.sql.claim(conn, scope, times, req).await
-    }
-
-    async fn claim_batch(
-        &self,
-        conn: &mut <Self::Db as Database>::Connection,
-        scope: &str,
-        times: ClaimTimes,
-        reqs: &[ClaimRequest<'_>],
-    ) -> Result<Vec<Claim>, StoreError> {
-        self.sql.claim_batch(conn, scope, times, reqs).await
-    }
-
-    async fn complete(
-        &self,
-        conn: &mut <Self::Db as Database>::Connection,
-        scope: &str,
-        key: &str,
-        result: &[u8],
-    ) -> Result<(), StoreError> {
-        self.sql.complete(conn, scope, key, result).await
-    }
-
-    async fn complete_many(
-        &self,
-        conn: &mut <Self::Db as Database>::Connection,
-        scope: &str,
-        results: &[(&str, &[u8])],
-    ) -> Result<(), StoreError> {
-        self.sql.complete_many(conn, scope, results).await
-    }
-
-    async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
-        self.sql.get(scope, key).await
-    }
-
-    async fn purge_expired(
-        &self,
-        scope: Option<&str>,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<u64, StoreError> {
-        self.sql.purge_expired(scope, now_ms, limit).await
-    }
-}
-
-/// Operations queries go to SQL. A purge by age deletes SQL records only:
-/// keys Redis still caches keep answering as duplicates until their expiry,
-/// which errs on the safe side.
-#[async_trait]
-impl<S: AdminStore> AdminStore for CachedStore<S> {
-    async fn check_columns(&self) -> Result<(), StoreError> {
-        self.sql.check_columns().await
-    }
-
-    async fn stats(&self, scope: Option<&str>, now_ms: i64) -> Result<Vec<ScopeStats>, StoreError> {
-        self.sql.stats(scope, now_ms).await
-    }
-
-    async fn find(&self, filter: &RecordFilter) -> Result<Vec<Record>, StoreError> {
-        self.sql.find(filter).await
-    }
-
-    async fn count(&self, scope: Option<&str>, which: CountFilter) -> Result<u64, StoreError> {
-        self.sql.count(scope, which).await
-    }
-
-    async fn purge_created_before(
-        &self,
-        scope: Option<&str>,
-        cutoff_ms: i64,
-        after: Option<&PurgeCursor>,
-        batch: u32,
-    ) -> Result<PurgeStep, StoreError> {
-        self.sql
-            .purge_created_before(scope, cutoff_ms, after, batch)
-            .await
-    }
-}
+crate::store::forward::forward_admin_store!(
+    /// Operations queries go to SQL. A purge by age deletes SQL records only:
+    /// keys Redis still caches keep answering as duplicates until their expiry,
+    /// which errs on the safe side.
+    impl[S: AdminStore] for CachedStore<S> => sql
+);
 
 /// The Redis side of the tier: a hit answers without SQL, a committed key
 /// is written after its commit.

@@ -8,17 +8,21 @@
 //! and a redelivery processes the key again. Concurrent claims of one key are
 //! serialized by the database's unique index.
 //!
-//! One implementation per backend, each behind its cargo feature:
+//! One store per backend, each behind its cargo feature:
 //! [`PgStore`](crate::store::postgres::PgStore) (`postgres`),
 //! [`MySqlStore`](crate::store::mysql::MySqlStore) (`mysql`, also MariaDB),
-//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`).
+//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`). Their
+//! statements are run by one implementation, generic over the sqlx database;
+//! a backend module holds only what differs (its dialect, DDL and SQL text,
+//! and PostgreSQL's batch statements).
 
 pub mod admin;
+mod backend;
+mod base;
 mod batch;
 mod claim;
 pub(crate) mod error;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-mod numbered;
+pub(crate) mod forward;
 mod rows;
 mod sql;
 mod table;

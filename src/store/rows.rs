@@ -1,20 +1,18 @@
 //! Reading records and statistics out of result rows, once for every
 //! backend. Only text columns differ: Postgres and SQLite return `TEXT`,
-//! MySQL's byte-exact `VARBINARY` columns return bytes that must be UTF-8.
+//! MySQL's byte-exact `VARBINARY` columns return bytes that must be UTF-8
+//! ([`Backend::BYTE_TEXT`]).
 
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::admin::{self, ScopeStats};
+use super::backend::Backend;
+use super::claim::Existing;
 use super::{Record, StoreError};
 use crate::fingerprint::Fingerprint;
 
-/// A result row of one backend.
-pub(crate) trait StoreRow: Row
-where
-    for<'a> &'a str: ColumnIndex<Self>,
-    for<'r> i64: Decode<'r, Self::Database> + Type<Self::Database>,
-    for<'r> Vec<u8>: Decode<'r, Self::Database> + Type<Self::Database>,
-{
+/// A result row of a store's table.
+pub(crate) trait StoreRow {
     /// A nullable text column.
     fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError>;
 
@@ -24,8 +22,55 @@ where
             .ok_or_else(|| StoreError::Corrupt(format!("{column} is NULL")))
     }
 
+    /// What a claim needs of a record (`fingerprint, result, expires_at_ms`).
+    fn existing(&self) -> Result<Existing, StoreError>;
+
     /// A record (`scope, idem_key, fingerprint, source, created_at_ms,
     /// expires_at_ms, result`).
+    fn record(&self) -> Result<Record, StoreError>;
+
+    /// An integer column that is never NULL.
+    fn int(&self, column: &str) -> Result<i64, StoreError>;
+
+    /// A row of the statistics query of
+    /// [`AdminStore::stats`](super::admin::AdminStore::stats).
+    fn scope_stats(&self) -> Result<ScopeStats, StoreError>;
+}
+
+impl<R> StoreRow for R
+where
+    R: Row,
+    R::Database: Backend,
+    for<'a> &'a str: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
+        if !<R::Database as Backend>::BYTE_TEXT {
+            return Ok(self.try_get(column)?);
+        }
+        let bytes: Option<Vec<u8>> = self.try_get(column)?;
+        bytes
+            .map(|b| {
+                String::from_utf8(b)
+                    .map_err(|_| StoreError::Corrupt(format!("{column} is not UTF-8")))
+            })
+            .transpose()
+    }
+
+    fn int(&self, column: &str) -> Result<i64, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+
+    fn existing(&self) -> Result<Existing, StoreError> {
+        Ok(Existing {
+            fingerprint: self.try_get("fingerprint")?,
+            result: self.try_get("result")?,
+            expires_at_ms: self.try_get("expires_at_ms")?,
+        })
+    }
+
     fn record(&self) -> Result<Record, StoreError> {
         let fingerprint: Option<Vec<u8>> = self.try_get("fingerprint")?;
         Ok(Record {
@@ -39,7 +84,6 @@ where
         })
     }
 
-    /// A row of [`admin::stats_stmt`].
     fn scope_stats(&self) -> Result<ScopeStats, StoreError> {
         let younger = [
             self.try_get::<i64, _>("b0")?,
@@ -57,32 +101,5 @@ where
             newest_ms: self.try_get("newest")?,
             age_buckets: admin::buckets(younger, self.try_get("b5")?),
         })
-    }
-}
-
-#[cfg(feature = "postgres")]
-impl StoreRow for sqlx::postgres::PgRow {
-    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.try_get(column)?)
-    }
-}
-
-#[cfg(feature = "sqlite")]
-impl StoreRow for sqlx::sqlite::SqliteRow {
-    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.try_get(column)?)
-    }
-}
-
-#[cfg(feature = "mysql")]
-impl StoreRow for sqlx::mysql::MySqlRow {
-    fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
-        let bytes: Option<Vec<u8>> = self.try_get(column)?;
-        bytes
-            .map(|b| {
-                String::from_utf8(b)
-                    .map_err(|_| StoreError::Corrupt(format!("{column} is not UTF-8")))
-            })
-            .transpose()
     }
 }

@@ -2,49 +2,64 @@
 
 use super::TableName;
 
-/// Every statement a store runs. Placeholders are `$n` (Postgres, SQLite) or `?` (MySQL).
+/// Every statement a store runs. Placeholders are `$n` (Postgres, SQLite) or
+/// `?` (MySQL), numbered in the order they appear in the text, so that one
+/// bind order serves every dialect; the order of each statement is given on
+/// its field and followed by [`SqlBase`](super::base::SqlBase).
 #[derive(Debug)]
 pub(crate) struct Sql {
+    /// Creates the table and its indexes (PostgreSQL: after taking the
+    /// migration lock), in order.
     pub ddl: Vec<String>,
+    /// fingerprint, source, now, expires, scope, key; writes one row or none.
     pub insert: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub insert_many: String,
+    /// scope, key.
     pub existing: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub existing_many: String,
+    /// fingerprint, source, now, expires, scope, key, now (the record
+    /// must be expired at).
     pub reclaim: String,
-    /// `insert` and `reclaim` bounded by a lock wait (`$7`, a
+    /// `insert` and `reclaim` bounded by a lock wait (one more argument, a
     /// `lock_timeout` value) for their own statement only, restored in the
     /// same statement (PostgreSQL; empty elsewhere). They return how many
     /// rows they wrote.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub insert_waiting: String,
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub reclaim_waiting: String,
+    /// result, scope, key.
     pub complete: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub complete_many: String,
+    /// scope, key.
     pub get: String,
+    /// now, limit.
     pub purge: String,
+    /// scope, now, limit.
     pub purge_scope: String,
 }
 
 const COLS: &str = "scope, idem_key, fingerprint, source, created_at_ms, expires_at_ms";
 
+/// The columns an `insert` writes, in its bind order.
+const INSERT_COLS: &str = "fingerprint, source, created_at_ms, expires_at_ms, scope, idem_key";
+
 /// Statements shared by the `$n`-placeholder dialects (Postgres and SQLite).
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
-    let purge = |scope: &str| {
+    let purge = |scope: &str, n: usize| {
         format!(
             "DELETE FROM {t} WHERE (scope, idem_key) IN (SELECT scope, idem_key FROM {t} \
-             WHERE expires_at_ms <= $1{scope} ORDER BY expires_at_ms LIMIT $2{purge_tail})"
+             WHERE {scope}expires_at_ms <= ${n} ORDER BY expires_at_ms LIMIT ${}{purge_tail})",
+            n + 1
         )
     };
     Sql {
         ddl,
         insert: format!(
-            "INSERT INTO {t} ({COLS}) VALUES ($1, $2, $3, $4, $5, $6) \
-             ON CONFLICT (scope, idem_key) DO NOTHING RETURNING 1"
+            "INSERT INTO {t} ({INSERT_COLS}) VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (scope, idem_key) DO NOTHING"
         ),
         insert_many: format!(
             "INSERT INTO {t} ({COLS}) SELECT $1, u.k, u.f, u.s, $5, $6 \
@@ -59,19 +74,19 @@ fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
              WHERE scope = $1 AND idem_key = ANY($2::text[])"
         ),
         reclaim: format!(
-            "UPDATE {t} SET fingerprint = $3, source = $4, created_at_ms = $5, expires_at_ms = $6, \
-             result = NULL WHERE scope = $1 AND idem_key = $2 AND expires_at_ms <= $5"
+            "UPDATE {t} SET fingerprint = $1, source = $2, created_at_ms = $3, expires_at_ms = $4, \
+             result = NULL WHERE scope = $5 AND idem_key = $6 AND expires_at_ms <= $7"
         ),
         insert_waiting: String::new(),
         reclaim_waiting: String::new(),
-        complete: format!("UPDATE {t} SET result = $3 WHERE scope = $1 AND idem_key = $2"),
+        complete: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND idem_key = $3"),
         complete_many: format!(
             "UPDATE {t} AS t SET result = u.r FROM UNNEST($2::text[], $3::bytea[]) AS u(k, r) \
              WHERE t.scope = $1 AND t.idem_key = u.k"
         ),
         get: format!("SELECT {COLS}, result FROM {t} WHERE scope = $1 AND idem_key = $2"),
-        purge: purge(""),
-        purge_scope: purge(" AND scope = $3"),
+        purge: purge("", 1),
+        purge_scope: purge("scope = $1 AND ", 2),
     }
 }
 
@@ -80,6 +95,11 @@ impl Sql {
     pub fn postgres(table: &TableName) -> Self {
         let t = table.quoted('"');
         let ddl = vec![
+            // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in
+            // the catalog; serialize migrations of this table with an
+            // advisory lock, held until the DDL's transaction ends. The
+            // validated name holds no quote.
+            format!("SELECT pg_advisory_xact_lock(hashtext('onceonly:{table}'))"),
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (\
                  scope text NOT NULL, idem_key text NOT NULL, fingerprint bytea, result bytea, \
@@ -96,25 +116,31 @@ impl Sql {
         // The bound is set before the write runs (the write reads its row
         // from `w`) and the saved value restored after it ended (the outer
         // select needs the count of its rows): no extra round trips.
-        let waiting = |write: &str| {
+        let waiting = |write: &str, bound: &str| {
             format!(
                 "WITH w AS (SELECT current_setting('lock_timeout') AS saved, \
-                 set_config('lock_timeout', $7::text, true) AS bound), \
+                 set_config('lock_timeout', {bound}::text, true) AS bound), \
                  s AS ({write} RETURNING 1) \
                  SELECT c.n, set_config('lock_timeout', w.saved, true) \
                  FROM w, (SELECT count(*) AS n FROM s) AS c"
             )
         };
-        sql.insert_waiting = waiting(&format!(
-            "INSERT INTO {t} ({COLS}) \
-             SELECT $1::text, $2::text, $3::bytea, $4::text, $5::bigint, $6::bigint FROM w \
-             ON CONFLICT (scope, idem_key) DO NOTHING"
-        ));
-        sql.reclaim_waiting = waiting(&format!(
-            "UPDATE {t} SET fingerprint = $3::bytea, source = $4::text, created_at_ms = $5::bigint, \
-             expires_at_ms = $6::bigint, result = NULL FROM w \
-             WHERE scope = $1::text AND idem_key = $2::text AND expires_at_ms <= $5::bigint"
-        ));
+        sql.insert_waiting = waiting(
+            &format!(
+                "INSERT INTO {t} ({INSERT_COLS}) \
+                 SELECT $1::bytea, $2::text, $3::bigint, $4::bigint, $5::text, $6::text FROM w \
+                 ON CONFLICT (scope, idem_key) DO NOTHING"
+            ),
+            "$7",
+        );
+        sql.reclaim_waiting = waiting(
+            &format!(
+                "UPDATE {t} SET fingerprint = $1::bytea, source = $2::text, \
+                 created_at_ms = $3::bigint, expires_at_ms = $4::bigint, result = NULL FROM w \
+                 WHERE scope = $5::text AND idem_key = $6::text AND expires_at_ms <= $7::bigint"
+            ),
+            "$8",
+        );
         sql
     }
 
@@ -158,7 +184,7 @@ impl Sql {
         };
         Sql {
             ddl,
-            insert: format!("INSERT INTO {t} ({COLS}) VALUES (?, ?, ?, ?, ?, ?)"),
+            insert: format!("INSERT INTO {t} ({INSERT_COLS}) VALUES (?, ?, ?, ?, ?, ?)"),
             insert_many: String::new(),
             existing: format!(
                 "SELECT fingerprint, result, expires_at_ms FROM {t} WHERE scope = ? AND idem_key = ?"
@@ -181,7 +207,6 @@ impl Sql {
 
 /// A PostgreSQL `lock_timeout` value for `wait`, at least 1 ms (0 would
 /// mean "no limit").
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn lock_timeout_value(wait: std::time::Duration) -> String {
     format!("{}ms", wait.as_millis().clamp(1, i32::MAX as u128))
 }

@@ -11,33 +11,33 @@
 //! in-process database that costs no round trips.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use sqlx::Transaction;
+use sqlx::QueryBuilder;
+use sqlx::query::Query;
 use sqlx::sqlite::{
-    Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
-    SqlitePoolOptions, SqliteSynchronous,
+    Sqlite, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteQueryResult, SqliteSynchronous,
 };
 
-use super::claim::{claim_each, claim_one};
+use super::backend::Backend;
+use super::base::SqlBase;
 use super::sql::Sql;
-use super::{Claim, ClaimRequest, ClaimTimes, Record, SqlStore, StoreError, TableName};
+use super::{StoreError, TableName};
 
 /// A dedup store in an SQLite database file.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
-    pool: SqlitePool,
-    table: TableName,
-    sql: Arc<Sql>,
+    base: SqlBase<Sqlite>,
 }
 
 impl SqliteStore {
     /// A store over an existing pool. The pool's pragmas are the caller's
     /// choice; [`SqliteStore::open`] sets the recommended ones.
     pub fn new(pool: SqlitePool) -> Self {
-        Self::on_table(pool, TableName::default())
+        Self {
+            base: SqlBase::new(pool, TableName::default()),
+        }
     }
 
     /// Opens (creating if needed) the database file at `path` with WAL,
@@ -57,86 +57,32 @@ impl SqliteStore {
 
     /// Uses table `name`, validated as an identifier.
     pub fn with_table(self, name: &str) -> Result<Self, StoreError> {
-        Ok(Self::on_table(self.pool, TableName::new(name)?))
-    }
-
-    fn on_table(pool: SqlitePool, table: TableName) -> Self {
-        Self {
-            sql: Arc::new(Sql::sqlite(&table)),
-            pool,
-            table,
-        }
+        Ok(Self {
+            base: self.base.on_table(TableName::new(name)?),
+        })
     }
 }
 
-super::numbered::numbered_store!(SqliteStore, SqliteConnection);
-super::numbered::numbered_admin!(SqliteStore);
+super::forward::forward_sql_store!(impl[] for SqliteStore => base, Db = Sqlite);
+super::forward::forward_admin_store!(impl[] for SqliteStore => base);
 
-#[async_trait]
-impl SqlStore for SqliteStore {
-    type Db = Sqlite;
+impl Backend for Sqlite {
+    const QUOTE: char = '"';
+    const BYTE_TEXT: bool = false;
+    const ROW_VALUES: bool = true;
+    /// Writers queue on the write lock instead of failing on a lock upgrade.
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const MIGRATE_BEGIN: Option<&'static str> = Some(Self::BEGIN);
 
-    fn pool(&self) -> &SqlitePool {
-        &self.pool
+    fn sql(table: &TableName) -> Sql {
+        Sql::sqlite(table)
     }
 
-    fn table(&self) -> &TableName {
-        &self.table
+    fn rows_affected(done: &SqliteQueryResult) -> u64 {
+        done.rows_affected()
     }
 
-    async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.begin().await?;
-        for ddl in &self.sql.ddl {
-            sqlx::query(ddl).execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
-    }
-
-    async fn claim(
-        &self,
-        conn: &mut SqliteConnection,
-        scope: &str,
-        times: ClaimTimes,
-        req: &ClaimRequest<'_>,
-    ) -> Result<Claim, StoreError> {
-        claim_one(self, conn, scope, times, req).await
-    }
-
-    async fn claim_batch(
-        &self,
-        conn: &mut SqliteConnection,
-        scope: &str,
-        times: ClaimTimes,
-        reqs: &[ClaimRequest<'_>],
-    ) -> Result<Vec<Claim>, StoreError> {
-        claim_each(self, conn, scope, times, reqs).await
-    }
-
-    async fn complete(
-        &self,
-        conn: &mut SqliteConnection,
-        scope: &str,
-        key: &str,
-        result: &[u8],
-    ) -> Result<(), StoreError> {
-        self.complete_in(conn, scope, key, result).await
-    }
-
-    async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
-        self.get_in(scope, key).await
-    }
-
-    async fn purge_expired(
-        &self,
-        scope: Option<&str>,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<u64, StoreError> {
-        self.purge_in(scope, now_ms, limit).await
+    fn build<'q>(qb: &'q mut QueryBuilder<'_, Self>) -> Query<'q, Self, Self::Arguments<'q>> {
+        qb.build()
     }
 }

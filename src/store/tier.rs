@@ -23,7 +23,7 @@ impl CachedRecord {
     }
 }
 
-/// A key whose transaction committed, for [`SqlStore::committed`].
+/// A key whose transaction committed, for [`CacheTier::committed`].
 #[derive(Clone, Copy, Debug)]
 pub struct Completed<'a> {
     /// The scope.

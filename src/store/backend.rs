@@ -1,0 +1,79 @@
+//! What differs between the SQL databases, as far as the code written once
+//! for all of them ([`SqlBase`], the admin queries) is concerned. Each
+//! backend module implements [`Backend`] for its sqlx database; the rest
+//! (DDL and statement text) comes from [`Sql`].
+
+use sqlx::query::Query;
+use sqlx::{Database, QueryBuilder};
+
+use super::base::SqlBase;
+use super::sql::Sql;
+use super::{Claim, ClaimRequest, ClaimTimes, StoreError, TableName};
+
+/// The dialect of one SQL database.
+pub(crate) trait Backend: Database {
+    /// The identifier quote (`"` or `` ` ``).
+    const QUOTE: char;
+
+    /// Text columns are byte strings (MySQL's byte-exact `VARBINARY`): they
+    /// decode from bytes that must be UTF-8, and prefixes are measured in
+    /// bytes. Elsewhere text decodes as text and prefixes count characters.
+    const BYTE_TEXT: bool;
+
+    /// Row values compare as index ranges (`(scope, idem_key) > (?, ?)`);
+    /// otherwise key ranges are written out for the range optimizer.
+    const ROW_VALUES: bool;
+
+    /// The `BEGIN` of a claim transaction (a store may set its own).
+    const BEGIN: &'static str;
+
+    /// The `BEGIN` of the transaction the DDL runs in; `None`: each DDL
+    /// statement runs on its own.
+    const MIGRATE_BEGIN: Option<&'static str>;
+
+    /// The `BEGIN` of the transaction a purge by age deletes in, if it needs
+    /// one. `None`: the delete runs on its own.
+    const PURGE_BEGIN: Option<&'static str> = None;
+
+    /// Every statement of a store on `table`.
+    fn sql(table: &TableName) -> Sql;
+
+    /// How many rows a statement wrote (matched, with MySQL's
+    /// `CLIENT_FOUND_ROWS`).
+    fn rows_affected(done: &Self::QueryResult) -> u64;
+
+    /// The query of a built statement, with its arguments borrowed no longer
+    /// than the builder: just [`QueryBuilder::build`], which only a concrete
+    /// backend may shorten the arguments' lifetime of (SQLite's arguments
+    /// borrow; generic code cannot see that they are covariant).
+    fn build<'q>(qb: &'q mut QueryBuilder<'_, Self>) -> Query<'q, Self, Self::Arguments<'q>>;
+
+    /// Whether an insert failed because the key exists (backends whose insert
+    /// does not skip existing keys by itself).
+    fn is_duplicate_key(_error: &sqlx::Error) -> bool {
+        false
+    }
+
+    /// The backend's own batch claim, if it has one; `None`: one claim per
+    /// key ([`SqlBase::claim_batch`]).
+    async fn claim_batch(
+        _base: &SqlBase<Self>,
+        _conn: &mut Self::Connection,
+        _scope: &str,
+        _times: ClaimTimes,
+        _reqs: &[ClaimRequest<'_>],
+    ) -> Option<Result<Vec<Claim>, StoreError>> {
+        None
+    }
+
+    /// The backend's own way to record many results, if it has one; `None`:
+    /// one statement per key.
+    async fn complete_many(
+        _base: &SqlBase<Self>,
+        _conn: &mut Self::Connection,
+        _scope: &str,
+        _results: &[(&str, &[u8])],
+    ) -> Option<Result<(), StoreError>> {
+        None
+    }
+}

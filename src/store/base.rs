@@ -1,0 +1,291 @@
+//! The statements of a dedup store, written once for every SQL backend.
+//!
+//! [`SqlBase`] holds a pool, a table, its [`Sql`] and the `BEGIN` of claim
+//! transactions; the backend stores wrap one and forward to it
+//! ([`forward_sql_store`](super::forward::forward_sql_store)), with what differs per database coming
+//! from [`Backend`]. Arguments are bound in the order documented on
+//! [`Sql`], which is the order of the placeholders in every dialect's text.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Transaction, Type};
+
+use super::backend::Backend;
+use super::claim::Existing;
+use super::rows::StoreRow;
+use super::sql::{Sql, lock_timeout_value};
+use super::{
+    CLAIM_ROUNDS, Claim, ClaimRequest, ClaimTimes, Record, StoreError, TableName, clamp_source,
+    expect_one, plan_batch,
+};
+
+/// A pool, a table and the statements of its backend.
+#[derive(Debug)]
+pub(crate) struct SqlBase<DB: Database> {
+    pub pool: Pool<DB>,
+    pub table: TableName,
+    pub sql: Arc<Sql>,
+    /// The `BEGIN` of claim transactions.
+    pub begin: Cow<'static, str>,
+}
+
+impl<DB: Database> Clone for SqlBase<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            sql: Arc::clone(&self.sql),
+            begin: self.begin.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> SqlBase<DB> {
+    /// A store on `table` over `pool`.
+    pub fn new(pool: Pool<DB>, table: TableName) -> Self {
+        Self {
+            sql: Arc::new(DB::sql(&table)),
+            pool,
+            table,
+            begin: Cow::Borrowed(DB::BEGIN),
+        }
+    }
+
+    /// The same store on another table.
+    pub fn on_table(self, table: TableName) -> Self {
+        Self {
+            sql: Arc::new(DB::sql(&table)),
+            table,
+            ..self
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The table, quoted for this backend.
+    pub fn quoted_table(&self) -> String {
+        self.table.quoted(DB::QUOTE)
+    }
+
+    /// Begins a claim transaction.
+    pub async fn begin(&self) -> Result<Transaction<'static, DB>, StoreError> {
+        Ok(self.pool.begin_with(self.begin.clone()).await?)
+    }
+}
+
+/// The two writes of a claim.
+#[derive(Clone, Copy)]
+enum Write {
+    /// Inserts the record, unless the key exists.
+    Insert,
+    /// Overwrites the record, if it is still expired.
+    Reclaim,
+}
+
+impl<DB> SqlBase<DB>
+where
+    DB: Backend,
+    DB::Row: StoreRow,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q str>: Encode<'q, DB>,
+    for<'q> Option<&'q [u8]>: Encode<'q, DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+{
+    /// Creates the table and its indexes if they do not exist, in one
+    /// transaction where the backend's DDL is transactional.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let Some(begin) = DB::MIGRATE_BEGIN else {
+            for ddl in &self.sql.ddl {
+                sqlx::query(ddl).execute(&self.pool).await?;
+            }
+            return Ok(());
+        };
+        let mut tx = self.pool.begin_with(begin).await?;
+        for ddl in &self.sql.ddl {
+            sqlx::query(ddl).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Claims `req.key`: see [`claim`](super::claim) for the algorithm.
+    pub async fn claim(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..CLAIM_ROUNDS {
+            if self.write(conn, scope, times, req, Write::Insert).await? {
+                return Ok(Claim::Claimed);
+            }
+            match self.existing(conn, scope, req.key).await? {
+                // Purged between our insert and our read: insert again.
+                None => continue,
+                Some(found) if found.expires_at_ms > times.now_ms => return found.classify(req),
+                Some(_) => {
+                    if self.write(conn, scope, times, req, Write::Reclaim).await? {
+                        return Ok(Claim::Claimed);
+                    }
+                }
+            }
+        }
+        Err(StoreError::Contention(req.key.to_owned()))
+    }
+
+    /// Claims many keys: the backend's own batch claim, or one claim per key.
+    pub async fn claim_batch(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        if let Some(claims) = DB::claim_batch(self, conn, scope, times, reqs).await {
+            return claims;
+        }
+        let plan = plan_batch(reqs);
+        let mut claims = plan.claims;
+        for i in plan.firsts.into_iter().chain(plan.repeats) {
+            claims[i] = Some(self.claim(conn, scope, times, &reqs[i]).await?);
+        }
+        super::batch::finish(claims)
+    }
+
+    /// Runs one of a claim's writes; whether it wrote the row. With a lock
+    /// wait in the request, and where the backend has one, the write's
+    /// waiting form runs instead: bounded by the wait (its last argument),
+    /// it returns how many rows it wrote in its column `n`. Otherwise the
+    /// count is of matched rows (MySQL with `CLIENT_FOUND_ROWS` too), and a
+    /// duplicate key is no row.
+    async fn write(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+        write: Write,
+    ) -> Result<bool, StoreError> {
+        let (plain, waiting) = match write {
+            Write::Insert => (&self.sql.insert, &self.sql.insert_waiting),
+            Write::Reclaim => (&self.sql.reclaim, &self.sql.reclaim_waiting),
+        };
+        let bind = |sql| {
+            let query = sqlx::query(sql)
+                .bind(req.fingerprint.map(|f| f.as_bytes().as_slice()))
+                .bind(req.source.map(clamp_source))
+                .bind(times.now_ms)
+                .bind(times.expires_at_ms)
+                .bind(scope)
+                .bind(req.key);
+            match write {
+                Write::Insert => query,
+                // Still expired now.
+                Write::Reclaim => query.bind(times.now_ms),
+            }
+        };
+        if let Some(wait) = req.lock_wait.filter(|_| !waiting.is_empty()) {
+            let row = bind(waiting)
+                .bind(lock_timeout_value(wait))
+                .fetch_one(&mut *conn)
+                .await?;
+            return Ok(row.int("n")? == 1);
+        }
+        match bind(plain).execute(&mut *conn).await {
+            Ok(done) => Ok(DB::rows_affected(&done) == 1),
+            Err(e) if DB::is_duplicate_key(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Reads the latest committed record of the key.
+    async fn existing(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Existing>, StoreError> {
+        let row = sqlx::query(&self.sql.existing)
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&mut *conn)
+            .await?;
+        row.as_ref().map(StoreRow::existing).transpose()
+    }
+
+    /// Records the result of a claimed key, in the claim's transaction.
+    pub async fn complete(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        key: &str,
+        result: &[u8],
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(&self.sql.complete)
+            .bind(result)
+            .bind(scope)
+            .bind(key)
+            .execute(&mut *conn)
+            .await?;
+        expect_one(DB::rows_affected(&done), key)
+    }
+
+    /// Records many results: the backend's own statement, or one per key.
+    pub async fn complete_many(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        results: &[(&str, &[u8])],
+    ) -> Result<(), StoreError> {
+        if let Some(done) = DB::complete_many(self, conn, scope, results).await {
+            return done;
+        }
+        for (key, result) in results {
+            self.complete(conn, scope, key, result).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads one committed record.
+    pub async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(&self.sql.get)
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(StoreRow::record).transpose()
+    }
+
+    /// Deletes at most `limit` records expired at `now_ms`.
+    pub async fn purge_expired(
+        &self,
+        scope: Option<&str>,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let query = match scope {
+            Some(scope) => sqlx::query(&self.sql.purge_scope).bind(scope),
+            None => sqlx::query(&self.sql.purge),
+        };
+        let done = query
+            .bind(now_ms)
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await?;
+        Ok(DB::rows_affected(&done))
+    }
+}
