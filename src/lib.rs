@@ -21,6 +21,7 @@ pub mod http;
 pub mod kafka;
 pub mod key;
 pub mod ops;
+pub mod outbox;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;

@@ -1,0 +1,503 @@
+//! The outbox statements run on each SQL backend. The SQL text comes from
+//! [`OutboxSql`]; only the driver types differ, so one macro stamps the
+//! same code out per backend.
+
+use async_trait::async_trait;
+use sqlx::{Database, Pool, Transaction};
+
+use super::sql::{Dialect, OutboxSql};
+
+/// A row about to be inserted.
+pub struct NewRow<'a> {
+    pub message_id: &'a str,
+    pub scope: &'a str,
+    pub causation: Option<&'a str>,
+    pub traceparent: Option<&'a str>,
+    pub kind: &'a str,
+    pub destination: &'a str,
+    pub routing_key: Option<&'a str>,
+    pub message_key: Option<&'a [u8]>,
+    pub order_key: &'a str,
+    pub headers: &'a str,
+    pub payload: &'a [u8],
+    pub now_ms: i64,
+}
+
+/// A pending row, as a relay publishes it.
+#[derive(Clone, Debug)]
+pub struct OutboxRow {
+    /// The row's sequence number (enqueue order).
+    pub id: i64,
+    /// The message's deterministic id.
+    pub message_id: String,
+    /// The scope of the inbound key.
+    pub scope: String,
+    /// The inbound key the message was sent for.
+    pub causation: Option<String>,
+    /// The inbound message's W3C trace context.
+    pub traceparent: Option<String>,
+    /// `kafka`, `amqp` or `webhook`.
+    pub kind: String,
+    /// The topic, exchange or URL.
+    pub destination: String,
+    /// The AMQP routing key.
+    pub routing_key: Option<String>,
+    /// The Kafka message key.
+    pub message_key: Option<Vec<u8>>,
+    /// The user's headers, as a JSON array of `[name, value]` pairs.
+    pub headers: String,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// Attempts made before this one.
+    pub attempts: i32,
+    /// The ordering key.
+    pub(crate) order_key: String,
+}
+
+impl OutboxRow {
+    /// The user's headers.
+    pub fn header_pairs(&self) -> Vec<(String, String)> {
+        serde_json::from_str(&self.headers).unwrap_or_default()
+    }
+}
+
+/// A row with its delivery state, as the CLI shows it.
+#[derive(Clone, Debug)]
+pub struct OutboxRecord {
+    /// The message.
+    pub row: OutboxRow,
+    /// Pending, sent or dead.
+    pub status: Status,
+    /// The last failure, if any.
+    pub last_error: Option<String>,
+    /// When it was enqueued, in ms since the Unix epoch.
+    pub created_at_ms: i64,
+    /// When its destination confirmed it.
+    pub sent_at_ms: Option<i64>,
+    /// When a pending row is due next.
+    pub next_attempt_at_ms: i64,
+}
+
+/// The delivery state of an outbox row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Status {
+    /// Waiting for a relay.
+    Pending,
+    /// Confirmed by its destination.
+    Sent,
+    /// Failed permanently or too often; waits for `onceonly outbox retry`.
+    Dead,
+}
+
+impl Status {
+    /// As stored.
+    pub(crate) fn code(self) -> i16 {
+        match self {
+            Self::Pending => super::sql::PENDING,
+            Self::Sent => super::sql::SENT,
+            Self::Dead => super::sql::DEAD,
+        }
+    }
+
+    /// The status stored as `code`.
+    pub(crate) fn from_code(code: i16) -> Option<Self> {
+        match code {
+            super::sql::PENDING => Some(Self::Pending),
+            super::sql::SENT => Some(Self::Sent),
+            super::sql::DEAD => Some(Self::Dead),
+            _ => None,
+        }
+    }
+
+    /// `pending`, `sent` or `dead`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Sent => "sent",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+/// Rows of one status and kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatusCount {
+    /// The status.
+    pub status: Status,
+    /// `kafka`, `amqp` or `webhook`.
+    pub kind: String,
+    /// How many rows.
+    pub rows: i64,
+    /// The oldest row's `created_at_ms`.
+    pub oldest_ms: Option<i64>,
+}
+
+/// A SQL backend the outbox runs on: PostgreSQL, MySQL/MariaDB or SQLite.
+#[async_trait]
+pub trait OutboxBackend: Database {
+    /// The backend's SQL dialect.
+    #[doc(hidden)]
+    const DIALECT: OutboxDialect;
+
+    /// Creates the table and its indexes if missing.
+    #[doc(hidden)]
+    async fn create(pool: &Pool<Self>, sql: &OutboxSql) -> Result<(), sqlx::Error>;
+
+    /// Inserts a row in the caller's transaction (nothing if its id exists).
+    #[doc(hidden)]
+    async fn insert(
+        conn: &mut Self::Connection,
+        sql: &OutboxSql,
+        row: &NewRow<'_>,
+        channel: &str,
+    ) -> Result<(), sqlx::Error>;
+
+    /// Begins a relay transaction (SQLite: `BEGIN IMMEDIATE`).
+    #[doc(hidden)]
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error>;
+
+    /// Locks the due heads of up to `limit` ordering keys and the rows
+    /// queued behind them (at most `limit` in all), in id order.
+    #[doc(hidden)]
+    async fn claim(
+        conn: &mut Self::Connection,
+        heads: &str,
+        sql: &OutboxSql,
+        now_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, sqlx::Error>;
+
+    /// Marks rows sent.
+    #[doc(hidden)]
+    async fn mark_sent(
+        conn: &mut Self::Connection,
+        sql: &OutboxSql,
+        ids: &[i64],
+        now_ms: i64,
+    ) -> Result<(), sqlx::Error>;
+
+    /// Records a failed attempt: dead if `dead` or at `max_attempts`,
+    /// otherwise due again at `next_ms`.
+    #[doc(hidden)]
+    async fn mark_failed(
+        conn: &mut Self::Connection,
+        sql: &OutboxSql,
+        failure: &Failed<'_>,
+    ) -> Result<(), sqlx::Error>;
+
+    /// Rows per status and kind.
+    #[doc(hidden)]
+    async fn stats(pool: &Pool<Self>, sql: &OutboxSql) -> Result<Vec<StatusCount>, sqlx::Error>;
+
+    /// Deletes at most `limit` rows sent before `before_ms`.
+    #[doc(hidden)]
+    async fn purge_sent(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        before_ms: i64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error>;
+
+    /// Dead rows (all, or the one with `message_id`) back to pending.
+    #[doc(hidden)]
+    async fn retry_dead(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        message_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<u64, sqlx::Error>;
+
+    /// Rows of `status`, oldest first, or the row with a message id.
+    #[doc(hidden)]
+    async fn records(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        filter: RecordsFilter<'_>,
+    ) -> Result<Vec<OutboxRecord>, sqlx::Error>;
+}
+
+/// Which records to read.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub enum RecordsFilter<'a> {
+    /// Rows of a status, oldest first, at most `limit`.
+    Status(Status, i64),
+    /// The row with this message id.
+    MessageId(&'a str),
+}
+
+/// The SQL dialect of an [`OutboxBackend`] (opaque).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct OutboxDialect(pub(crate) Dialect);
+
+/// A failed attempt.
+#[doc(hidden)]
+pub struct Failed<'a> {
+    pub(crate) id: i64,
+    pub(crate) max_attempts: i32,
+    pub(crate) dead: bool,
+    pub(crate) next_ms: i64,
+    pub(crate) error: &'a str,
+}
+
+/// Reads an [`OutboxRow`] from a row of any backend.
+fn read_row<DB: Database>(r: &DB::Row) -> Result<OutboxRow, sqlx::Error>
+where
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> i32: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+{
+    use sqlx::Row as _;
+    Ok(OutboxRow {
+        id: r.try_get("id")?,
+        message_id: r.try_get("message_id")?,
+        scope: r.try_get("scope")?,
+        causation: r.try_get("causation")?,
+        traceparent: r.try_get("traceparent")?,
+        kind: r.try_get("kind")?,
+        destination: r.try_get("destination")?,
+        routing_key: r.try_get("routing_key")?,
+        message_key: r.try_get("message_key")?,
+        headers: r.try_get("headers")?,
+        payload: r.try_get("payload")?,
+        attempts: r.try_get("attempts")?,
+        order_key: r.try_get("order_key")?,
+    })
+}
+
+/// Reads an [`OutboxRecord`] (a row and its state).
+fn read_record<DB: Database>(r: &DB::Row) -> Result<OutboxRecord, sqlx::Error>
+where
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> i32: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> i16: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+{
+    use sqlx::Row as _;
+    let code: i16 = r.try_get("status")?;
+    Ok(OutboxRecord {
+        row: read_row::<DB>(r)?,
+        status: Status::from_code(code)
+            .ok_or_else(|| sqlx::Error::Decode(format!("unknown outbox status {code}").into()))?,
+        last_error: r.try_get("last_error")?,
+        created_at_ms: r.try_get("created_at_ms")?,
+        sent_at_ms: r.try_get("sent_at_ms")?,
+        next_attempt_at_ms: r.try_get("next_attempt_at_ms")?,
+    })
+}
+
+macro_rules! outbox_backend {
+    ($db:ty, $dialect:expr, $begin:expr) => {
+        #[async_trait]
+        impl OutboxBackend for $db {
+            const DIALECT: OutboxDialect = OutboxDialect($dialect);
+
+            async fn create(pool: &Pool<Self>, sql: &OutboxSql) -> Result<(), sqlx::Error> {
+                for ddl in &sql.ddl {
+                    sqlx::query(ddl).execute(pool).await?;
+                }
+                Ok(())
+            }
+
+            async fn insert(
+                conn: &mut Self::Connection,
+                sql: &OutboxSql,
+                row: &NewRow<'_>,
+                channel: &str,
+            ) -> Result<(), sqlx::Error> {
+                let mut q = sqlx::query(&sql.enqueue)
+                    .bind(row.message_id)
+                    .bind(row.scope)
+                    .bind(row.causation)
+                    .bind(row.traceparent)
+                    .bind(row.kind)
+                    .bind(row.destination)
+                    .bind(row.routing_key)
+                    .bind(row.message_key)
+                    .bind(row.order_key)
+                    .bind(row.headers)
+                    .bind(row.payload)
+                    .bind(row.now_ms)
+                    .bind(row.now_ms);
+                if matches!($dialect, Dialect::Postgres) {
+                    q = q.bind(channel);
+                }
+                q.execute(&mut *conn).await?;
+                Ok(())
+            }
+
+            async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+                match $begin {
+                    Some(begin) => pool.begin_with(begin).await,
+                    None => pool.begin().await,
+                }
+            }
+
+            async fn claim(
+                conn: &mut Self::Connection,
+                heads: &str,
+                sql: &OutboxSql,
+                now_ms: i64,
+                limit: i64,
+            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+                let read = read_row::<Self>;
+                let head_rows = sqlx::query(heads)
+                    .bind(now_ms)
+                    .bind(limit)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                if head_rows.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let heads: Vec<OutboxRow> = head_rows.iter().map(read).collect::<Result<_, _>>()?;
+                // Rows behind a locked head cannot be any other relay's
+                // head until this transaction ends: take some along.
+                let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.follow_prefix);
+                let mut keys = qb.separated(", ");
+                for head in &heads {
+                    keys.push_bind(head.order_key.clone());
+                }
+                // In id order under one limit: a key's head always comes
+                // before the rows behind it, so a cut never takes a row
+                // without its head.
+                qb.push(") ORDER BY id LIMIT ");
+                qb.push_bind(limit);
+                qb.push(sql.follow_lock);
+                let rows = qb.build().fetch_all(&mut *conn).await?;
+                rows.iter().map(read).collect()
+            }
+
+            async fn mark_sent(
+                conn: &mut Self::Connection,
+                sql: &OutboxSql,
+                ids: &[i64],
+                now_ms: i64,
+            ) -> Result<(), sqlx::Error> {
+                if ids.is_empty() {
+                    return Ok(());
+                }
+                let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.sent_prefix);
+                qb.push_bind(now_ms);
+                qb.push(" WHERE id IN (");
+                let mut list = qb.separated(", ");
+                for id in ids {
+                    list.push_bind(*id);
+                }
+                qb.push(")");
+                qb.build().execute(&mut *conn).await?;
+                Ok(())
+            }
+
+            async fn mark_failed(
+                conn: &mut Self::Connection,
+                sql: &OutboxSql,
+                failure: &Failed<'_>,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(&sql.failed)
+                    .bind(failure.max_attempts)
+                    .bind(i32::from(failure.dead))
+                    .bind(failure.next_ms)
+                    .bind(failure.error)
+                    .bind(failure.id)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            }
+
+            async fn stats(
+                pool: &Pool<Self>,
+                sql: &OutboxSql,
+            ) -> Result<Vec<StatusCount>, sqlx::Error> {
+                use sqlx::Row as _;
+                let rows = sqlx::query(&sql.stats).fetch_all(pool).await?;
+                let mut out = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    let code: i16 = r.try_get("status")?;
+                    let Some(status) = Status::from_code(code) else {
+                        continue;
+                    };
+                    out.push(StatusCount {
+                        status,
+                        kind: r.try_get("kind")?,
+                        rows: r.try_get("n")?,
+                        oldest_ms: r.try_get("oldest_ms")?,
+                    });
+                }
+                Ok(out)
+            }
+
+            async fn purge_sent(
+                pool: &Pool<Self>,
+                sql: &OutboxSql,
+                before_ms: i64,
+                limit: i64,
+            ) -> Result<u64, sqlx::Error> {
+                let done = sqlx::query(&sql.purge_sent)
+                    .bind(before_ms)
+                    .bind(limit)
+                    .execute(pool)
+                    .await?;
+                Ok(done.rows_affected())
+            }
+
+            async fn retry_dead(
+                pool: &Pool<Self>,
+                sql: &OutboxSql,
+                message_id: Option<&str>,
+                now_ms: i64,
+            ) -> Result<u64, sqlx::Error> {
+                let done = match message_id {
+                    None => {
+                        sqlx::query(&sql.retry_all)
+                            .bind(now_ms)
+                            .execute(pool)
+                            .await?
+                    }
+                    Some(id) => {
+                        sqlx::query(&sql.retry_one)
+                            .bind(now_ms)
+                            .bind(id)
+                            .execute(pool)
+                            .await?
+                    }
+                };
+                Ok(done.rows_affected())
+            }
+
+            async fn records(
+                pool: &Pool<Self>,
+                sql: &OutboxSql,
+                filter: RecordsFilter<'_>,
+            ) -> Result<Vec<OutboxRecord>, sqlx::Error> {
+                let rows = match filter {
+                    RecordsFilter::Status(status, limit) => {
+                        sqlx::query(&sql.list)
+                            .bind(status.code())
+                            .bind(limit)
+                            .fetch_all(pool)
+                            .await?
+                    }
+                    RecordsFilter::MessageId(id) => {
+                        sqlx::query(&sql.find).bind(id).fetch_all(pool).await?
+                    }
+                };
+                rows.iter().map(read_record::<Self>).collect()
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+outbox_backend!(sqlx::Postgres, Dialect::Postgres, None::<&'static str>);
+#[cfg(feature = "mysql")]
+outbox_backend!(sqlx::MySql, Dialect::MySql, None::<&'static str>);
+#[cfg(feature = "sqlite")]
+outbox_backend!(sqlx::Sqlite, Dialect::Sqlite, Some("BEGIN IMMEDIATE"));

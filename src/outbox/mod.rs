@@ -1,0 +1,206 @@
+//! The transactional outbox: messages a handler sends (Kafka records, AMQP
+//! messages, webhooks) commit with its claim and leave exactly once in
+//! effect.
+//!
+//! Inside the handler, [`Outbox::enqueue`] inserts the message into the
+//! outbox table in the claim's transaction: it commits with the claim and
+//! the handler's writes, or not at all. A [`Relay`] publishes committed
+//! rows and marks them sent only after the destination confirmed them.
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use onceonly::outbox::{Outbox, OutboxMessage};
+//! use onceonly::{Json, Tx, handler_fn};
+//! use sqlx::Postgres;
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Payment { out_trade_no: String, account: String, amount: i64 }
+//!
+//! let outbox = Outbox::<Postgres>::new();
+//! outbox.migrate(&pool).await?;
+//! let handler = handler_fn(move |tx: Tx<Postgres>, Json(p): Json<Payment>| {
+//!     let outbox = outbox.clone();
+//!     async move {
+//!         let mut conn = tx.lock().await?;
+//!         // ... the handler's own writes through &mut *conn ...
+//!         let settled = serde_json::json!({ "out_trade_no": p.out_trade_no, "amount": p.amount });
+//!         outbox
+//!             .enqueue(&mut conn, OutboxMessage::kafka("payments.settled", p.account, settled.to_string()))
+//!             .await?;
+//!         Ok(())
+//!     }
+//! });
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees
+//!
+//! | | |
+//! |---|---|
+//! | a message of a committed handler run | is published at least once, after the commit; never lost by a crash of the handler, the relay or the broker |
+//! | a message of a rolled-back run (failure, crash, duplicate, conflict, rejection) | is never published: its row never committed |
+//! | every copy of one message | carries the same id in header [`MESSAGE_ID_HEADER`]: the `n`-th message of the handling of inbound key `k` in scope `s` always has the same id, even when `k` is processed again after its record expired |
+//! | order | the messages of one ordering key (destination and message key, see [`OutboxMessage::order_by`]) are published in enqueue order, even with several relays |
+//! | a message the destination refuses permanently, or that failed [`RelayBuilder::max_attempts`] times | is parked as dead (visible in `onceonly outbox stats`, retried with `onceonly outbox retry`); the messages behind it in its order go on |
+//!
+//! A relay that crashes after a publish and before marking the row sent
+//! publishes it again: **the downstream side must dedupe on the message
+//! id**, e.g. a onceonly consumer keyed on `header:x-onceonly-message-id`.
+//! Together this is exactly once in effect from the inbound message to the
+//! downstream effect.
+//!
+//! # Metrics
+//!
+//! `onceonly_outbox_backlog{table}` (pending rows),
+//! `onceonly_outbox_oldest_pending_seconds{table}`,
+//! `onceonly_outbox_published_total{kind}`,
+//! `onceonly_outbox_publish_seconds{kind}` (publish latency, confirm
+//! included), `onceonly_outbox_failures_total{kind,destination,permanent}`.
+
+mod admin;
+mod backend;
+mod message;
+mod publish;
+mod relay;
+mod sql;
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+pub use admin::OutboxStats;
+pub use backend::StatusCount;
+pub use backend::{OutboxBackend, OutboxRecord, OutboxRow, Status};
+pub use message::{
+    CAUSATION_HEADER, Destination, Kind, MESSAGE_ID_HEADER, OutboxMessage, SIGNATURE_HEADER,
+    TRACEPARENT_HEADER, message_id,
+};
+#[cfg(feature = "amqp")]
+pub use publish::AmqpPublisher;
+#[cfg(feature = "kafka")]
+pub use publish::KafkaPublisher;
+#[cfg(feature = "webhook")]
+pub use publish::WebhookPublisher;
+pub use publish::{Outgoing, PublishError, Publisher};
+pub use relay::{Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
+pub use sql::DEFAULT_OUTBOX_TABLE;
+
+use crate::clock::{Clock, SystemClock};
+use crate::engine::{HandlerError, TxGuard};
+use crate::store::{StoreError, TableName};
+use backend::NewRow;
+use sql::OutboxSql;
+
+/// An outbox table on backend `DB`: enqueue messages inside handlers, run
+/// a [`Relay`] to send them. Cheap to clone.
+pub struct Outbox<DB: OutboxBackend> {
+    sql: Arc<OutboxSql>,
+    channel: Arc<str>,
+    _db: PhantomData<fn() -> DB>,
+}
+
+impl<DB: OutboxBackend> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            sql: Arc::clone(&self.sql),
+            channel: Arc::clone(&self.channel),
+            _db: PhantomData,
+        }
+    }
+}
+
+impl<DB: OutboxBackend> std::fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.sql.table)
+            .finish()
+    }
+}
+
+impl<DB: OutboxBackend> Default for Outbox<DB> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<DB: OutboxBackend> Outbox<DB> {
+    /// The outbox in table [`DEFAULT_OUTBOX_TABLE`].
+    pub fn new() -> Self {
+        Self::build(&TableName::new(DEFAULT_OUTBOX_TABLE).unwrap_or_default())
+    }
+
+    /// The outbox in table `name` (`table` or `schema.table`).
+    pub fn on_table(name: &str) -> Result<Self, StoreError> {
+        Ok(Self::build(&TableName::new(name)?))
+    }
+
+    fn build(table: &TableName) -> Self {
+        Self {
+            sql: Arc::new(OutboxSql::new(DB::DIALECT.0, table)),
+            channel: Arc::from(format!("onceonly_outbox_{}", table.table())),
+            _db: PhantomData,
+        }
+    }
+
+    /// Creates the outbox table and its indexes if they do not exist.
+    pub async fn migrate(&self, pool: &sqlx::Pool<DB>) -> Result<(), StoreError> {
+        DB::create(pool, &self.sql).await?;
+        Ok(())
+    }
+
+    /// The DDL of the table, for your own migration tool.
+    pub fn ddl(&self) -> &[String] {
+        &self.sql.ddl
+    }
+
+    /// Inserts `message` in the claim's transaction: it commits with the
+    /// handler's writes and leaves only then, through a [`Relay`]. Returns
+    /// its deterministic id (see [`message_id`]); enqueueing the same
+    /// message position again (the inbound key processed again) inserts
+    /// nothing new.
+    pub async fn enqueue(
+        &self,
+        conn: &mut TxGuard<DB>,
+        message: OutboxMessage,
+    ) -> Result<String, HandlerError> {
+        let origin = conn.origin();
+        let position = origin.next_position();
+        let id = message_id(origin, position);
+        if message.destination.target().is_empty()
+            && !matches!(message.destination, Destination::Amqp { .. })
+        {
+            return Err(HandlerError::permanent(
+                "an outbox message needs a topic or URL",
+            ));
+        }
+        let headers = serde_json::to_string(&message.headers).map_err(HandlerError::permanent)?;
+        let scope = origin.scope().to_owned();
+        let causation = origin.key().to_owned();
+        let traceparent = origin.traceparent().map(str::to_owned);
+        let order_key = message.order_key();
+        let row = NewRow {
+            message_id: &id,
+            scope: &scope,
+            causation: Some(&causation),
+            traceparent: traceparent.as_deref(),
+            kind: message.destination.kind().as_str(),
+            destination: message.destination.target(),
+            routing_key: message.destination.routing_key(),
+            message_key: message.key.as_deref(),
+            order_key: &order_key,
+            headers: &headers,
+            payload: &message.payload,
+            now_ms: SystemClock.now_ms(),
+        };
+        DB::insert(&mut *conn, &self.sql, &row, &self.channel).await?;
+        Ok(id)
+    }
+
+    pub(crate) fn sql(&self) -> &OutboxSql {
+        &self.sql
+    }
+
+    pub(crate) fn channel(&self) -> &str {
+        &self.channel
+    }
+}

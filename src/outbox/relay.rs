@@ -1,0 +1,404 @@
+//! The relay: publishes committed outbox rows, in order per ordering key,
+//! and marks them sent once their destination confirmed them.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use metrics::{counter, gauge, histogram};
+use sqlx::Pool;
+use tokio::sync::{Notify, watch};
+
+use super::Outbox;
+use super::backend::{Failed, OutboxBackend, OutboxRow, Status};
+use super::message::Kind;
+use super::publish::{Outgoing, PublishError, Publisher};
+use crate::clock::{Clock, SystemClock};
+use crate::store::StoreError;
+
+/// Builds a [`Relay`]: `Relay::builder(pool, outbox).publisher(..).build()`.
+pub struct RelayBuilder<DB: OutboxBackend> {
+    relay: Relay<DB>,
+}
+
+/// Publishes committed outbox rows. Several relays may run at once, in one
+/// process or many: each locks the rows it publishes (`FOR UPDATE SKIP
+/// LOCKED` on PostgreSQL and MySQL/MariaDB; SQLite has one writer), and
+/// only the first pending row of an ordering key can be taken, so order
+/// per key holds.
+pub struct Relay<DB: OutboxBackend> {
+    pool: Pool<DB>,
+    outbox: Outbox<DB>,
+    publishers: BTreeMap<Kind, Arc<dyn Publisher>>,
+    batch: u32,
+    poll_interval: Duration,
+    max_attempts: u32,
+    backoff_min: Duration,
+    backoff_max: Duration,
+    keep_sent: Option<Duration>,
+    purge_every: Duration,
+    wake: Arc<Notify>,
+}
+
+/// What a relay did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStats {
+    /// Messages confirmed by their destination and marked sent.
+    pub published: u64,
+    /// Failed attempts (each retried later, or parked).
+    pub failed: u64,
+    /// Messages parked as dead.
+    pub dead: u64,
+    /// Sent rows purged.
+    pub purged: u64,
+}
+
+impl<DB: OutboxBackend> Relay<DB> {
+    /// A relay for `outbox`'s table in `pool`'s database.
+    pub fn builder(pool: Pool<DB>, outbox: Outbox<DB>) -> RelayBuilder<DB> {
+        RelayBuilder {
+            relay: Self {
+                pool,
+                outbox,
+                publishers: BTreeMap::new(),
+                batch: 100,
+                poll_interval: Duration::from_secs(1),
+                max_attempts: 12,
+                backoff_min: Duration::from_millis(500),
+                backoff_max: Duration::from_secs(300),
+                keep_sent: Some(Duration::from_secs(24 * 3600)),
+                purge_every: Duration::from_secs(60),
+                wake: Arc::new(Notify::new()),
+            },
+        }
+    }
+
+    /// Runs until `shutdown` completes (a round in progress finishes
+    /// first).
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> RelayStats {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut stats = RelayStats::default();
+        let kinds: Vec<Kind> = self.publishers.keys().copied().collect();
+        let heads = self.outbox.sql().heads(&kinds);
+        let _listener = self.listen();
+        let table = self.outbox.sql().table.clone();
+        let mut last_purge = Instant::now();
+        let mut last_backlog: Option<Instant> = None;
+        let mut failures = crate::engine::backoff(self.backoff_min, Duration::from_secs(30));
+        loop {
+            if last_backlog.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+                self.backlog_metrics(&table).await;
+                last_backlog = Some(Instant::now());
+            }
+            if self.keep_sent.is_some() && last_purge.elapsed() >= self.purge_every {
+                stats.purged += self.purge().await;
+                last_purge = Instant::now();
+            }
+            let round = self.round(&heads, &mut stats).await;
+            let pause = match round {
+                // A full batch: more is likely waiting.
+                Ok(n) if n >= self.batch as usize => Duration::ZERO,
+                Ok(_) => {
+                    failures = crate::engine::backoff(self.backoff_min, Duration::from_secs(30));
+                    self.poll_interval
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, %table, "outbox relay round failed; retrying");
+                    failures.next().unwrap_or(Duration::from_secs(30))
+                }
+            };
+            if pause.is_zero() {
+                continue;
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return stats,
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// Runs the relay on the current tokio runtime until
+    /// [`RelayHandle::stop`].
+    pub fn spawn(self) -> RelayHandle {
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(self.run_until(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }));
+        RelayHandle { stop, task }
+    }
+
+    /// A PostgreSQL relay listens for the enqueue notifications, so that
+    /// it wakes as soon as a claim commits; other backends poll.
+    fn listen(&self) -> Option<tokio::task::JoinHandle<()>> {
+        #[cfg(feature = "postgres")]
+        {
+            let pool = (&self.pool as &dyn std::any::Any).downcast_ref::<sqlx::PgPool>()?;
+            let pool = pool.clone();
+            let channel = self.outbox.channel().to_owned();
+            let wake = Arc::clone(&self.wake);
+            Some(tokio::spawn(async move {
+                loop {
+                    match sqlx::postgres::PgListener::connect_with(&pool).await {
+                        Ok(mut listener) => {
+                            if listener.listen(&channel).await.is_ok() {
+                                while listener.recv().await.is_ok() {
+                                    wake.notify_one();
+                                }
+                            }
+                        }
+                        Err(e) => tracing::debug!(error = %e, "outbox listener cannot connect"),
+                    }
+                    // Reconnected or not, poll meanwhile.
+                    wake.notify_one();
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }))
+        }
+        #[cfg(not(feature = "postgres"))]
+        None
+    }
+
+    /// One round: lock a batch, publish it per ordering key, record the
+    /// results, commit. Returns how many rows it took.
+    async fn round(&self, heads: &str, stats: &mut RelayStats) -> Result<usize, StoreError> {
+        let sql = self.outbox.sql();
+        let mut tx = DB::begin(&self.pool).await?;
+        let now = SystemClock.now_ms();
+        let rows = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch)).await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(0);
+        }
+        let taken = rows.len();
+        // Keys in parallel, each key's rows one after the other.
+        let mut by_key: BTreeMap<&str, Vec<&OutboxRow>> = BTreeMap::new();
+        for row in &rows {
+            by_key.entry(&row.order_key).or_default().push(row);
+        }
+        let results = futures_util::future::join_all(
+            by_key
+                .into_values()
+                .map(|queue| self.publish_in_order(queue)),
+        )
+        .await;
+        let mut sent = Vec::with_capacity(taken);
+        let mut failures = Vec::new();
+        for (ids, failure) in results {
+            sent.extend(ids);
+            failures.extend(failure);
+        }
+        DB::mark_sent(&mut tx, sql, &sent, SystemClock.now_ms()).await?;
+        for (row, error) in &failures {
+            let dead = error.is_permanent()
+                || u32::try_from(row.attempts + 1).unwrap_or(u32::MAX) >= self.max_attempts;
+            let delay = self.retry_delay(row.attempts);
+            let failure = Failed {
+                id: row.id,
+                max_attempts: i32::try_from(self.max_attempts).unwrap_or(i32::MAX),
+                dead: error.is_permanent(),
+                next_ms: SystemClock
+                    .now_ms()
+                    .saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)),
+                error: &error.to_string(),
+            };
+            DB::mark_failed(&mut tx, sql, &failure).await?;
+            stats.failed += 1;
+            if dead {
+                stats.dead += 1;
+                tracing::error!(message_id = %row.message_id, kind = %row.kind, destination = %row.destination, error = %error, "outbox message parked as dead");
+            } else {
+                tracing::warn!(message_id = %row.message_id, kind = %row.kind, destination = %row.destination, attempts = row.attempts + 1, ?delay, error = %error, "outbox publish failed; retrying");
+            }
+        }
+        // A failed commit leaves the rows pending: they are published
+        // again, with the same message ids.
+        tx.commit().await?;
+        stats.published += sent.len() as u64;
+        Ok(taken)
+    }
+
+    /// Publishes one key's rows in order, stopping at the first failure.
+    async fn publish_in_order<'r>(
+        &self,
+        queue: Vec<&'r OutboxRow>,
+    ) -> (Vec<i64>, Option<(&'r OutboxRow, PublishError)>) {
+        let mut sent = Vec::with_capacity(queue.len());
+        for row in queue {
+            let kind = Kind::parse(&row.kind);
+            let Some(publisher) = kind.and_then(|k| self.publishers.get(&k)) else {
+                let error =
+                    PublishError::permanent(format!("no publisher for kind {:?}", row.kind));
+                return (sent, Some((row, error)));
+            };
+            let started = Instant::now();
+            let published = publisher.publish(&Outgoing::new(row)).await;
+            let kind = row.kind.clone();
+            histogram!("onceonly_outbox_publish_seconds", "kind" => kind.clone())
+                .record(started.elapsed().as_secs_f64());
+            match published {
+                Ok(()) => {
+                    counter!("onceonly_outbox_published_total", "kind" => kind).increment(1);
+                    sent.push(row.id);
+                }
+                Err(e) => {
+                    counter!(
+                        "onceonly_outbox_failures_total",
+                        "kind" => kind,
+                        "destination" => destination_label(row),
+                        "permanent" => if e.is_permanent() { "true" } else { "false" },
+                    )
+                    .increment(1);
+                    return (sent, Some((row, e)));
+                }
+            }
+        }
+        (sent, None)
+    }
+
+    /// The delay before attempt `attempts + 2`: doubling from the minimum,
+    /// capped.
+    fn retry_delay(&self, attempts: i32) -> Duration {
+        let doublings = u32::try_from(attempts).unwrap_or(0).min(20);
+        self.backoff_min
+            .saturating_mul(1 << doublings)
+            .min(self.backoff_max)
+    }
+
+    async fn backlog_metrics(&self, table: &str) {
+        match self.outbox.stats(&self.pool).await {
+            Ok(stats) => {
+                let backlog = stats.rows(Status::Pending);
+                gauge!("onceonly_outbox_backlog", "table" => table.to_owned()).set(backlog as f64);
+                let age = stats
+                    .oldest_ms(Status::Pending)
+                    .map(|oldest| (SystemClock.now_ms() - oldest).max(0) as f64 / 1000.0)
+                    .unwrap_or(0.0);
+                gauge!("onceonly_outbox_oldest_pending_seconds", "table" => table.to_owned())
+                    .set(age);
+            }
+            Err(e) => tracing::debug!(error = %e, "outbox backlog query failed"),
+        }
+    }
+
+    async fn purge(&self) -> u64 {
+        let Some(keep) = self.keep_sent else { return 0 };
+        let before = SystemClock
+            .now_ms()
+            .saturating_sub(i64::try_from(keep.as_millis()).unwrap_or(i64::MAX));
+        match self.outbox.purge_sent(&self.pool, before, 1000).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "purging sent outbox rows failed");
+                0
+            }
+        }
+    }
+}
+
+/// The metric label of a destination: the topic or exchange, or a
+/// webhook's host (URLs would make one series per merchant path).
+fn destination_label(row: &OutboxRow) -> String {
+    if row.kind == Kind::Webhook.as_str() {
+        let rest = row
+            .destination
+            .split_once("://")
+            .map_or(row.destination.as_str(), |(_, r)| r);
+        rest.split(['/', '?']).next().unwrap_or_default().to_owned()
+    } else {
+        row.destination.clone()
+    }
+}
+
+impl<DB: OutboxBackend> RelayBuilder<DB> {
+    /// Adds the publisher of one kind of destination (replacing an earlier
+    /// one of the same kind). The relay takes only rows of the kinds it has
+    /// publishers for.
+    #[must_use]
+    pub fn publisher(mut self, publisher: impl Publisher + 'static) -> Self {
+        self.relay
+            .publishers
+            .insert(publisher.kind(), Arc::new(publisher));
+        self
+    }
+
+    /// At most this many rows per round (default 100).
+    #[must_use]
+    pub fn batch(mut self, batch: u32) -> Self {
+        self.relay.batch = batch.max(1);
+        self
+    }
+
+    /// How long an idle relay sleeps before looking again (default 1 s; a
+    /// PostgreSQL relay also wakes when a row commits).
+    #[must_use]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.relay.poll_interval = interval;
+        self
+    }
+
+    /// Attempts before a message is parked as dead (default 12).
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.relay.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// Delay after a failed attempt: `min` doubling up to `max` (default
+    /// 500 ms to 5 min).
+    #[must_use]
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.relay.backoff_min = min;
+        self.relay.backoff_max = max.max(min);
+        self
+    }
+
+    /// How long sent rows are kept before the relay purges them (default 24
+    /// hours; `None`: never, purge with `onceonly outbox purge`).
+    #[must_use]
+    pub fn keep_sent(mut self, keep: Option<Duration>) -> Self {
+        self.relay.keep_sent = keep;
+        self
+    }
+
+    /// The relay; fails without a publisher.
+    pub fn build(self) -> Result<Relay<DB>, RelayBuildError> {
+        if self.relay.publishers.is_empty() {
+            return Err(RelayBuildError::NoPublisher);
+        }
+        Ok(self.relay)
+    }
+}
+
+/// A relay that cannot work.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayBuildError {
+    /// No publisher was added.
+    #[error("an outbox relay needs at least one publisher")]
+    NoPublisher,
+}
+
+/// A running [`Relay`].
+#[derive(Debug)]
+pub struct RelayHandle {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<RelayStats>,
+}
+
+impl RelayHandle {
+    /// Stops the relay after its current round; returns what it did.
+    pub async fn stop(self) -> RelayStats {
+        let _ = self.stop.send(true);
+        match self.task.await {
+            Ok(stats) => stats,
+            Err(e) => {
+                tracing::error!(error = %e, "the outbox relay task failed");
+                RelayStats::default()
+            }
+        }
+    }
+}

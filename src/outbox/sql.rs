@@ -1,0 +1,281 @@
+//! The outbox table and its statements, per SQL dialect. Only validated
+//! table names and this module's own constants are ever put into SQL
+//! text; every value is bound.
+
+use crate::store::TableName;
+
+/// The default outbox table name.
+pub const DEFAULT_OUTBOX_TABLE: &str = "onceonly_outbox";
+
+/// A row waits to be sent.
+pub(crate) const PENDING: i16 = 0;
+/// A row was confirmed by its destination.
+pub(crate) const SENT: i16 = 1;
+/// A row failed permanently, or too often: parked until retried by hand.
+pub(crate) const DEAD: i16 = 2;
+
+/// The SQL dialect of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    Postgres,
+    MySql,
+    Sqlite,
+}
+
+impl Dialect {
+    /// The `n`-th bind placeholder (1-based).
+    fn p(self, n: usize) -> String {
+        match self {
+            Self::MySql => "?".to_owned(),
+            Self::Postgres | Self::Sqlite => format!("${n}"),
+        }
+    }
+
+    fn quote(self) -> char {
+        match self {
+            Self::MySql => '`',
+            Self::Postgres | Self::Sqlite => '"',
+        }
+    }
+}
+
+/// The columns a relay reads.
+pub(crate) const ROW_COLS: &str = "id, message_id, scope, causation, traceparent, kind, destination, \
+    routing_key, message_key, headers, payload, attempts";
+
+/// Every statement of one outbox table.
+#[derive(Debug)]
+pub struct OutboxSql {
+    pub table: String,
+    pub ddl: Vec<String>,
+    pub enqueue: String,
+    /// The first pending row of each ordering key that is due (`$1` now,
+    /// `$2` limit), locked, skipping rows another relay holds; `{kinds}`
+    /// is replaced by the relay's kinds (this module's constants).
+    heads: String,
+    /// `... WHERE status = pending AND order_key IN (` + keys, then
+    /// `) ORDER BY id LIMIT n` and `follow_lock`.
+    pub follow_prefix: String,
+    pub follow_lock: &'static str,
+    /// `$1` sent_at, then ids.
+    pub sent_prefix: String,
+    /// `$1` attempts limit, `$2` dead (0/1: a permanent failure), `$3`
+    /// next attempt, `$4` error, `$5` id.
+    pub failed: String,
+    /// Rows and the oldest `created_at_ms` per status and kind.
+    pub stats: String,
+    /// Deletes at most `$2` rows sent before `$1`.
+    pub purge_sent: String,
+    /// Dead rows back to pending, due `$1`: all of them (`retry_all`), or
+    /// one by message id (`$2`, `retry_one`).
+    pub retry_all: String,
+    pub retry_one: String,
+    /// Rows of status `$1`, oldest first, at most `$2`.
+    pub list: String,
+    /// The row with message id `$1`.
+    pub find: String,
+}
+
+impl OutboxSql {
+    /// The heads statement for a relay serving `kinds`.
+    pub(crate) fn heads(&self, kinds: &[super::Kind]) -> String {
+        let kinds: Vec<String> = kinds.iter().map(|k| format!("'{}'", k.as_str())).collect();
+        self.heads.replace("{kinds}", &kinds.join(", "))
+    }
+
+    pub(crate) fn new(dialect: Dialect, table: &TableName) -> Self {
+        let q = dialect.quote();
+        let t = table.quoted(q);
+        let p = |n| dialect.p(n);
+        let (id_col, text, bytes, small, idx_pending, idx_sent) = match dialect {
+            Dialect::Postgres => (
+                "id BIGSERIAL PRIMARY KEY",
+                "text",
+                "bytea",
+                "smallint",
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (order_key, id) WHERE status = 0",
+                    table.index("pending", q)
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at_ms) WHERE status = 1",
+                    table.index("sent", q)
+                ),
+            ),
+            Dialect::Sqlite => (
+                "id INTEGER PRIMARY KEY AUTOINCREMENT",
+                "TEXT",
+                "BLOB",
+                "INTEGER",
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (order_key, id) WHERE status = 0",
+                    table.index("pending", q)
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at_ms) WHERE status = 1",
+                    table.index("sent", q)
+                ),
+            ),
+            Dialect::MySql => (
+                "id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+                "",
+                "",
+                "",
+                String::new(),
+                String::new(),
+            ),
+        };
+        let ddl = match dialect {
+            Dialect::MySql => vec![format!(
+                "CREATE TABLE IF NOT EXISTS {t} ({id_col}, \
+                 message_id VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, \
+                 scope {v}(128) {u} NOT NULL, causation {v}(255) {u} NULL, \
+                 traceparent {v}(128) {u} NULL, kind {v}(16) {u} NOT NULL, \
+                 destination {v}(1024) {u} NOT NULL, routing_key {v}(255) {u} NULL, \
+                 message_key VARBINARY(1024) NULL, \
+                 order_key CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, \
+                 headers TEXT {u} NOT NULL, payload LONGBLOB NOT NULL, \
+                 status SMALLINT NOT NULL DEFAULT 0, attempts INT NOT NULL DEFAULT 0, \
+                 next_attempt_at_ms BIGINT NOT NULL, last_error TEXT {u} NULL, \
+                 created_at_ms BIGINT NOT NULL, sent_at_ms BIGINT NULL, \
+                 UNIQUE KEY {} (message_id), KEY {} (status, order_key, id), \
+                 KEY {} (status, sent_at_ms)) ENGINE=InnoDB",
+                table.index("message_id", q),
+                table.index("pending", q),
+                table.index("sent", q),
+                v = "VARCHAR",
+                u = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+            )],
+            _ => vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} ({id_col}, \
+                     message_id {text} NOT NULL UNIQUE, scope {text} NOT NULL, \
+                     causation {text}, traceparent {text}, kind {text} NOT NULL, \
+                     destination {text} NOT NULL, routing_key {text}, message_key {bytes}, \
+                     order_key {text} NOT NULL, headers {text} NOT NULL, payload {bytes} NOT NULL, \
+                     status {small} NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0, \
+                     next_attempt_at_ms BIGINT NOT NULL, last_error {text}, \
+                     created_at_ms BIGINT NOT NULL, sent_at_ms BIGINT)"
+                ),
+                idx_pending,
+                idx_sent,
+            ],
+        };
+        let insert_cols = "message_id, scope, causation, traceparent, kind, destination, \
+             routing_key, message_key, order_key, headers, payload, next_attempt_at_ms, created_at_ms";
+        let values = (1..=13).map(p).collect::<Vec<_>>().join(", ");
+        let enqueue = match dialect {
+            // NOTIFY is transactional: relays wake when the claim commits.
+            Dialect::Postgres => format!(
+                "WITH ins AS (INSERT INTO {t} ({insert_cols}) VALUES ({values}) \
+                 ON CONFLICT (message_id) DO NOTHING RETURNING id) \
+                 SELECT pg_notify({}, '') FROM ins",
+                p(14)
+            ),
+            Dialect::Sqlite => format!(
+                "INSERT INTO {t} ({insert_cols}) VALUES ({values}) ON CONFLICT (message_id) DO NOTHING"
+            ),
+            // Not INSERT IGNORE: that would also turn data errors into warnings.
+            Dialect::MySql => format!(
+                "INSERT INTO {t} ({insert_cols}) VALUES ({values}) ON DUPLICATE KEY UPDATE id = id"
+            ),
+        };
+        let lock = match dialect {
+            Dialect::Postgres | Dialect::MySql => " FOR UPDATE SKIP LOCKED",
+            // One writer at a time: the relay's transaction is BEGIN IMMEDIATE.
+            Dialect::Sqlite => "",
+        };
+        let heads = format!(
+            "SELECT {ROW_COLS}, order_key FROM {t} o WHERE o.status = 0 \
+             AND o.kind IN ({{kinds}}) AND o.next_attempt_at_ms <= {} \
+             AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.status = 0 \
+             AND e.order_key = o.order_key AND e.id < o.id) \
+             ORDER BY o.id LIMIT {}{lock}",
+            p(1),
+            p(2)
+        );
+        let follow_prefix =
+            format!("SELECT {ROW_COLS}, order_key FROM {t} WHERE status = 0 AND order_key IN (");
+        let follow_lock = match dialect {
+            Dialect::Sqlite => "",
+            _ => " FOR UPDATE",
+        };
+        let sent_prefix = format!(
+            "UPDATE {t} SET status = 1, attempts = attempts + 1, last_error = NULL, sent_at_ms = "
+        );
+        // `status` first: MySQL evaluates assignments left to right, and
+        // must see the attempts before this one.
+        let failed = format!(
+            "UPDATE {t} SET status = CASE WHEN attempts + 1 >= {} OR {} = 1 THEN 2 ELSE 0 END, \
+             attempts = attempts + 1, next_attempt_at_ms = {}, last_error = {} WHERE id = {}",
+            p(1),
+            p(2),
+            p(3),
+            p(4),
+            p(5)
+        );
+        let stats = format!(
+            "SELECT status, kind, COUNT(*) AS n, MIN(created_at_ms) AS oldest_ms \
+             FROM {t} GROUP BY status, kind ORDER BY status, kind"
+        );
+        let purge_sent = match dialect {
+            Dialect::MySql => format!(
+                "DELETE FROM {t} WHERE status = 1 AND sent_at_ms < ? ORDER BY sent_at_ms LIMIT ?"
+            ),
+            Dialect::Postgres => format!(
+                "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE status = 1 \
+                 AND sent_at_ms < $1 ORDER BY sent_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            ),
+            Dialect::Sqlite => format!(
+                "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE status = 1 \
+                 AND sent_at_ms < $1 ORDER BY sent_at_ms LIMIT $2)"
+            ),
+        };
+        let retry_all = format!(
+            "UPDATE {t} SET status = 0, attempts = 0, last_error = NULL, next_attempt_at_ms = {} \
+             WHERE status = 2",
+            p(1)
+        );
+        let retry_one = format!("{retry_all} AND message_id = {}", p(2));
+        let cols = format!(
+            "{ROW_COLS}, order_key, status, last_error, created_at_ms, sent_at_ms, next_attempt_at_ms"
+        );
+        let list = format!(
+            "SELECT {cols} FROM {t} WHERE status = {} ORDER BY id LIMIT {}",
+            p(1),
+            p(2)
+        );
+        let find = format!("SELECT {cols} FROM {t} WHERE message_id = {}", p(1));
+        Self {
+            stats,
+            purge_sent,
+            retry_all,
+            retry_one,
+            list,
+            find,
+            table: t,
+            ddl,
+            enqueue,
+            heads,
+            follow_prefix,
+            follow_lock,
+            sent_prefix,
+            failed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_bind_every_value() {
+        for dialect in [Dialect::Postgres, Dialect::MySql, Dialect::Sqlite] {
+            let sql = OutboxSql::new(dialect, &TableName::new("box").expect("name"));
+            let marks = sql.enqueue.matches('?').count() + sql.enqueue.matches('$').count();
+            let expected = if dialect == Dialect::Postgres { 14 } else { 13 };
+            assert_eq!(marks, expected, "{dialect:?}: {}", sql.enqueue);
+        }
+    }
+}
