@@ -242,6 +242,37 @@ pub struct Failed<'a> {
     pub(crate) error: &'a str,
 }
 
+/// A text column. MySQL/MariaDB may report a text column computed by a
+/// query (a `GROUP BY` key, say) as binary: read its bytes then.
+fn text<DB: Database>(r: &DB::Row, column: &str) -> Result<Option<String>, sqlx::Error>
+where
+    for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+{
+    use sqlx::Row as _;
+    match r.try_get::<Option<String>, _>(column) {
+        Err(sqlx::Error::ColumnDecode { .. }) => {
+            let bytes: Option<Vec<u8>> = r.try_get(column)?;
+            bytes
+                .map(String::from_utf8)
+                .transpose()
+                .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+        }
+        other => other,
+    }
+}
+
+/// A text column that must be there.
+fn text_req<DB: Database>(r: &DB::Row, column: &str) -> Result<String, sqlx::Error>
+where
+    for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+{
+    text::<DB>(r, column)?.ok_or_else(|| sqlx::Error::ColumnNotFound(column.to_owned()))
+}
+
 /// Reads an [`OutboxRow`] from a row of any backend.
 fn read_row<DB: Database>(r: &DB::Row) -> Result<OutboxRow, sqlx::Error>
 where
@@ -255,18 +286,18 @@ where
     use sqlx::Row as _;
     Ok(OutboxRow {
         id: r.try_get("id")?,
-        message_id: r.try_get("message_id")?,
-        scope: r.try_get("scope")?,
-        causation: r.try_get("causation")?,
-        traceparent: r.try_get("traceparent")?,
-        kind: r.try_get("kind")?,
-        destination: r.try_get("destination")?,
-        routing_key: r.try_get("routing_key")?,
+        message_id: text_req::<DB>(r, "message_id")?,
+        scope: text_req::<DB>(r, "scope")?,
+        causation: text::<DB>(r, "causation")?,
+        traceparent: text::<DB>(r, "traceparent")?,
+        kind: text_req::<DB>(r, "kind")?,
+        destination: text_req::<DB>(r, "destination")?,
+        routing_key: text::<DB>(r, "routing_key")?,
         message_key: r.try_get("message_key")?,
-        headers: r.try_get("headers")?,
+        headers: text_req::<DB>(r, "headers")?,
         payload: r.try_get("payload")?,
         attempts: r.try_get("attempts")?,
-        order_key: r.try_get("order_key")?,
+        order_key: text_req::<DB>(r, "order_key")?,
     })
 }
 
@@ -287,7 +318,7 @@ where
         row: read_row::<DB>(r)?,
         status: Status::from_code(code)
             .ok_or_else(|| sqlx::Error::Decode(format!("unknown outbox status {code}").into()))?,
-        last_error: r.try_get("last_error")?,
+        last_error: text::<DB>(r, "last_error")?,
         created_at_ms: r.try_get("created_at_ms")?,
         sent_at_ms: r.try_get("sent_at_ms")?,
         next_attempt_at_ms: r.try_get("next_attempt_at_ms")?,
@@ -426,7 +457,7 @@ macro_rules! outbox_backend {
                     };
                     out.push(StatusCount {
                         status,
-                        kind: r.try_get("kind")?,
+                        kind: text_req::<Self>(r, "kind")?,
                         rows: r.try_get("n")?,
                         oldest_ms: r.try_get("oldest_ms")?,
                     });

@@ -76,6 +76,18 @@ pub trait Publisher: Send + Sync {
     async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError>;
 }
 
+/// A shared publisher.
+#[async_trait]
+impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
+    fn kind(&self) -> Kind {
+        (**self).kind()
+    }
+
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError> {
+        (**self).publish(message).await
+    }
+}
+
 #[cfg(feature = "kafka")]
 mod kafka {
     use std::time::Duration;

@@ -1,0 +1,565 @@
+//! The transactional outbox on real services: messages commit with the
+//! handler's claim or not at all, leave with deterministic ids, keep their
+//! order per key with several relays, and survive a broker or an endpoint
+//! that fails for a while.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use onceonly::outbox::{
+    Kind, MESSAGE_ID_HEADER, Outbox, OutboxBackend, OutboxMessage, Outgoing, PublishError,
+    Publisher, Relay, Status, WebhookPublisher,
+};
+use onceonly::{
+    Delivery, Engine, HandlerError, Json, Outcome, RetryPolicy, SqlStore, Tx, handler_fn,
+};
+use onceonly_integration_tests::kafka::{self as k, header};
+use onceonly_integration_tests::mock::MockKafka;
+use onceonly_integration_tests::{Pay, mysql_store, mysql_url, pay, pg_store, pg_url, unique};
+
+/// A handler that enqueues one settled message per payment (two for
+/// account `twice`), and fails after enqueueing for account `broken`.
+fn settling<DB: OutboxBackend>(
+    outbox: Outbox<DB>,
+    topic: String,
+) -> impl onceonly::Handler<DB, Input = Json<Pay>, Output = ()> {
+    handler_fn(move |tx: Tx<DB>, Json(p): Json<Pay>| {
+        let (outbox, topic) = (outbox.clone(), topic.clone());
+        async move {
+            let mut conn = tx.lock().await?;
+            let account = p.account.clone().unwrap_or_default();
+            let body = serde_json::json!({ "out_trade_no": p.out_trade_no, "amount": p.amount });
+            let message = OutboxMessage::kafka(&topic, account.clone(), body.to_string());
+            outbox.enqueue(&mut conn, message.clone()).await?;
+            if account == "twice" {
+                outbox.enqueue(&mut conn, message).await?;
+            }
+            if account == "broken" {
+                return Err(HandlerError::permanent("refused after enqueueing"));
+            }
+            Ok(())
+        }
+    })
+}
+
+/// Counts rows of `table` matching `condition` on PostgreSQL.
+async fn pg_count(pool: &sqlx::PgPool, table: &str, condition: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table} WHERE {condition}"))
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[tokio::test]
+async fn messages_commit_with_the_claim_and_never_without_it() {
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let table = unique("obx");
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&table).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let engine = Engine::builder(store.clone())
+        .scope("settle")
+        .key_expr("json:/out_trade_no")
+        .retry(RetryPolicy::none())
+        .build()
+        .expect("engine");
+    let handler = settling(outbox.clone(), "settled".into());
+    let deliveries = [
+        pay("P-1", 10).account("a"),
+        pay("P-1", 10).account("a"), // duplicate: handler not run
+        pay("P-1", 99).account("a"), // conflict: handler not run
+        pay("P-2", 20).account("twice"),
+        pay("P-3", 30).account("broken"), // rolled back
+    ];
+    let mut kinds = Vec::new();
+    for p in &deliveries {
+        let report = engine.process(&handler, &Delivery::new(p.body())).await;
+        kinds.push(report.outcome.kind());
+    }
+    use onceonly::OutcomeKind as K;
+    assert_eq!(
+        kinds,
+        [
+            K::Processed,
+            K::Duplicate,
+            K::Conflict,
+            K::Processed,
+            K::Failed
+        ]
+    );
+    let pool = store.pool();
+    assert_eq!(
+        pg_count(pool, &table, "TRUE").await,
+        3,
+        "P-1 once, P-2 twice, P-3 never"
+    );
+    let rows = outbox.list(pool, Status::Pending, 10).await.expect("list");
+    let ids: HashSet<&str> = rows.iter().map(|r| r.row.message_id.as_str()).collect();
+    assert_eq!(ids.len(), 3, "distinct ids per position");
+    assert!(rows.iter().all(|r| r.row.causation.is_some()));
+    // The ids are the deterministic ones: P-2's two messages are its
+    // positions 0 and 1.
+    let p2: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.row.causation.as_deref() == Some("P-2"))
+        .map(|r| r.row.message_id.as_str())
+        .collect();
+    assert_eq!(p2.len(), 2);
+
+    // P-1's record expires and it is processed again: the same message id,
+    // so no second row (and a downstream keyed on it applies it once).
+    sqlx::query(&format!(
+        "UPDATE {} SET expires_at_ms = 0 WHERE idem_key = 'P-1'",
+        store.table()
+    ))
+    .execute(pool)
+    .await
+    .expect("expire");
+    let again = engine
+        .process(&handler, &Delivery::new(deliveries[0].body()))
+        .await;
+    assert!(
+        matches!(again.outcome, Outcome::Processed { .. }),
+        "{again:?}"
+    );
+    assert_eq!(
+        pg_count(pool, &table, "TRUE").await,
+        3,
+        "same id, no new row"
+    );
+}
+
+/// Records what it published, per ordering key, failing the first
+/// `fail_first` attempts, and publishing slowly enough for relays to
+/// overlap.
+#[derive(Default)]
+struct Recorder {
+    /// `(key, row id, message id, global publish sequence)`.
+    seen: Mutex<Vec<(String, i64, String, u64)>>,
+    fail_first: Mutex<usize>,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Publisher for Recorder {
+    fn kind(&self) -> Kind {
+        Kind::Kafka
+    }
+
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError> {
+        {
+            let mut fail = self.fail_first.lock().expect("lock");
+            if *fail > 0 {
+                *fail -= 1;
+                return Err(PublishError::retryable("broker unavailable"));
+            }
+        }
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        let row = message.row;
+        let key =
+            String::from_utf8(row.message_key.clone().unwrap_or_default()).unwrap_or_default();
+        let id = message
+            .headers
+            .iter()
+            .find(|(n, _)| n == MESSAGE_ID_HEADER)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.seen.lock().expect("lock").push((key, row.id, id, seq));
+        Ok(())
+    }
+}
+
+/// Enqueues `per_key` messages for each of `keys` keys, in one claim per
+/// message, and returns the outbox.
+async fn fill<DB: OutboxBackend, S: SqlStore<Db = DB>>(
+    store: &S,
+    outbox: &Outbox<DB>,
+    keys: usize,
+    per_key: usize,
+) {
+    let engine = Engine::builder(store.clone())
+        .scope("fill")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("engine");
+    let handler = settling(outbox.clone(), "orders".into());
+    for i in 0..per_key {
+        for key in 0..keys {
+            let p = pay(&format!("F-{key}-{i}"), i as i64).account(&format!("k{key}"));
+            let report = engine.process(&handler, &Delivery::new(p.body())).await;
+            assert!(
+                matches!(report.outcome, Outcome::Processed { .. }),
+                "{report:?}"
+            );
+        }
+    }
+}
+
+/// Runs relays over `pool` until the outbox has no pending row; returns
+/// what each recorded.
+async fn relay_all<DB: OutboxBackend>(
+    pool: &sqlx::Pool<DB>,
+    outbox: &Outbox<DB>,
+    recorders: &[Arc<Recorder>],
+    total: usize,
+) {
+    let handles: Vec<_> = recorders
+        .iter()
+        .map(|r| {
+            Relay::builder(pool.clone(), outbox.clone())
+                .publisher(Arc::clone(r))
+                .batch(3)
+                .poll_interval(Duration::from_millis(20))
+                .backoff(Duration::from_millis(20), Duration::from_millis(100))
+                .build()
+                .expect("relay")
+                .spawn()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let sent = outbox.stats(pool).await.expect("stats").rows(Status::Sent);
+        if sent as usize >= total {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "relays did not finish: {sent}/{total} sent"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for handle in handles {
+        handle.stop().await;
+    }
+}
+
+/// Checks that every message was published exactly once (no crash here)
+/// and each key's messages in enqueue order, across all recorders (by the
+/// global publish sequence).
+fn assert_once_in_order(recorders: &[Arc<Recorder>], keys: usize, per_key: usize) {
+    let mut all: Vec<(String, i64, String, u64)> = Vec::new();
+    let mut per_recorder = Vec::new();
+    for r in recorders {
+        let seen = r.seen.lock().expect("lock").clone();
+        per_recorder.push(seen.len());
+        all.extend(seen);
+    }
+    assert_eq!(
+        all.len(),
+        keys * per_key,
+        "published once each: {per_recorder:?}"
+    );
+    let ids: HashSet<&str> = all.iter().map(|(_, _, id, _)| id.as_str()).collect();
+    assert_eq!(ids.len(), all.len(), "every message id once");
+    all.sort_by_key(|(_, _, _, seq)| *seq);
+    let mut last: BTreeMap<&str, i64> = BTreeMap::new();
+    for (key, row, _, _) in &all {
+        if let Some(prev) = last.insert(key, *row) {
+            assert!(prev < *row, "key {key}: row {row} published after {prev}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_keep_per_key_order_on_postgres() {
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let (keys, per_key) = (6, 15);
+    fill(&store, &outbox, keys, per_key).await;
+    let recorders: Vec<Arc<Recorder>> = (0..2)
+        .map(|_| {
+            Arc::new(Recorder {
+                delay: Duration::from_millis(3),
+                ..Recorder::default()
+            })
+        })
+        .collect();
+    relay_all(store.pool(), &outbox, &recorders, keys * per_key).await;
+    assert_once_in_order(&recorders, keys, per_key);
+    let both = recorders
+        .iter()
+        .all(|r| !r.seen.lock().expect("lock").is_empty());
+    assert!(both, "both relays took part");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_keep_per_key_order_on_mariadb() {
+    let store = mysql_store(&mysql_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::MySql>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let (keys, per_key) = (4, 10);
+    fill(&store, &outbox, keys, per_key).await;
+    let recorders: Vec<Arc<Recorder>> = (0..2)
+        .map(|_| {
+            Arc::new(Recorder {
+                delay: Duration::from_millis(3),
+                ..Recorder::default()
+            })
+        })
+        .collect();
+    relay_all(store.pool(), &outbox, &recorders, keys * per_key).await;
+    assert_once_in_order(&recorders, keys, per_key);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_relay_publishes_in_order_after_failures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = onceonly_integration_tests::sqlite_store(&dir.path().join("o.db"), "keys").await;
+    let outbox = Outbox::<sqlx::Sqlite>::new();
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let (keys, per_key) = (3, 5);
+    fill(&store, &outbox, keys, per_key).await;
+    let recorder = Arc::new(Recorder {
+        fail_first: Mutex::new(4),
+        ..Recorder::default()
+    });
+    relay_all(
+        store.pool(),
+        &outbox,
+        &[Arc::clone(&recorder)],
+        keys * per_key,
+    )
+    .await;
+    assert_once_in_order(&[recorder], keys, per_key);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kafka_relay_sends_every_message_with_its_id_and_waits_out_a_broker_outage() {
+    let mock = MockKafka::start(1);
+    let topic = unique("settled");
+    mock.create_topic(&topic, 2);
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let engine = Engine::builder(store.clone())
+        .scope("settle")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("engine");
+    let handler = settling(outbox.clone(), topic.clone());
+    // The broker is down while the first half is enqueued and relayed.
+    mock.broker_down(1);
+    let publisher = onceonly::outbox::KafkaPublisher::with_config(
+        rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", mock.bootstrap())
+            .set("message.timeout.ms", "2000"),
+    )
+    .expect("producer");
+    let relay = Relay::builder(store.pool().clone(), outbox.clone())
+        .publisher(publisher)
+        .backoff(Duration::from_millis(100), Duration::from_millis(500))
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .expect("relay")
+        .spawn();
+    let n = 40;
+    let mut expected = BTreeMap::new();
+    for i in 0..n {
+        let p = pay(&format!("K-{i}"), i).account(&format!("acct-{}", i % 4));
+        if i == n / 2 {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let pending = outbox
+                .stats(store.pool())
+                .await
+                .expect("stats")
+                .rows(Status::Pending);
+            assert_eq!(pending, n / 2, "rows wait while the broker is down");
+            mock.broker_up(1);
+        }
+        let report = engine.process(&handler, &Delivery::new(p.body())).await;
+        assert!(
+            matches!(report.outcome, Outcome::Processed { .. }),
+            "{report:?}"
+        );
+        expected.insert(format!("K-{i}"), format!("acct-{}", i % 4));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while outbox
+        .stats(store.pool())
+        .await
+        .expect("stats")
+        .rows(Status::Sent)
+        < n
+    {
+        assert!(Instant::now() < deadline, "not all sent");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stats = relay.stop().await;
+    assert_eq!(stats.dead, 0, "{stats:?}");
+    let read = k::read_all_on(
+        mock.bootstrap(),
+        &topic,
+        2,
+        n as usize,
+        Duration::from_secs(20),
+    );
+    let mut by_trade: BTreeMap<String, HashSet<String>> = BTreeMap::new();
+    let mut order: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for m in &read {
+        use rdkafka::Message as _;
+        let body: serde_json::Value =
+            serde_json::from_slice(m.payload().unwrap_or_default()).expect("json");
+        let no = body["out_trade_no"].as_str().expect("no").to_owned();
+        let id = header(m, MESSAGE_ID_HEADER)
+            .expect("message id header")
+            .to_owned();
+        assert_eq!(header(m, "x-onceonly-causation-id"), Some(no.as_str()));
+        let key = String::from_utf8(m.key().unwrap_or_default().to_vec()).expect("key");
+        assert_eq!(Some(&key), expected.get(&no), "keyed by account");
+        order
+            .entry(key)
+            .or_default()
+            .push(body["amount"].as_i64().expect("amount"));
+        by_trade.entry(no).or_default().insert(id);
+    }
+    assert_eq!(by_trade.len(), n as usize, "every payment settled");
+    assert!(
+        by_trade.values().all(|ids| ids.len() == 1),
+        "one id per payment"
+    );
+    for (key, amounts) in &order {
+        let mut sorted = amounts.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut firsts = amounts.clone();
+        firsts.dedup();
+        assert_eq!(firsts, sorted, "key {key}: in enqueue order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notification() {
+    use axum::Router;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::post;
+
+    #[derive(Default)]
+    struct Receiver {
+        calls: usize,
+        applied: BTreeMap<String, Vec<u8>>,
+        copies: usize,
+    }
+    let receiver = Arc::new(Mutex::new(Receiver::default()));
+    let secret = b"notify-secret".to_vec();
+    let check = onceonly::http::SignatureCheck::new(secret.clone())
+        .header(axum::http::HeaderName::from_static("x-onceonly-signature"));
+    let state = Arc::clone(&receiver);
+    let app = Router::new().route(
+        "/notify",
+        post(move |headers: HeaderMap, body: axum::body::Bytes| {
+            let state = Arc::clone(&state);
+            let check = check.clone();
+            async move {
+                let call = {
+                    let mut r = state.lock().expect("lock");
+                    r.calls += 1;
+                    r.calls
+                };
+                match call % 4 {
+                    1 => return StatusCode::SERVICE_UNAVAILABLE,
+                    2 => {
+                        // Longer than the publisher's timeout.
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                    }
+                    _ => {}
+                }
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                if check.verify(&headers, &body, now).is_err() {
+                    return StatusCode::UNAUTHORIZED;
+                }
+                let id = headers
+                    .get(MESSAGE_ID_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let mut r = state.lock().expect("lock");
+                r.copies += 1;
+                r.applied.entry(id).or_insert_with(|| body.to_vec());
+                StatusCode::NO_CONTENT
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/notify", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let engine = Engine::builder(store.clone())
+        .scope("notify")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("engine");
+    let notify = {
+        let (outbox, url) = (outbox.clone(), url.clone());
+        handler_fn(move |tx: Tx<sqlx::Postgres>, Json(p): Json<Pay>| {
+            let (outbox, url) = (outbox.clone(), url.clone());
+            async move {
+                let mut conn = tx.lock().await?;
+                let body = serde_json::json!({ "out_trade_no": p.out_trade_no, "status": "paid" });
+                outbox
+                    .enqueue(&mut conn, OutboxMessage::webhook(url, body.to_string()))
+                    .await?;
+                Ok(())
+            }
+        })
+    };
+    let n = 12;
+    for i in 0..n {
+        let p = pay(&format!("W-{i}"), 5);
+        let report = engine.process(&notify, &Delivery::new(p.body())).await;
+        assert!(
+            matches!(report.outcome, Outcome::Processed { .. }),
+            "{report:?}"
+        );
+    }
+    let relay = Relay::builder(store.pool().clone(), outbox.clone())
+        .publisher(WebhookPublisher::with_timeout(
+            secret,
+            Duration::from_millis(500),
+        ))
+        .backoff(Duration::from_millis(50), Duration::from_millis(200))
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .expect("relay")
+        .spawn();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while outbox
+        .stats(store.pool())
+        .await
+        .expect("stats")
+        .rows(Status::Sent)
+        < n
+    {
+        assert!(Instant::now() < deadline, "not all notifications delivered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stats = relay.stop().await;
+    let r = receiver.lock().expect("lock");
+    assert_eq!(
+        r.applied.len(),
+        n as usize,
+        "each notification applied once by id"
+    );
+    assert!(
+        r.calls > n as usize,
+        "the receiver failed some calls: {}",
+        r.calls
+    );
+    assert!(stats.failed > 0 && stats.dead == 0, "{stats:?}");
+    // A timed-out call may have been applied and retried: copies >= ids,
+    // still one effect per id.
+    assert!(r.copies >= r.applied.len());
+}
