@@ -45,6 +45,7 @@ mod http;
 mod kafka;
 mod memory;
 mod mock;
+mod outbox;
 
 use std::process::ExitCode;
 
@@ -61,6 +62,7 @@ enum Scenario {
     Growth,
     Memory,
     Purge,
+    Outbox,
     All,
 }
 
@@ -196,7 +198,7 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
     .await?;
     bench.header();
     type Step = fn(&mut Bench) -> common::StepFuture<'_>;
-    let steps: [(Scenario, &str, Step); 6] = [
+    let steps: [(Scenario, &str, Step); 7] = [
         (Scenario::Kafka, "kafka", |b| Box::pin(kafka::run(b))),
         (Scenario::Amqp, "amqp", |b| Box::pin(amqp::run(b))),
         (Scenario::Http, "http", |b| Box::pin(http::run(b))),
@@ -205,6 +207,7 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
         }),
         (Scenario::Purge, "purge", |b| Box::pin(growth::run_purge(b))),
         (Scenario::Memory, "memory", |b| Box::pin(memory::run(b))),
+        (Scenario::Outbox, "outbox", |b| Box::pin(outbox::run(b))),
     ];
     for (scenario, name, step) in steps {
         if !wants(scenario) {

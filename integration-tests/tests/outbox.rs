@@ -563,3 +563,43 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
     // still one effect per id.
     assert!(r.copies >= r.applied.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_relay_wakes_when_a_claim_commits() {
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let recorder = Arc::new(Recorder::default());
+    // Polling alone would take 60 s.
+    let relay = Relay::builder(store.pool().clone(), outbox.clone())
+        .publisher(Arc::clone(&recorder))
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .expect("relay")
+        .spawn();
+    // Let it go idle first.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let engine = Engine::builder(store.clone())
+        .scope("wake")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("engine");
+    let handler = settling(outbox.clone(), "settled".into());
+    let mut waits = Vec::new();
+    for i in 0..5 {
+        let started = Instant::now();
+        let p = pay(&format!("N-{i}"), 1).account("a");
+        engine.process(&handler, &Delivery::new(p.body())).await;
+        while recorder.seen.lock().expect("lock").len() <= i {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the relay did not wake"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        waits.push(started.elapsed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    relay.stop().await;
+    eprintln!("commit to publish: {waits:?}");
+}
