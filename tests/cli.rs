@@ -30,7 +30,7 @@ fn cli(args: &[&str]) -> (i32, String, String) {
 fn help_lists_the_subcommands() {
     let (code, out, _) = cli(&["--help"]);
     assert_eq!(code, 0);
-    for sub in ["migrate", "inspect", "purge", "stats"] {
+    for sub in ["migrate", "inspect", "purge", "stats", "outbox"] {
         assert!(out.contains(sub), "{sub} missing from --help:\n{out}");
     }
     let (code, _, err) = cli(&["purge", "--database-url", "sqlite:x.db"]);

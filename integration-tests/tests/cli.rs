@@ -1,15 +1,17 @@
 //! The `onceonly` CLI and the background purger against real PostgreSQL and
 //! MariaDB: purges while consumers keep claiming, purges by age and scope,
-//! inspect and stats. (SQLite: `tests/cli.rs` of the root package.)
+//! inspect and stats; `onceonly outbox` on PostgreSQL, MariaDB and SQLite.
+//! (The dedup subcommands on SQLite: `tests/cli.rs` of the root package.)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use onceonly::ops::Purger;
+use onceonly::outbox::{Outbox, OutboxMessage};
 use onceonly::{
     Clock as _, Delivery, Engine, Json, KeySpec, MySqlStore, Outcome, PgStore, SqlStore,
-    SystemClock, handler_fn,
+    SqliteStore, SystemClock, handler_fn,
 };
 use onceonly_integration_tests::cli::onceonly;
 use onceonly_integration_tests::{
@@ -442,4 +444,442 @@ async fn background_purger_deletes_expired_records() {
     }
     assert_eq!(handle.stop().await, 1234 + 77);
     assert_eq!(count_pg(&store, "1 = 1").await, 10, "live records stay");
+}
+
+/// Processes orders `k-0`..`k-5` with a handler that enqueues one Kafka
+/// message per order into outbox table `$outbox` on backend `$db` (the
+/// real API, in the claim's transaction), then `k-0` again: a duplicate,
+/// which enqueues nothing.
+macro_rules! enqueue_orders {
+    ($store:expr, $db:ty, $outbox:expr) => {{
+        let outbox = Outbox::<$db>::on_table($outbox).expect("outbox table");
+        let engine = Engine::builder($store.clone())
+            .scope("orders")
+            .key(KeySpec::json_field("/out_trade_no"))
+            .build()
+            .expect("engine");
+        let handler = handler_fn(move |tx: onceonly::Tx<$db>, Json(p): Json<Pay>| {
+            let outbox = outbox.clone();
+            async move {
+                let mut conn = tx.lock().await?;
+                let payload =
+                    serde_json::json!({ "order": p.out_trade_no, "note": "x".repeat(300) });
+                outbox
+                    .enqueue(
+                        &mut conn,
+                        OutboxMessage::kafka(
+                            "orders.placed",
+                            p.out_trade_no.clone(),
+                            payload.to_string(),
+                        ),
+                    )
+                    .await?;
+                Ok(())
+            }
+        });
+        for i in 0..6 {
+            let report = engine
+                .process(&handler, &Delivery::new(pay(&format!("k-{i}"), 5)))
+                .await;
+            assert!(
+                matches!(report.outcome, Outcome::Processed { .. }),
+                "{report:?}"
+            );
+        }
+        let again = engine.process(&handler, &Delivery::new(pay("k-0", 5))).await;
+        assert!(
+            matches!(again.outcome, Outcome::Duplicate { .. }),
+            "{again:?}"
+        );
+    }};
+}
+
+/// `onceonly outbox stats|inspect|retry|purge` on outbox table `outbox`,
+/// which holds the six messages of [`enqueue_orders`]: two are parked as
+/// dead and three marked sent (two of them two hours ago) by hand, the way
+/// a relay would have.
+async fn outbox_subcommands(
+    url: &str,
+    outbox: &str,
+    exec: impl AsyncFn(&str),
+    count: impl AsyncFn(&str) -> i64,
+) {
+    assert_eq!(
+        count("1 = 1").await,
+        6,
+        "one message per order, none for the duplicate"
+    );
+    assert_eq!(count("status = 0 AND attempts = 0").await, 6, "all pending");
+    let now = SystemClock.now_ms();
+    exec(&format!(
+        "UPDATE {outbox} SET status = 2, attempts = 3, last_error = 'broker said no' \
+         WHERE causation IN ('k-0', 'k-1')"
+    ))
+    .await;
+    exec(&format!(
+        "UPDATE {outbox} SET status = 1, attempts = 1, sent_at_ms = {} \
+         WHERE causation IN ('k-2', 'k-3')",
+        now - 2 * 3_600_000
+    ))
+    .await;
+    exec(&format!(
+        "UPDATE {outbox} SET status = 1, attempts = 1, sent_at_ms = {} WHERE causation = 'k-4'",
+        now - 60_000
+    ))
+    .await;
+    let db = ["--database-url", url, "--outbox-table", outbox];
+    let cli = async |args: &[&str]| onceonly(&[args, &db[..]].concat()).await;
+
+    // stats
+    let run = cli(&["outbox", "stats"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains(&format!(
+            "outbox table {outbox}: 6 messages: 1 pending, 3 sent, 2 dead"
+        )),
+        "{run:?}"
+    );
+    assert!(
+        run.stdout
+            .contains("backlog: 1 pending, the oldest enqueued 20"),
+        "{run:?}"
+    );
+    assert!(run.stdout.contains("dead: 2 ("), "{run:?}");
+    for line in [
+        "pending  kafka           1",
+        "sent     kafka           3",
+        "dead     kafka           2",
+    ] {
+        assert!(run.stdout.contains(line), "{line:?} missing: {run:?}");
+    }
+    let run = cli(&["outbox", "stats", "--json"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let stats: serde_json::Value = serde_json::from_str(&run.stdout).expect("JSON");
+    assert_eq!(stats["table"], outbox, "{stats}");
+    assert_eq!(stats["backlog"], 1, "{stats}");
+    assert_eq!(stats["rows"]["sent"], 3, "{stats}");
+    assert_eq!(stats["rows"]["dead"], 2, "{stats}");
+    assert!(
+        stats["oldest_pending_ms"]
+            .as_i64()
+            .is_some_and(|ms| ms <= now),
+        "{stats}"
+    );
+    assert_eq!(stats["counts"].as_array().map(Vec::len), Some(3), "{stats}");
+
+    // inspect
+    let run = cli(&["outbox", "inspect", "--status", "dead"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(run.stdout.matches("message id:").count(), 2, "{run:?}");
+    for expected in [
+        "status:       dead",
+        "kind:         kafka",
+        "destination:  orders.placed",
+        "message key:  k-0",
+        "scope:        orders",
+        "causation:    k-0 (the inbound key)",
+        "causation:    k-1 (the inbound key)",
+        "attempts:     3",
+        "last error:   broker said no",
+        "sent:         -",
+        "payload:      {\"",
+        "bytes, truncated)",
+    ] {
+        assert!(
+            run.stdout.contains(expected),
+            "{expected:?} missing: {run:?}"
+        );
+    }
+    let run = cli(&["outbox", "inspect", "--status", "dead", "--json"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let dead: Vec<serde_json::Value> = run
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert_eq!(dead.len(), 2, "{run:?}");
+    assert_eq!(dead[0]["causation"], "k-0", "oldest first");
+    assert_eq!(dead[1]["causation"], "k-1");
+    assert_eq!(dead[0]["status"], "dead");
+    assert_eq!(
+        dead[0]["payload"]["order"], "k-0",
+        "the whole payload, as JSON"
+    );
+    let dead_id = dead[0]["message_id"]
+        .as_str()
+        .expect("message id")
+        .to_owned();
+    let run = cli(&["outbox", "inspect", "--message-id", &dead_id, "--json"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert_eq!(run.stdout.lines().count(), 1, "{run:?}");
+    let run = cli(&["outbox", "inspect", "--message-id", "no-such-id"]).await;
+    assert_eq!(run.code, 3, "{run:?}");
+    let run = cli(&["outbox", "inspect", "--status", "pending", "--json"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let pending: serde_json::Value = serde_json::from_str(run.stdout.trim()).expect("one line");
+    assert_eq!(pending["causation"], "k-5", "{pending}");
+    assert!(pending["next_attempt_at_ms"].is_i64(), "{pending}");
+    let pending_id = pending["message_id"]
+        .as_str()
+        .expect("message id")
+        .to_owned();
+    let run = cli(&["outbox", "inspect", "--status", "sent", "--limit", "2"]).await;
+    assert_eq!(
+        run.stdout.matches("message id:").count(),
+        2,
+        "--limit: {run:?}"
+    );
+
+    // retry
+    let run = cli(&["outbox", "retry"]).await;
+    assert_eq!(
+        run.code, 2,
+        "retry needs --message-id or --all-dead: {run:?}"
+    );
+    let run = cli(&["outbox", "retry", "--message-id", &pending_id]).await;
+    assert_eq!(run.code, 3, "{run:?}");
+    assert!(run.stderr.contains("is pending, not dead"), "{run:?}");
+    let run = cli(&["outbox", "retry", "--message-id", &dead_id]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains(&format!("retried message {dead_id}")),
+        "{run:?}"
+    );
+    assert_eq!(
+        count("status = 0 AND causation = 'k-0' AND attempts = 0").await,
+        1
+    );
+    assert_eq!(count("status = 2").await, 1, "only that one");
+    let run = cli(&["outbox", "retry", "--all-dead"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains("retried 1 dead message: pending again"),
+        "{run:?}"
+    );
+    assert_eq!(count("status = 2").await, 0, "no dead message left");
+    assert_eq!(
+        count("status = 0 AND last_error IS NULL AND attempts = 0").await,
+        3,
+        "k-0, k-1 and k-5 pending, their errors cleared"
+    );
+    let run = cli(&["outbox", "retry", "--all-dead"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("no dead messages"), "{run:?}");
+
+    // purge
+    let run = cli(&["outbox", "purge", "--older-than", "1h", "--batch", "1"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout.contains("deleted 2 sent messages sent before"),
+        "{run:?}"
+    );
+    assert_eq!(
+        count("status = 1").await,
+        1,
+        "the recently sent message stays"
+    );
+    assert_eq!(count("causation = 'k-4'").await, 1);
+    assert_eq!(count("status = 0").await, 3, "pending messages stay");
+    let run = cli(&["outbox", "purge", "--older-than", "1h"]).await;
+    assert!(run.stdout.contains("deleted 0 sent messages"), "{run:?}");
+
+    // A table that does not exist.
+    let run = onceonly(&[
+        "outbox",
+        "stats",
+        "--database-url",
+        url,
+        "--outbox-table",
+        "no_such_outbox",
+    ])
+    .await;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(
+        run.stderr.contains("hint: the outbox table does not exist"),
+        "{run:?}"
+    );
+}
+
+/// `onceonly migrate` creates the dedup table and outbox table `outbox`.
+async fn migrate_with_outbox(url: &str, table: &str, outbox: &str, backend: &str) {
+    let run = onceonly(&[
+        "migrate",
+        "--database-url",
+        url,
+        "--table",
+        table,
+        "--outbox-table",
+        outbox,
+    ])
+    .await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains(&format!("dedup table {table} is ready ({backend})")),
+        "{run:?}"
+    );
+    assert!(
+        run.stdout
+            .contains(&format!("outbox table {outbox} is ready ({backend})")),
+        "{run:?}"
+    );
+    let run = onceonly(&[
+        "outbox",
+        "stats",
+        "--database-url",
+        url,
+        "--outbox-table",
+        outbox,
+    ])
+    .await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains(&format!("outbox table {outbox}: no messages")),
+        "{run:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn outbox_subcommands_on_postgres() {
+    let url = pg_url();
+    let (table, outbox) = (unique("ob_keys"), unique("ob"));
+    migrate_with_outbox(&url, &table, &outbox, "postgres").await;
+    let store = pg_store(&url, &table).await;
+    enqueue_orders!(store, sqlx::Postgres, &outbox);
+    outbox_subcommands(
+        &url,
+        &outbox,
+        async |sql| {
+            sqlx::query(sql)
+                .execute(store.pool())
+                .await
+                .expect("update");
+        },
+        async |filter| {
+            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE {filter}"))
+                .fetch_one(store.pool())
+                .await
+                .expect("count")
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn outbox_subcommands_on_mariadb() {
+    let url = mysql_url();
+    let (table, outbox) = (unique("ob_keys"), unique("ob"));
+    migrate_with_outbox(&url, &table, &outbox, "mysql").await;
+    let store = mysql_store(&url, &table).await;
+    enqueue_orders!(store, sqlx::MySql, &outbox);
+    outbox_subcommands(
+        &url,
+        &outbox,
+        async |sql| {
+            sqlx::query(sql)
+                .execute(store.pool())
+                .await
+                .expect("update");
+        },
+        async |filter| {
+            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE {filter}"))
+                .fetch_one(store.pool())
+                .await
+                .expect("count")
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn outbox_subcommands_on_sqlite() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("outbox.db");
+    let url = format!("sqlite:{}", path.display());
+    migrate_with_outbox(&url, "ob_keys", "ob", "sqlite").await;
+    let store = SqliteStore::open(&path)
+        .await
+        .expect("open")
+        .with_table("ob_keys")
+        .expect("table");
+    enqueue_orders!(store, sqlx::Sqlite, "ob");
+    outbox_subcommands(
+        &url,
+        "ob",
+        async |sql| {
+            sqlx::query(sql)
+                .execute(store.pool())
+                .await
+                .expect("update");
+        },
+        async |filter| {
+            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM ob WHERE {filter}"))
+                .fetch_one(store.pool())
+                .await
+                .expect("count")
+        },
+    )
+    .await;
+}
+
+/// `onceonly relay` publishes the outbox to Kafka, keeps running while
+/// idle, and stops on SIGTERM with a summary.
+#[tokio::test(flavor = "multi_thread")]
+async fn relay_subcommand_publishes_the_outbox_and_stops_on_sigterm() {
+    let url = pg_url();
+    let (table, outbox) = (unique("rl_keys"), unique("rl"));
+    migrate_with_outbox(&url, &table, &outbox, "postgres").await;
+    let store = pg_store(&url, &table).await;
+    onceonly_integration_tests::kafka::create_topic("orders.placed", 1).await;
+    enqueue_orders!(store, sqlx::Postgres, &outbox);
+    let sent = async || -> i64 {
+        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE status = 1"))
+            .fetch_one(store.pool())
+            .await
+            .expect("count")
+    };
+    let brokers = onceonly_integration_tests::kafka::brokers();
+    let child = tokio::process::Command::new(onceonly_integration_tests::cli::onceonly_binary())
+        .args([
+            "relay",
+            "--database-url",
+            &url,
+            "--outbox-table",
+            &outbox,
+            "--kafka-brokers",
+            &brokers,
+        ])
+        .env_remove("ONCEONLY_DATABASE_URL")
+        .env_remove("ONCEONLY_OUTBOX_TABLE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn onceonly relay");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sent().await < 6 {
+        assert!(
+            Instant::now() < deadline,
+            "the relay did not publish the outbox"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let pid = child.id().expect("pid").to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("the relay did not stop on SIGTERM")
+        .expect("relay output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("relay stopped: 6 published"), "{stdout}");
 }

@@ -242,39 +242,50 @@ pub struct Failed<'a> {
     pub(crate) error: &'a str,
 }
 
-/// A text column. MySQL/MariaDB may report a text column computed by a
-/// query (a `GROUP BY` key, say) as binary: read its bytes then.
-fn text<DB: Database>(r: &DB::Row, column: &str) -> Result<Option<String>, sqlx::Error>
+/// Reads text column `column`. MySQL reports columns with a binary
+/// collation (`utf8mb4_bin`, `ascii_bin`) as binary, which sqlx will not
+/// decode as a `String`: with `byte_text`, read bytes and check UTF-8.
+fn text<DB: Database>(
+    r: &DB::Row,
+    column: &str,
+    byte_text: bool,
+) -> Result<Option<String>, sqlx::Error>
 where
     for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
     for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
 {
     use sqlx::Row as _;
-    match r.try_get::<Option<String>, _>(column) {
-        Err(sqlx::Error::ColumnDecode { .. }) => {
-            let bytes: Option<Vec<u8>> = r.try_get(column)?;
-            bytes
-                .map(String::from_utf8)
-                .transpose()
-                .map_err(|e| sqlx::Error::Decode(Box::new(e)))
-        }
-        other => other,
+    if !byte_text {
+        return r.try_get(column);
     }
+    let bytes: Option<Vec<u8>> = r.try_get(column)?;
+    bytes
+        .map(|b| {
+            String::from_utf8(b).map_err(|e| sqlx::Error::ColumnDecode {
+                index: column.to_owned(),
+                source: Box::new(e),
+            })
+        })
+        .transpose()
 }
 
-/// A text column that must be there.
-fn text_req<DB: Database>(r: &DB::Row, column: &str) -> Result<String, sqlx::Error>
+/// Like [`text`], for a `NOT NULL` column.
+fn text_nn<DB: Database>(r: &DB::Row, column: &str, byte_text: bool) -> Result<String, sqlx::Error>
 where
     for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
     for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
 {
-    text::<DB>(r, column)?.ok_or_else(|| sqlx::Error::ColumnNotFound(column.to_owned()))
+    text::<DB>(r, column, byte_text)?.ok_or_else(|| sqlx::Error::ColumnDecode {
+        index: column.to_owned(),
+        source: "unexpected NULL".into(),
+    })
 }
 
-/// Reads an [`OutboxRow`] from a row of any backend.
-fn read_row<DB: Database>(r: &DB::Row) -> Result<OutboxRow, sqlx::Error>
+/// Reads an [`OutboxRow`] from a row of any backend (`byte_text`: see
+/// [`text`]).
+fn read_row<DB: Database>(r: &DB::Row, byte_text: bool) -> Result<OutboxRow, sqlx::Error>
 where
     usize: sqlx::ColumnIndex<DB::Row>,
     for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
@@ -284,25 +295,27 @@ where
     for<'r> Vec<u8>: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
 {
     use sqlx::Row as _;
+    let t = |column| text::<DB>(r, column, byte_text);
+    let t_nn = |column| text_nn::<DB>(r, column, byte_text);
     Ok(OutboxRow {
         id: r.try_get("id")?,
-        message_id: text_req::<DB>(r, "message_id")?,
-        scope: text_req::<DB>(r, "scope")?,
-        causation: text::<DB>(r, "causation")?,
-        traceparent: text::<DB>(r, "traceparent")?,
-        kind: text_req::<DB>(r, "kind")?,
-        destination: text_req::<DB>(r, "destination")?,
-        routing_key: text::<DB>(r, "routing_key")?,
+        message_id: t_nn("message_id")?,
+        scope: t_nn("scope")?,
+        causation: t("causation")?,
+        traceparent: t("traceparent")?,
+        kind: t_nn("kind")?,
+        destination: t_nn("destination")?,
+        routing_key: t("routing_key")?,
         message_key: r.try_get("message_key")?,
-        headers: text_req::<DB>(r, "headers")?,
+        headers: t_nn("headers")?,
         payload: r.try_get("payload")?,
         attempts: r.try_get("attempts")?,
-        order_key: text_req::<DB>(r, "order_key")?,
+        order_key: t_nn("order_key")?,
     })
 }
 
 /// Reads an [`OutboxRecord`] (a row and its state).
-fn read_record<DB: Database>(r: &DB::Row) -> Result<OutboxRecord, sqlx::Error>
+fn read_record<DB: Database>(r: &DB::Row, byte_text: bool) -> Result<OutboxRecord, sqlx::Error>
 where
     usize: sqlx::ColumnIndex<DB::Row>,
     for<'c> &'c str: sqlx::ColumnIndex<DB::Row>,
@@ -315,10 +328,10 @@ where
     use sqlx::Row as _;
     let code: i16 = r.try_get("status")?;
     Ok(OutboxRecord {
-        row: read_row::<DB>(r)?,
+        row: read_row::<DB>(r, byte_text)?,
         status: Status::from_code(code)
             .ok_or_else(|| sqlx::Error::Decode(format!("unknown outbox status {code}").into()))?,
-        last_error: text::<DB>(r, "last_error")?,
+        last_error: text::<DB>(r, "last_error", byte_text)?,
         created_at_ms: r.try_get("created_at_ms")?,
         sent_at_ms: r.try_get("sent_at_ms")?,
         next_attempt_at_ms: r.try_get("next_attempt_at_ms")?,
@@ -332,10 +345,13 @@ macro_rules! outbox_backend {
             const DIALECT: OutboxDialect = OutboxDialect($dialect);
 
             async fn create(pool: &Pool<Self>, sql: &OutboxSql) -> Result<(), sqlx::Error> {
+                // One transaction: PostgreSQL's advisory lock (the first
+                // statement) holds until the DDL commits.
+                let mut tx = pool.begin().await?;
                 for ddl in &sql.ddl {
-                    sqlx::query(ddl).execute(pool).await?;
+                    sqlx::query(ddl).execute(&mut *tx).await?;
                 }
-                Ok(())
+                tx.commit().await
             }
 
             async fn insert(
@@ -379,7 +395,7 @@ macro_rules! outbox_backend {
                 now_ms: i64,
                 limit: i64,
             ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                let read = read_row::<Self>;
+                let read = |r: &_| read_row::<Self>(r, matches!($dialect, Dialect::MySql));
                 let head_rows = sqlx::query(heads)
                     .bind(now_ms)
                     .bind(limit)
@@ -457,7 +473,7 @@ macro_rules! outbox_backend {
                     };
                     out.push(StatusCount {
                         status,
-                        kind: text_req::<Self>(r, "kind")?,
+                        kind: text_nn::<Self>(r, "kind", matches!($dialect, Dialect::MySql))?,
                         rows: r.try_get("n")?,
                         oldest_ms: r.try_get("oldest_ms")?,
                     });
@@ -520,7 +536,9 @@ macro_rules! outbox_backend {
                         sqlx::query(&sql.find).bind(id).fetch_all(pool).await?
                     }
                 };
-                rows.iter().map(read_record::<Self>).collect()
+                rows.iter()
+                    .map(|r| read_record::<Self>(r, matches!($dialect, Dialect::MySql)))
+                    .collect()
             }
         }
     };

@@ -148,7 +148,9 @@ impl<DB: OutboxBackend> Outbox<DB> {
         Ok(())
     }
 
-    /// The DDL of the table, for your own migration tool.
+    /// The DDL of the table, for your own migration tool: run it in one
+    /// transaction (on PostgreSQL its first statement takes an advisory
+    /// lock that serializes concurrent migrations until the commit).
     pub fn ddl(&self) -> &[String] {
         &self.sql.ddl
     }

@@ -125,7 +125,7 @@ impl OutboxSql {
                 String::new(),
             ),
         };
-        let ddl = match dialect {
+        let mut ddl = match dialect {
             Dialect::MySql => vec![format!(
                 "CREATE TABLE IF NOT EXISTS {t} ({id_col}, \
                  message_id VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, \
@@ -161,6 +161,16 @@ impl OutboxSql {
                 idx_sent,
             ],
         };
+        if dialect == Dialect::Postgres {
+            // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in
+            // the catalog: serialize migrations of this table with an
+            // advisory lock, held until the DDL's transaction ends (the
+            // validated name holds no quote).
+            ddl.insert(
+                0,
+                format!("SELECT pg_advisory_xact_lock(hashtext('onceonly_outbox:{table}'))"),
+            );
+        }
         let insert_cols = "message_id, scope, causation, traceparent, kind, destination, \
              routing_key, message_key, order_key, headers, payload, next_attempt_at_ms, created_at_ms";
         let values = (1..=13).map(p).collect::<Vec<_>>().join(", ");

@@ -79,7 +79,7 @@ pub async fn run(args: InspectArgs) -> CliResult<ExitCode> {
 }
 
 /// The stored result, as JSON if it is JSON, else text if UTF-8, else hex.
-fn result_value(result: Option<&[u8]>) -> (serde_json::Value, &'static str) {
+pub(crate) fn result_value(result: Option<&[u8]>) -> (serde_json::Value, &'static str) {
     match result {
         None => (serde_json::Value::Null, "none"),
         Some(bytes) => {
@@ -141,7 +141,7 @@ fn print_text(r: &Record, now: i64) {
 }
 
 /// `s` with control characters escaped, so stored bytes cannot drive the terminal.
-fn printable(s: &str) -> String {
+pub(crate) fn printable(s: &str) -> String {
     s.chars()
         .flat_map(|c| {
             let escaped: Vec<char> = if c.is_control() {

@@ -1,10 +1,13 @@
-//! `onceonly`: operate a onceonly deployment — create the dedup table,
-//! inspect and purge records, show statistics, replay dead letters.
+//! `onceonly`: operate a onceonly deployment — create the dedup and outbox
+//! tables, inspect and purge records, show statistics, replay dead letters,
+//! watch and retry the transactional outbox.
 
 mod db;
 mod inspect;
 mod migrate;
+mod outbox;
 mod purge;
+mod relay;
 #[cfg(any(feature = "amqp", feature = "kafka"))]
 mod replay;
 mod stats;
@@ -26,7 +29,7 @@ pub(crate) use out;
 /// What a subcommand returns; errors are printed by `main`.
 pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-/// Operate onceonly: the dedup table and dead letters.
+/// Operate onceonly: the dedup table, dead letters and the outbox.
 #[derive(Parser, Debug)]
 #[command(
     name = "onceonly",
@@ -34,8 +37,8 @@ pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>
     about,
     propagate_version = true,
     after_help = "\
---database-url and --table also read ONCEONLY_DATABASE_URL and
-ONCEONLY_TABLE. Logs go to stderr; use -v for more."
+--database-url, --table and --outbox-table also read ONCEONLY_DATABASE_URL,
+ONCEONLY_TABLE and ONCEONLY_OUTBOX_TABLE. Logs go to stderr; use -v for more."
 )]
 struct Cli {
     /// More logging on stderr (-v: debug, -vv: trace).
@@ -51,6 +54,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     Purge(purge::PurgeArgs),
     Stats(stats::StatsArgs),
+    Outbox(outbox::OutboxArgs),
+    Relay(relay::RelayArgs),
     /// Replay dead letters back to where they came from.
     #[cfg(any(feature = "amqp", feature = "kafka"))]
     Replay(replay::ReplayArgs),
@@ -88,12 +93,23 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let missing_table = match &cli.command {
+        Command::Outbox(_) | Command::Relay(_) => {
+            "the outbox table does not exist here; create it with `onceonly migrate` \
+             (and check --outbox-table)"
+        }
+        _ => {
+            "the dedup table does not exist here; create it with `onceonly migrate` (and check --table)"
+        }
+    };
     let result = runtime.block_on(async {
         match cli.command {
             Command::Migrate(a) => migrate::run(a).await.map(|()| ExitCode::SUCCESS),
             Command::Inspect(a) => inspect::run(a).await,
             Command::Purge(a) => purge::run(a).await.map(|()| ExitCode::SUCCESS),
             Command::Stats(a) => stats::run(a).await.map(|()| ExitCode::SUCCESS),
+            Command::Outbox(a) => outbox::run(a).await,
+            Command::Relay(a) => relay::run(a).await.map(|()| ExitCode::SUCCESS),
             #[cfg(any(feature = "amqp", feature = "kafka"))]
             Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
         }
@@ -108,9 +124,7 @@ fn main() -> ExitCode {
                 || e.downcast_ref::<db::OpenError>()
                     .is_some_and(|o| matches!(o, db::OpenError::Store(s) if s.is_missing_table()))
             {
-                eprintln!(
-                    "hint: the dedup table does not exist here; create it with `onceonly migrate` (and check --table)"
-                );
+                eprintln!("hint: {missing_table}");
             }
             ExitCode::FAILURE
         }

@@ -63,7 +63,10 @@ pub async fn run(args: RelayArgs) -> CliResult {
     Ok(())
 }
 
-async fn relay_on<DB: OutboxBackend>(pool: sqlx::Pool<DB>, args: &RelayArgs) -> CliResult<RelayStats> {
+async fn relay_on<DB: OutboxBackend>(
+    pool: sqlx::Pool<DB>,
+    args: &RelayArgs,
+) -> CliResult<RelayStats> {
     let outbox = Outbox::<DB>::on_table(&args.outbox_table)?;
     let builder = publishers(Relay::builder(pool, outbox), args)?;
     let relay = builder
