@@ -117,6 +117,12 @@ mod kafka {
         /// idempotence and `acks=all` are set on top.
         pub fn with_config(config: &ClientConfig) -> Result<Self, rdkafka::error::KafkaError> {
             let mut config = config.clone();
+            // A key's messages are sent one after the other (order), so
+            // waiting to fill a batch only adds latency; concurrent keys
+            // still share batches. Yours wins if you set it.
+            if config.get("linger.ms").is_none() {
+                config.set("linger.ms", "0");
+            }
             config
                 .set("enable.idempotence", "true")
                 .set("acks", "all")
