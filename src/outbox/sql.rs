@@ -87,43 +87,25 @@ impl OutboxSql {
         let q = dialect.quote();
         let t = table.quoted(q);
         let p = |n| dialect.p(n);
-        let (id_col, text, bytes, small, idx_pending, idx_sent) = match dialect {
-            Dialect::Postgres => (
-                "id BIGSERIAL PRIMARY KEY",
-                "text",
-                "bytea",
-                "smallint",
-                format!(
-                    "CREATE INDEX IF NOT EXISTS {} ON {t} (order_key, id) WHERE status = 0",
-                    table.index("pending", q)
-                ),
-                format!(
-                    "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at_ms) WHERE status = 1",
-                    table.index("sent", q)
-                ),
-            ),
+        // Partial indexes (PostgreSQL, SQLite): only pending rows are
+        // searched by key, only sent rows by age.
+        let idx_pending = format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {t} (order_key, id) WHERE status = 0",
+            table.index("pending", q)
+        );
+        let idx_sent = format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at_ms) WHERE status = 1",
+            table.index("sent", q)
+        );
+        let (id_col, text, bytes, small) = match dialect {
+            Dialect::Postgres => ("id BIGSERIAL PRIMARY KEY", "text", "bytea", "smallint"),
             Dialect::Sqlite => (
                 "id INTEGER PRIMARY KEY AUTOINCREMENT",
                 "TEXT",
                 "BLOB",
                 "INTEGER",
-                format!(
-                    "CREATE INDEX IF NOT EXISTS {} ON {t} (order_key, id) WHERE status = 0",
-                    table.index("pending", q)
-                ),
-                format!(
-                    "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at_ms) WHERE status = 1",
-                    table.index("sent", q)
-                ),
             ),
-            Dialect::MySql => (
-                "id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
-                "",
-                "",
-                "",
-                String::new(),
-                String::new(),
-            ),
+            Dialect::MySql => ("id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY", "", "", ""),
         };
         let mut ddl = match dialect {
             Dialect::MySql => vec![format!(
