@@ -117,8 +117,13 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
         bad.insert((no, amount + 1));
     }
     let duplicates = stream.messages.len() - stream.expected.len() - bad.len();
-    assert!(stream.messages.len() >= 5_000 || distinct < 4_000);
-    assert!(duplicates * 5 >= stream.messages.len());
+    if distinct >= 4_000 {
+        assert!(stream.messages.len() >= 5_000, "at least 5,000 payments");
+    }
+    assert!(
+        duplicates * 5 >= stream.messages.len(),
+        "at least 20 % duplicates"
+    );
     let records: Vec<Record> = stream
         .messages
         .iter()
