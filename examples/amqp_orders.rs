@@ -9,10 +9,21 @@
 //! queues; exhausted and invalid messages go to `<queue>.dlq` with
 //! `x-onceonly-*` headers. Messages with `reply_to` get the receipt back.
 //!
+//! With `--settled-exchange EXCHANGE` (or `SETTLED_EXCHANGE`), each
+//! processed payment also enqueues, in the same transaction, a JSON message
+//! `{"out_trade_no", "account", "amount", "balance"}` in the transactional
+//! outbox (`onceonly::outbox`, table `onceonly_outbox`); a relay running in
+//! the same process publishes it to EXCHANGE (declared as a durable topic
+//! exchange if missing) with the account as routing key, once the
+//! transaction committed. Bind a queue to the exchange: an unroutable
+//! message is retried, then parked as dead. Copies after a crash carry the
+//! same `x-onceonly-message-id` header (also the AMQP `message_id`).
+//!
 //! ```text
 //! scripts/services                       # Postgres and RabbitMQ
 //! cargo run --example amqp_orders --features amqp,postgres -- --help
 //! cargo run --example amqp_orders --features amqp,postgres -- --exit-when-idle 10
+//! cargo run --example amqp_orders --features amqp,postgres -- --settled-exchange orders.settled
 //! ```
 //!
 //! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
@@ -22,12 +33,16 @@
 mod ledger;
 #[path = "support/metrics.rs"]
 mod metrics_endpoint;
+#[path = "support/relay.rs"]
+mod relay_support;
 
 use std::time::Duration;
 
 use clap::Parser;
-use onceonly::RetryPolicy;
 use onceonly::amqp::AmqpConsumer;
+use onceonly::outbox::{AmqpPublisher, Outbox, Relay};
+use onceonly::{RetryPolicy, SqlStore};
+use sqlx::Postgres;
 
 /// Consume payment messages from RabbitMQ into a Postgres ledger, exactly once per out_trade_no.
 #[derive(Parser, Debug)]
@@ -62,6 +77,10 @@ struct Args {
     /// Exit 0 once nothing arrived and nothing ran for SECS seconds.
     #[arg(long, env = "EXIT_WHEN_IDLE", value_name = "SECS")]
     exit_when_idle: Option<u64>,
+    /// Announce each processed payment on this exchange (routing key: the account),
+    /// through the transactional outbox and an in-process relay (off when not given).
+    #[arg(long, env = "SETTLED_EXCHANGE", value_name = "EXCHANGE")]
+    settled_exchange: Option<String>,
     #[command(flatten)]
     metrics: metrics_endpoint::MetricsArgs,
 }
@@ -76,6 +95,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     args.metrics.install()?;
 
     let store = ledger::postgres::open(&args.database_url).await?;
+    let pool = store.pool().clone();
+    let outbox = Outbox::<Postgres>::new();
+    if let Some(exchange) = &args.settled_exchange {
+        outbox.migrate(&pool).await?;
+        declare_exchange(&args.amqp_url, exchange).await?;
+    }
 
     let mut builder = AmqpConsumer::builder(store)
         .url(&args.amqp_url)
@@ -91,7 +116,51 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(secs) = args.exit_when_idle {
         builder = builder.exit_when_idle(Duration::from_secs(secs));
     }
-    let stats = builder.build()?.run(ledger::postgres::Ledger).await?;
-    eprintln!("{stats:?}");
+    let consumer = builder.build()?;
+    let Some(exchange) = args.settled_exchange else {
+        let stats = consumer.run(ledger::postgres::Ledger).await?;
+        eprintln!("{stats:?}");
+        return Ok(());
+    };
+
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .publisher(AmqpPublisher::new(&args.amqp_url))
+        .build()?
+        .spawn();
+    let handler = ledger::postgres::SettlingLedger {
+        outbox: outbox.clone(),
+        to: ledger::postgres::SettledTo::Amqp(exchange),
+    };
+    let result = consumer.run(handler).await;
+    if result.is_ok() && args.exit_when_idle.is_some() {
+        // Exit only once every committed message has left.
+        relay_support::drain(&outbox, &pool, Duration::from_secs(60)).await?;
+    }
+    let relayed = relay.stop().await;
+    eprintln!("outbox relay: {relayed:?}");
+    eprintln!("{:?}", result?);
     Ok(())
+}
+
+/// Declares `exchange` as a durable topic exchange (nothing happens if it
+/// exists with that type; the broker refuses another type).
+async fn declare_exchange(url: &str, exchange: &str) -> Result<(), lapin::Error> {
+    use lapin::options::ExchangeDeclareOptions;
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties, ExchangeKind};
+
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    conn.close(200, "OK".into()).await
 }

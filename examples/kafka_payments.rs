@@ -8,12 +8,25 @@
 //! is the offset committed. Records that cannot be processed go to the
 //! dead-letter topic with the reason in `x-onceonly-*` headers.
 //!
+//! With `--settled-topic TOPIC` (or `SETTLED_TOPIC`), each processed
+//! payment also enqueues, in the same transaction, a JSON message
+//! `{"out_trade_no", "account", "amount", "balance"}` keyed by account in
+//! the transactional outbox (`onceonly::outbox`, table `onceonly_outbox`);
+//! a relay running in the same process publishes it to TOPIC once the
+//! transaction committed. A crash may publish a message again, always with
+//! the same `x-onceonly-message-id` header: downstream consumers dedupe on
+//! it (`key_expr("header:x-onceonly-message-id")`). With
+//! `--exit-when-idle`, the process waits for the outbox to be drained
+//! before it exits.
+//!
 //! ```text
 //! scripts/services                       # Postgres and a Kafka broker (tansu)
 //! scripts/kafka-topic payments 3
 //! scripts/kafka-topic payments.dlt 1
 //! cargo run --example kafka_payments --features kafka,postgres -- --help
 //! cargo run --example kafka_payments --features kafka,postgres -- --exit-when-idle 10
+//! scripts/kafka-topic payments.settled 3
+//! cargo run --example kafka_payments --features kafka,postgres -- --settled-topic payments.settled
 //! ```
 //!
 //! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
@@ -23,12 +36,16 @@
 mod ledger;
 #[path = "support/metrics.rs"]
 mod metrics_endpoint;
+#[path = "support/relay.rs"]
+mod relay_support;
 
 use std::time::Duration;
 
 use clap::Parser;
-use onceonly::RetryPolicy;
 use onceonly::kafka::KafkaConsumer;
+use onceonly::outbox::{KafkaPublisher, Outbox, Relay};
+use onceonly::{RetryPolicy, SqlStore};
+use sqlx::Postgres;
 
 /// Consume payment records from Kafka into a Postgres ledger, exactly once per out_trade_no.
 #[derive(Parser, Debug)]
@@ -69,6 +86,10 @@ struct Args {
     /// Exit 0 once the assignment is drained and nothing arrived for SECS seconds.
     #[arg(long, env = "EXIT_WHEN_IDLE", value_name = "SECS")]
     exit_when_idle: Option<u64>,
+    /// Announce each processed payment on this topic, through the transactional
+    /// outbox and an in-process relay (off when not given).
+    #[arg(long, env = "SETTLED_TOPIC", value_name = "TOPIC")]
+    settled_topic: Option<String>,
     #[command(flatten)]
     metrics: metrics_endpoint::MetricsArgs,
 }
@@ -83,6 +104,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     args.metrics.install()?;
 
     let store = ledger::postgres::open(&args.database_url).await?;
+    let pool = store.pool().clone();
+    let outbox = Outbox::<Postgres>::new();
+    if args.settled_topic.is_some() {
+        outbox.migrate(&pool).await?;
+    }
 
     let mut builder = KafkaConsumer::builder(store)
         .brokers(&args.brokers)
@@ -101,6 +127,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(secs) = args.exit_when_idle {
         builder = builder.exit_when_idle(Duration::from_secs(secs));
     }
-    builder.build()?.run(ledger::postgres::Ledger).await?;
+    let consumer = builder.build()?;
+    let Some(topic) = args.settled_topic else {
+        consumer.run(ledger::postgres::Ledger).await?;
+        return Ok(());
+    };
+
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .publisher(KafkaPublisher::new(&args.brokers)?)
+        .build()?
+        .spawn();
+    let handler = ledger::postgres::SettlingLedger {
+        outbox: outbox.clone(),
+        to: ledger::postgres::SettledTo::Kafka(topic),
+    };
+    let result = consumer.run(handler).await;
+    if result.is_ok() && args.exit_when_idle.is_some() {
+        // Exit only once every committed message has left.
+        relay_support::drain(&outbox, &pool, Duration::from_secs(60)).await?;
+    }
+    let stats = relay.stop().await;
+    eprintln!("outbox relay: {stats:?}");
+    result?;
     Ok(())
 }

@@ -13,9 +13,21 @@
 //!   order as JSON); a retry with the same key replays that response byte
 //!   for byte with `Idempotent-Replayed: true`.
 //!
+//! With the `webhook` feature, `--notify-url URL` (or `NOTIFY_URL`) also
+//! notifies the merchant of each processed payment: the callback's
+//! transaction enqueues a JSON body `{"out_trade_no", "account", "amount",
+//! "balance"}` in the transactional outbox (`onceonly::outbox`, table
+//! `onceonly_outbox`), and a relay running in the same process POSTs it to
+//! URL once the transaction committed, signed with `--notify-secret` (or
+//! `NOTIFY_SECRET`, default `onceonly-example-secret`) in header
+//! `x-onceonly-signature` (`t=<unix>,v1=<hex HMAC-SHA256 of "<t>.<body>">`).
+//! Redelivered notifications carry the same `x-onceonly-message-id`.
+//!
 //! ```text
 //! cargo run --example payment_webhook --features http,sqlite -- --help
 //! cargo run --example payment_webhook --features http,sqlite
+//! cargo run --example payment_webhook --features http,sqlite,webhook -- \
+//!     --notify-url http://127.0.0.1:8080/notify
 //! curl -i localhost:3000/orders -H 'Idempotency-Key: 4b1e...' -H 'content-type: application/json' \
 //!      -d '{"account":"alice","amount":500}'
 //! ```
@@ -31,6 +43,13 @@ mod metrics_endpoint;
 mod webhook_app;
 
 use clap::Parser;
+use onceonly::outbox::OutboxBackend;
+
+#[cfg(feature = "webhook")]
+type Relay = onceonly::outbox::RelayHandle;
+/// No relay without the `webhook` feature.
+#[cfg(not(feature = "webhook"))]
+type Relay = std::convert::Infallible;
 
 /// Idempotent payment callbacks and order creation over HTTP.
 #[derive(Parser, Debug)]
@@ -51,6 +70,16 @@ struct Args {
     /// Shared secret: enables HMAC signature checks on the callback route.
     #[arg(long, env = "WEBHOOK_SECRET")]
     secret: Option<String>,
+    /// Notify the merchant of each processed payment at this URL, through the
+    /// transactional outbox and an in-process relay (off when not given).
+    #[cfg(feature = "webhook")]
+    #[arg(long, env = "NOTIFY_URL", value_name = "URL")]
+    notify_url: Option<String>,
+    /// Secret the notifications are signed with (HMAC-SHA256, header
+    /// x-onceonly-signature).
+    #[cfg(feature = "webhook")]
+    #[arg(long, env = "NOTIFY_SECRET", default_value = "onceonly-example-secret")]
+    notify_secret: String,
     #[command(flatten)]
     metrics: metrics_endpoint::MetricsArgs,
 }
@@ -63,12 +92,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let args = Args::parse();
     args.metrics.install()?;
-    let app = if args.database_url.starts_with("postgres") {
+    let (app, relay) = if args.database_url.starts_with("postgres") {
         #[cfg(feature = "postgres")]
         {
+            use onceonly::SqlStore;
             let store = onceonly::PgStore::connect(&args.database_url).await?;
             webhook_app::postgres::migrate(&store).await?;
-            webhook_app::postgres::router(store, args.secret, |b| b)?
+            let (notify, relay) = notify(&args, store.pool()).await?;
+            let app = webhook_app::postgres::router_notifying(store, args.secret, notify, |b| b)?;
+            (app, relay)
         }
         #[cfg(not(feature = "postgres"))]
         return Err("this build has no postgres feature: --features http,sqlite,postgres".into());
@@ -79,7 +111,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or(&args.database_url);
         let store = onceonly::SqliteStore::open(path).await?;
         webhook_app::sqlite::migrate(&store).await?;
-        webhook_app::sqlite::router(store, args.secret, |b| b)?
+        let (notify, relay) = notify(&args, onceonly::SqlStore::pool(&store)).await?;
+        let app = webhook_app::sqlite::router_notifying(store, args.secret, notify, |b| b)?;
+        (app, relay)
     };
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     eprintln!("listening on http://{}", listener.local_addr()?);
@@ -88,5 +122,45 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
+    #[cfg(feature = "webhook")]
+    if let Some(relay) = relay {
+        let stats = relay.stop().await;
+        eprintln!("outbox relay: {stats:?}");
+    }
+    #[cfg(not(feature = "webhook"))]
+    let _ = relay;
     Ok(())
+}
+
+/// With `--notify-url`: migrates the outbox table and starts the relay
+/// that POSTs the notifications.
+#[cfg(feature = "webhook")]
+async fn notify<DB: OutboxBackend>(
+    args: &Args,
+    pool: &sqlx::Pool<DB>,
+) -> Result<(Option<webhook_app::Notify<DB>>, Option<Relay>), Box<dyn std::error::Error>> {
+    use onceonly::outbox::{Outbox, Relay, WebhookPublisher};
+    let Some(url) = &args.notify_url else {
+        return Ok((None, None));
+    };
+    let outbox = Outbox::<DB>::new();
+    outbox.migrate(pool).await?;
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .publisher(WebhookPublisher::new(args.notify_secret.as_bytes()))
+        .build()?
+        .spawn();
+    let notify = webhook_app::Notify {
+        outbox,
+        url: url.clone(),
+    };
+    Ok((Some(notify), Some(relay)))
+}
+
+/// Without the `webhook` feature there are no notifications.
+#[cfg(not(feature = "webhook"))]
+async fn notify<DB: OutboxBackend>(
+    _args: &Args,
+    _pool: &sqlx::Pool<DB>,
+) -> Result<(Option<webhook_app::Notify<DB>>, Option<Relay>), Box<dyn std::error::Error>> {
+    Ok((None::<webhook_app::Notify<DB>>, None))
 }

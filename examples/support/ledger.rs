@@ -48,6 +48,39 @@ pub struct Receipt {
     pub balance: i64,
 }
 
+/// The "payment settled" message the examples send through the outbox for
+/// each processed payment (Kafka record keyed by account, AMQP message
+/// routed by account, or merchant webhook).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Settled {
+    /// The merchant's order number.
+    pub out_trade_no: String,
+    /// The account credited.
+    pub account: String,
+    /// The amount in minor units.
+    pub amount: i64,
+    /// The account balance right after this payment.
+    pub balance: i64,
+}
+
+impl Settled {
+    /// The message for payment `p` recorded with receipt `r`.
+    pub fn new(p: &Payment, r: &Receipt) -> Self {
+        Self {
+            out_trade_no: p.out_trade_no.clone(),
+            account: p.account.clone(),
+            amount: p.amount,
+            balance: r.balance,
+        }
+    }
+
+    /// Its JSON body.
+    pub fn body(&self) -> String {
+        // A struct of strings and integers always serializes.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
 /// SQLite flavour of the ledger.
 #[cfg(feature = "sqlite")]
 pub mod sqlite {
@@ -138,7 +171,8 @@ pub mod sqlite {
 /// Postgres flavour of the ledger.
 #[cfg(feature = "postgres")]
 pub mod postgres {
-    use super::{NewOrder, Order, Payment, Receipt};
+    use super::{NewOrder, Order, Payment, Receipt, Settled};
+    use onceonly::outbox::{Outbox, OutboxMessage};
     use onceonly::{Delivery, Handler, HandlerError, Json};
     use sqlx::{PgConnection, PgPool, Postgres};
 
@@ -159,13 +193,75 @@ pub mod postgres {
             _delivery: &Delivery,
         ) -> Result<Receipt, HandlerError> {
             let mut conn = tx.lock().await?;
-            if payment.amount <= 0 {
-                return Err(HandlerError::permanent(format!(
-                    "amount must be positive, got {}",
-                    payment.amount
-                )));
+            credit(&mut conn, &payment).await
+        }
+    }
+
+    /// Refuses a non-positive amount (a permanent error), else records the
+    /// payment on the open transaction `conn`.
+    async fn credit(conn: &mut PgConnection, payment: &Payment) -> Result<Receipt, HandlerError> {
+        if payment.amount <= 0 {
+            return Err(HandlerError::permanent(format!(
+                "amount must be positive, got {}",
+                payment.amount
+            )));
+        }
+        Ok(record(conn, payment).await?)
+    }
+
+    /// Where [`SettlingLedger`] sends each payment's [`Settled`] message.
+    #[derive(Clone, Debug)]
+    pub enum SettledTo {
+        /// A Kafka topic; records are keyed by account.
+        Kafka(String),
+        /// An AMQP exchange; the routing key is the account.
+        Amqp(String),
+    }
+
+    impl SettledTo {
+        /// The outbox message of `settled`.
+        pub fn message(&self, settled: &Settled) -> OutboxMessage {
+            match self {
+                Self::Kafka(topic) => {
+                    OutboxMessage::kafka(topic, settled.account.as_bytes(), settled.body())
+                }
+                Self::Amqp(exchange) => {
+                    OutboxMessage::amqp(exchange, &settled.account, settled.body())
+                }
             }
-            Ok(record(&mut conn, &payment).await?)
+        }
+    }
+
+    /// The [`Ledger`] that also announces each processed payment: in the
+    /// same transaction as the ledger row, it enqueues one [`Settled`]
+    /// message in `outbox`, which a relay sends once the transaction
+    /// committed (never for a payment that was refused or rolled back).
+    #[derive(Clone, Debug)]
+    pub struct SettlingLedger {
+        /// The outbox the messages are enqueued in.
+        pub outbox: Outbox<Postgres>,
+        /// Where they go.
+        pub to: SettledTo,
+    }
+
+    #[async_trait::async_trait]
+    impl Handler<Postgres> for SettlingLedger {
+        type Input = Json<Payment>;
+        type Output = Receipt;
+
+        async fn handle(
+            &self,
+            tx: onceonly::Tx<sqlx::Postgres>,
+            Json(payment): Json<Payment>,
+            _delivery: &Delivery,
+        ) -> Result<Receipt, HandlerError> {
+            let mut conn = tx.lock().await?;
+            let receipt = credit(&mut conn, &payment).await?;
+            let settled = Settled::new(&payment, &receipt);
+            self.outbox
+                .enqueue(&mut conn, self.to.message(&settled))
+                .await?;
+            Ok(receipt)
         }
     }
 

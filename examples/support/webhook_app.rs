@@ -7,7 +7,20 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
+use onceonly::outbox::{Outbox, OutboxBackend};
+
 use super::ledger::Payment;
+
+/// The merchant notification of each processed payment callback: a
+/// [`Settled`](super::ledger::Settled) JSON body enqueued in `outbox`, in
+/// the callback's transaction, for a webhook POST to `url` (sent by a
+/// relay once the transaction committed).
+pub struct Notify<DB: OutboxBackend> {
+    /// The outbox the notifications are enqueued in.
+    pub outbox: Outbox<DB>,
+    /// The merchant's notification URL.
+    pub url: String,
+}
 
 /// Errors of the handlers: bad input is `400` (rolled back, not stored),
 /// database errors `500` (rolled back, the client may retry).
@@ -19,6 +32,8 @@ pub enum AppError {
     Database(sqlx::Error),
     /// The transaction was gone.
     Tx(onceonly::http::TxGone),
+    /// The notification could not be enqueued.
+    Outbox(onceonly::HandlerError),
 }
 
 impl From<sqlx::Error> for AppError {
@@ -39,6 +54,7 @@ impl IntoResponse for AppError {
             Self::BadInput(d) => (StatusCode::BAD_REQUEST, d),
             Self::Database(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             Self::Tx(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Self::Outbox(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
         let body = serde_json::json!({
             "type": "about:blank",
@@ -88,7 +104,9 @@ pub fn parse_payment(headers: &HeaderMap, body: &Bytes) -> Result<Payment, AppEr
     Ok(payment)
 }
 
-/// Generates `router(store, secret, orders_layer_config)` for one backend.
+/// Generates `router(store, secret, orders_layer_config)` and
+/// `router_notifying(store, secret, notify, orders_layer_config)` for one
+/// backend.
 macro_rules! webhook_app {
     ($module:ident, $db:ty, $store:ty, $flavour:ident) => {
         /// The app over this backend.
@@ -99,22 +117,34 @@ macro_rules! webhook_app {
             use axum::response::IntoResponse;
             use axum::routing::post;
             use axum::Json;
+            use std::sync::Arc;
+            use onceonly::outbox::OutboxMessage;
             use onceonly::{FingerprintSpec, SqlStore};
             use onceonly::http::{
                 Ack, HttpBuildError, IdempotencyLayer, IdempotencyLayerBuilder, SignatureCheck, Tx,
             };
 
-            use super::super::ledger::{NewOrder, Order, $flavour as ledger};
-            use super::{AppError, parse_payment};
+            use super::super::ledger::{NewOrder, Order, Settled, $flavour as ledger};
+            use super::{AppError, Notify, parse_payment};
 
             async fn payment(
                 tx: Tx<$db>,
                 headers: HeaderMap,
                 body: Bytes,
+                notify: Option<Arc<Notify<$db>>>,
             ) -> Result<impl IntoResponse, AppError> {
                 let payment = parse_payment(&headers, &body)?;
                 let mut tx = tx.lock().await?;
-                ledger::record(&mut *tx, &payment).await?;
+                let receipt = ledger::record(&mut *tx, &payment).await?;
+                if let Some(notify) = notify {
+                    let settled = Settled::new(&payment, &receipt);
+                    let message = OutboxMessage::webhook(notify.url.as_str(), settled.body());
+                    notify
+                        .outbox
+                        .enqueue(&mut tx, message)
+                        .await
+                        .map_err(AppError::Outbox)?;
+                }
                 Ok((
                     StatusCode::OK,
                     [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
@@ -150,6 +180,21 @@ macro_rules! webhook_app {
                 secret: Option<String>,
                 orders: impl FnOnce(IdempotencyLayerBuilder<$store>) -> IdempotencyLayerBuilder<$store>,
             ) -> Result<Router, HttpBuildError> {
+                router_notifying(store, secret, None, orders)
+            }
+
+            /// [`router`], and with `notify` set, each processed payment
+            /// callback also enqueues its merchant notification.
+            pub fn router_notifying(
+                store: $store,
+                secret: Option<String>,
+                notify: Option<Notify<$db>>,
+                orders: impl FnOnce(IdempotencyLayerBuilder<$store>) -> IdempotencyLayerBuilder<$store>,
+            ) -> Result<Router, HttpBuildError> {
+                let notify = notify.map(Arc::new);
+                let callback = move |tx: Tx<$db>, headers: HeaderMap, body: Bytes| {
+                    payment(tx, headers, body, notify.clone())
+                };
                 let mut callbacks = IdempotencyLayer::payment_callback(
                     store.clone(),
                     "payment-callbacks",
@@ -168,7 +213,7 @@ macro_rules! webhook_app {
                 }
                 let orders = orders(IdempotencyLayer::idempotency_key(store, "orders")).build()?;
                 Ok(Router::new()
-                    .route("/webhooks/payments", post(payment).layer(callbacks.build()?))
+                    .route("/webhooks/payments", post(callback).layer(callbacks.build()?))
                     .route("/orders", post(order).layer(orders)))
             }
         }

@@ -202,6 +202,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
         &self.sql
     }
 
+    // Only the PostgreSQL relay listens on it.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn channel(&self) -> &str {
         &self.channel
     }

@@ -16,6 +16,8 @@ pub(crate) const DEAD: i16 = 2;
 
 /// The SQL dialect of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+// Each backend's variant is constructed only with its feature.
+#[allow(dead_code)]
 pub(crate) enum Dialect {
     Postgres,
     MySql,
