@@ -451,15 +451,19 @@ async fn background_purger_deletes_expired_records() {
 /// real API, in the claim's transaction), then `k-0` again: a duplicate,
 /// which enqueues nothing.
 macro_rules! enqueue_orders {
-    ($store:expr, $db:ty, $outbox:expr) => {{
+    ($store:expr, $db:ty, $outbox:expr) => {
+        enqueue_orders!($store, $db, $outbox, "orders.placed")
+    };
+    ($store:expr, $db:ty, $outbox:expr, $topic:expr) => {{
         let outbox = Outbox::<$db>::on_table($outbox).expect("outbox table");
+        let topic: String = $topic.to_owned();
         let engine = Engine::builder($store.clone())
             .scope("orders")
             .key(KeySpec::json_field("/out_trade_no"))
             .build()
             .expect("engine");
         let handler = handler_fn(move |tx: onceonly::Tx<$db>, Json(p): Json<Pay>| {
-            let outbox = outbox.clone();
+            let (outbox, topic) = (outbox.clone(), topic.clone());
             async move {
                 let mut conn = tx.lock().await?;
                 let payload =
@@ -468,7 +472,7 @@ macro_rules! enqueue_orders {
                     .enqueue(
                         &mut conn,
                         OutboxMessage::kafka(
-                            "orders.placed",
+                            topic,
                             p.out_trade_no.clone(),
                             payload.to_string(),
                         ),
@@ -831,8 +835,10 @@ async fn relay_subcommand_publishes_the_outbox_and_stops_on_sigterm() {
     let (table, outbox) = (unique("rl_keys"), unique("rl"));
     migrate_with_outbox(&url, &table, &outbox, "postgres").await;
     let store = pg_store(&url, &table).await;
-    onceonly_integration_tests::kafka::create_topic("orders.placed", 1).await;
-    enqueue_orders!(store, sqlx::Postgres, &outbox);
+    // Topics live as long as the broker: one per run.
+    let topic = unique("orders_placed");
+    onceonly_integration_tests::kafka::create_topic(&topic, 1).await;
+    enqueue_orders!(store, sqlx::Postgres, &outbox, topic.as_str());
     let sent = async || -> i64 {
         sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE status = 1"))
             .fetch_one(store.pool())
