@@ -58,13 +58,14 @@ struct Args {
     /// Address to listen on.
     #[arg(long, env = "LISTEN", default_value = "127.0.0.1:3000")]
     listen: String,
-    /// Database URL: an SQLite file (`sqlite://payment_webhook.db`, the
-    /// default, in the working directory) or, with the `postgres` feature,
+    /// Database URL, as sqlx reads it: an SQLite file
+    /// (`sqlite://payment_webhook.db?mode=rwc`, the default, created in the
+    /// working directory if missing) or, with the `postgres` feature,
     /// `postgres://...`.
     #[arg(
         long,
         env = "DATABASE_URL",
-        default_value = "sqlite://payment_webhook.db"
+        default_value = "sqlite://payment_webhook.db?mode=rwc"
     )]
     database_url: String,
     /// Shared secret: enables HMAC signature checks on the callback route.
@@ -105,11 +106,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         #[cfg(not(feature = "postgres"))]
         return Err("this build has no postgres feature: --features http,sqlite,postgres".into());
     } else {
-        let path = args
-            .database_url
-            .strip_prefix("sqlite://")
-            .unwrap_or(&args.database_url);
-        let store = onceonly::SqliteStore::open(path).await?;
+        let store = onceonly::SqliteStore::connect(&args.database_url).await?;
         webhook_app::sqlite::migrate(&store).await?;
         let (notify, relay) = notify(&args, onceonly::SqlStore::pool(&store)).await?;
         let app = webhook_app::sqlite::router_notifying(store, args.secret, notify, |b| b)?;

@@ -169,17 +169,20 @@ pub(crate) struct Telemetry {
     outcomes: [Counter; 5],
     handler: Histogram,
     commit: Histogram,
+    #[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
     waits: Arc<Waits>,
 }
 
 /// Deliveries waiting for the infrastructure, shared by the clones of one
 /// [`Telemetry`]: the gauge, and the state that makes the log speak once per
 /// change (a fault starts, changes class, ends) rather than per attempt.
+#[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
 struct Waits {
     gauge: Gauge,
     state: std::sync::Mutex<WaitState>,
 }
 
+#[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
 #[derive(Default)]
 struct WaitState {
     waiting: usize,
@@ -195,6 +198,7 @@ impl Waits {
         })
     }
 
+    #[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
     fn lock(&self) -> std::sync::MutexGuard<'_, WaitState> {
         self.state
             .lock()

@@ -158,10 +158,10 @@ async fn one_run(b: &mut Bench, server: Server, dup: u32, seed: u64) -> Res<RunR
     }
     .await;
     b.drop_schema(&schema).await;
-    if server == Server::OnceonlyRedis {
-        if let Err(e) = forget_redis_keys(&b.services.redis_url, &prefix).await {
-            eprintln!("removing the Redis keys {prefix}*: {e}");
-        }
+    if server == Server::OnceonlyRedis
+        && let Err(e) = forget_redis_keys(&b.services.redis_url, &prefix).await
+    {
+        eprintln!("removing the Redis keys {prefix}*: {e}");
     }
     let (run, failures) = result?;
     let name = server.name();

@@ -237,10 +237,10 @@ where
                 )),
             },
             Some(done) = tasks.join_next() => {
-                if let Err(e) = done {
-                    if e.is_panic() {
-                        tracing::error!(error = %e, "a delivery task panicked; its message stays unacked and is redelivered");
-                    }
+                if let Err(e) = done
+                    && e.is_panic()
+                {
+                    tracing::error!(error = %e, "a delivery task panicked; its message stays unacked and is redelivered");
                 }
                 *idle_since = Instant::now();
             }
@@ -252,11 +252,12 @@ where
                         "the connection or channel is no longer open".into(),
                     ));
                 }
-                if let Some(idle) = settings.exit_when_idle {
-                    if tasks.is_empty() && idle_since.elapsed() >= idle {
-                        tracing::info!(?idle, "queue idle; stopping");
-                        break Ok(End::Idle);
-                    }
+                if let Some(idle) = settings.exit_when_idle
+                    && tasks.is_empty()
+                    && idle_since.elapsed() >= idle
+                {
+                    tracing::info!(?idle, "queue idle; stopping");
+                    break Ok(End::Idle);
                 }
             }
         }
@@ -278,10 +279,10 @@ where
     stop.cancel();
     let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
         while let Some(done) = tasks.join_next().await {
-            if let Err(e) = done {
-                if e.is_panic() {
-                    tracing::error!(error = %e, "a delivery task panicked");
-                }
+            if let Err(e) = done
+                && e.is_panic()
+            {
+                tracing::error!(error = %e, "a delivery task panicked");
             }
         }
     })

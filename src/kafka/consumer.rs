@@ -209,11 +209,11 @@ impl Poller {
                 self.commit_finished();
                 last_commit = Instant::now();
             }
-            if let Some(idle) = self.exit_when_idle {
-                if self.registry.is_drained(idle) {
-                    tracing::info!(?idle, "drained and idle; stopping");
-                    break;
-                }
+            if let Some(idle) = self.exit_when_idle
+                && self.registry.is_drained(idle)
+            {
+                tracing::info!(?idle, "drained and idle; stopping");
+                break;
             }
             // Until a queue becomes non-empty, a worker frees room, or
             // the next commit is due.

@@ -155,6 +155,17 @@ impl<DB: OutboxBackend> Outbox<DB> {
         &self.sql.ddl
     }
 
+    /// The DDL of the table without PostgreSQL's migration lock, for
+    /// your own migration tool.
+    pub fn migration_sql(&self) -> Vec<String> {
+        self.sql
+            .ddl
+            .iter()
+            .filter(|s| !s.starts_with("SELECT pg_advisory"))
+            .cloned()
+            .collect()
+    }
+
     /// Inserts `message` in the claim's transaction: it commits with the
     /// handler's writes and leaves only then, through a [`Relay`]. Returns
     /// its deterministic id (see [`message_id`]); enqueueing the same

@@ -258,6 +258,41 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     ) -> Result<u64, StoreError>;
 }
 
+/// A SQL backend, for [`migration_sql`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BackendKind {
+    /// PostgreSQL.
+    Postgres,
+    /// MySQL or MariaDB.
+    MySql,
+    /// SQLite.
+    Sqlite,
+}
+
+/// The DDL [`SqlStore::migrate`] runs for dedup table `table` on
+/// `backend` (the table and its indexes, `IF NOT EXISTS`), for your own
+/// migration tool; `None` if the backend is not compiled in. PostgreSQL's
+/// migration lock is left out: run the statements in one migration.
+pub fn migration_sql(backend: BackendKind, table: &TableName) -> Option<Vec<String>> {
+    let sql = match backend {
+        #[cfg(feature = "postgres")]
+        BackendKind::Postgres => sql::Sql::postgres(table),
+        #[cfg(feature = "mysql")]
+        BackendKind::MySql => sql::Sql::mysql(table),
+        #[cfg(feature = "sqlite")]
+        BackendKind::Sqlite => sql::Sql::sqlite(table),
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    };
+    Some(
+        sql.ddl
+            .into_iter()
+            .filter(|s| !s.starts_with("SELECT pg_advisory"))
+            .collect(),
+    )
+}
+
 /// Checks a scope: 1 to [`MAX_SCOPE_LEN`] bytes, no control characters.
 pub fn validate_scope(scope: &str) -> Result<(), StoreError> {
     if scope.is_empty()

@@ -61,6 +61,13 @@ impl MySqlStore {
         Ok(Self::new(options.max_connections(10).connect(url).await?))
     }
 
+    /// Connects with `options` (TLS settings, a password from a secret
+    /// store, ...) with the same pool as [`MySqlStore::connect`].
+    pub async fn connect_with(options: sqlx::mysql::MySqlConnectOptions) -> Result<Self, StoreError> {
+        let pool: MySqlPoolOptions = super::pool_options();
+        Ok(Self::new(pool.max_connections(10).connect_with(options).await?))
+    }
+
     /// Uses table `name` (`table` or `database.table`), validated as an identifier.
     pub fn with_table(self, name: &str) -> Result<Self, StoreError> {
         Ok(Self {

@@ -11,6 +11,7 @@
 //! in-process database that costs no round trips.
 
 use std::path::Path;
+use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::QueryBuilder;
@@ -43,15 +44,40 @@ impl SqliteStore {
     /// Opens (creating if needed) the database file at `path` with WAL,
     /// `synchronous = FULL` and a 10 s busy timeout.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let connect = SqliteConnectOptions::new()
-            .filename(path)
-            .create_if_missing(true)
+        Self::connect_with(
+            SqliteConnectOptions::new()
+                .filename(path)
+                .create_if_missing(true),
+        )
+        .await
+    }
+
+    /// Connects to a database URL as sqlx reads it:
+    /// `sqlite://data/app.db?mode=rwc` (create if missing),
+    /// `sqlite:app.db` (must exist), `sqlite::memory:` (one connection, so
+    /// that every statement sees the same in-memory database). The
+    /// recommended pragmas are set as with [`SqliteStore::open`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::from_str(url)?;
+        Self::connect_with(options).await
+    }
+
+    /// Connects with `options` (yours, e.g. with extensions or a key),
+    /// adding WAL, `synchronous = FULL`, a 10 s busy timeout and foreign
+    /// keys.
+    pub async fn connect_with(options: SqliteConnectOptions) -> Result<Self, StoreError> {
+        let in_memory = options.get_filename() == Path::new(":memory:");
+        let options = options
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        let options: SqlitePoolOptions = super::pool_options();
-        let pool = options.max_connections(8).connect_with(connect).await?;
+        let pool: SqlitePoolOptions = super::pool_options();
+        let connections = if in_memory { 1 } else { 8 };
+        let pool = pool
+            .max_connections(connections)
+            .connect_with(options)
+            .await?;
         Ok(Self::new(pool))
     }
 
@@ -84,5 +110,34 @@ impl Backend for Sqlite {
 
     fn build<'q>(qb: &'q mut QueryBuilder<'_, Self>) -> Query<'q, Self, Self::Arguments<'q>> {
         qb.build()
+    }
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::*;
+    use crate::store::SqlStore as _;
+
+    #[tokio::test]
+    async fn urls_follow_sqlx_conventions() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("webhook.db");
+        // `mode=rwc` creates the file, named without the query.
+        let url = format!("sqlite://{}?mode=rwc", file.display());
+        let store = SqliteStore::connect(&url).await.expect("rwc creates");
+        store.migrate().await.expect("migrate");
+        assert!(file.exists(), "created {}", file.display());
+        let stray = std::fs::read_dir(dir.path())
+            .expect("list")
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().contains('?'));
+        assert!(!stray, "no file named after the query string");
+        // Without `mode=rwc` a missing file is an error, as in sqlx.
+        let missing = format!("sqlite:{}", dir.path().join("missing.db").display());
+        assert!(SqliteStore::connect(&missing).await.is_err());
+        // In memory: one connection, so the table migrate made is there.
+        let memory = SqliteStore::connect("sqlite::memory:").await.expect("memory");
+        memory.migrate().await.expect("migrate in memory");
+        assert!(memory.get("s", "k").await.expect("get").is_none());
     }
 }

@@ -40,6 +40,7 @@ pub enum OpenError {
     Unsupported(String),
     /// The SQLite database file does not exist (only `migrate` creates it).
     #[error("no SQLite database at {0:?}: create it with `onceonly migrate`")]
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     NoSuchFile(String),
     /// The store could not be opened.
     #[error(transparent)]
@@ -67,6 +68,7 @@ fn supported() -> String {
 impl Db {
     /// Connects to `url` and selects dedup table `table`. An SQLite file is
     /// created only if `create` (by `migrate`).
+    #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
     pub async fn open(url: &str, table: &str, create: bool) -> Result<Self, OpenError> {
         let scheme = url.split_once(':').map_or("", |(s, _)| s);
         match scheme {
@@ -85,13 +87,22 @@ impl Db {
             }
             #[cfg(feature = "sqlite")]
             "sqlite" => {
-                let path = url.trim_start_matches("sqlite:").trim_start_matches("//");
-                let path = path.split_once('?').map_or(path, |(p, _)| p);
-                if !create && !std::path::Path::new(path).exists() {
-                    return Err(OpenError::NoSuchFile(path.to_owned()));
+                // sqlx's URL conventions (`sqlite://path?mode=rwc`,
+                // `sqlite:path`, `sqlite::memory:`); only `migrate` creates
+                // a missing file.
+                use std::str::FromStr as _;
+                let options = sqlx::sqlite::SqliteConnectOptions::from_str(url)
+                    .map_err(|e| OpenError::Store(e.into()))?;
+                let path = options.get_filename().to_owned();
+                let in_memory = path == std::path::Path::new(":memory:");
+                if !create && !in_memory && !path.exists() {
+                    return Err(OpenError::NoSuchFile(path.display().to_string()));
                 }
+                let options = options.create_if_missing(create);
                 Ok(Self::Sqlite(
-                    onceonly::SqliteStore::open(path).await?.with_table(table)?,
+                    onceonly::SqliteStore::connect_with(options)
+                        .await?
+                        .with_table(table)?,
                 ))
             }
             _ => Err(OpenError::Unsupported(redact(url))),

@@ -7,7 +7,7 @@ use onceonly::store::admin::AdminStore;
 
 use crate::db::{Db, with_store};
 use crate::outbox::{OutboxTableArg, outbox_for};
-use crate::{CliResult, DbArgs, out};
+use crate::{CliResult, out};
 
 /// Create the dedup table and the outbox table with their indexes, or add
 /// what an older version lacks.
@@ -24,25 +24,85 @@ Examples:
   onceonly migrate --database-url postgres://app@db/payments
   onceonly migrate --database-url mysql://root@127.0.0.1/test --table billing.onceonly_keys
   onceonly migrate --database-url $URL --outbox-table billing.outbox
-  onceonly migrate --database-url sqlite:data/app.db --no-outbox")]
+  onceonly migrate --database-url sqlite:data/app.db --no-outbox
+  onceonly migrate --print-sql --backend postgres > migrations/0001_onceonly.sql")]
 pub struct MigrateArgs {
-    #[command(flatten)]
-    db: DbArgs,
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
+    #[arg(
+        long,
+        env = "ONCEONLY_DATABASE_URL",
+        hide_env_values = true,
+        required_unless_present = "print_sql"
+    )]
+    database_url: Option<String>,
+    /// The dedup table (`table` or `schema.table`).
+    #[arg(long, env = "ONCEONLY_TABLE", default_value = onceonly::store::DEFAULT_TABLE)]
+    table: String,
     #[command(flatten)]
     outbox: OutboxTableArg,
     /// Do not create the outbox table.
     #[arg(long)]
     no_outbox: bool,
+    /// Print the DDL instead of running it (for your own migration tool,
+    /// e.g. a `sqlx migrate` file); needs --backend, not --database-url.
+    #[arg(long, requires = "backend")]
+    print_sql: bool,
+    /// The backend whose DDL --print-sql prints.
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+}
+
+/// A backend for --print-sql.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum BackendArg {
+    Postgres,
+    Mysql,
+    Sqlite,
+}
+
+/// Prints the DDL of the dedup table (and the outbox table) for `backend`.
+fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
+    use onceonly::store::{BackendKind, migration_sql};
+    let kind = match backend {
+        BackendArg::Postgres => BackendKind::Postgres,
+        BackendArg::Mysql => BackendKind::MySql,
+        BackendArg::Sqlite => BackendKind::Sqlite,
+    };
+    let table = TableName::new(&args.table)?;
+    let dedup = migration_sql(kind, &table)
+        .ok_or_else(|| format!("this build has no {backend:?} support (rebuild with its feature)"))?;
+    out!("-- onceonly dedup table {table} ({backend:?})");
+    for statement in dedup {
+        out!("{statement};");
+    }
+    if !args.no_outbox {
+        let name = TableName::new(&args.outbox.outbox_table)?.to_string();
+        let outbox = crate::outbox::outbox_sql(kind, &name)?;
+        out!("");
+        out!("-- onceonly outbox table {name} ({backend:?})");
+        for statement in outbox {
+            out!("{statement};");
+        }
+    }
+    Ok(())
 }
 
 pub async fn run(args: MigrateArgs) -> CliResult {
+    if args.print_sql {
+        let backend = args.backend.ok_or("--print-sql needs --backend")?;
+        return print_sql(&args, backend);
+    }
+    let database_url = args
+        .database_url
+        .clone()
+        .ok_or("--database-url is required")?;
     // Both names are checked before anything is created.
     let outbox_table = if args.no_outbox {
         None
     } else {
         Some(TableName::new(&args.outbox.outbox_table)?)
     };
-    let db = Db::open(&args.db.database_url, &args.db.table, true).await?;
+    let db = Db::open(&database_url, &args.table, true).await?;
     let backend = db.backend();
     with_store!(&db, |store| {
         store.migrate().await?;

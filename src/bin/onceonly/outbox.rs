@@ -79,6 +79,24 @@ pub(crate) fn outbox_for<DB: OutboxBackend>(
     Outbox::on_table(table)
 }
 
+/// The outbox DDL on `table` for `backend`, without a database.
+pub(crate) fn outbox_sql(
+    backend: onceonly::store::BackendKind,
+    table: &str,
+) -> CliResult<Vec<String>> {
+    use onceonly::store::BackendKind;
+    Ok(match backend {
+        #[cfg(feature = "postgres")]
+        BackendKind::Postgres => Outbox::<sqlx::Postgres>::on_table(table)?.migration_sql(),
+        #[cfg(feature = "mysql")]
+        BackendKind::MySql => Outbox::<sqlx::MySql>::on_table(table)?.migration_sql(),
+        #[cfg(feature = "sqlite")]
+        BackendKind::Sqlite => Outbox::<sqlx::Sqlite>::on_table(table)?.migration_sql(),
+        #[allow(unreachable_patterns)]
+        other => return Err(format!("this build has no {other:?} support").into()),
+    })
+}
+
 /// Runs `$body` with `$outbox` the outbox on table `$table` and `$pool`
 /// the pool of `$db`, whatever its backend.
 macro_rules! with_outbox {

@@ -59,6 +59,13 @@ impl PgStore {
         Ok(Self::new(options.max_connections(10).connect(url).await?))
     }
 
+    /// Connects with `options` (TLS settings, a password from a secret
+    /// store, ...) with the same pool as [`PgStore::connect`].
+    pub async fn connect_with(options: sqlx::postgres::PgConnectOptions) -> Result<Self, StoreError> {
+        let pool: PgPoolOptions = super::pool_options();
+        Ok(Self::new(pool.max_connections(10).connect_with(options).await?))
+    }
+
     /// How long a statement of a claim transaction (the claim, and the
     /// handler's statements in it) waits for a row lock before it fails
     /// with `55P03` (default [`DEFAULT_LOCK_TIMEOUT`]; `None`: the server's
