@@ -278,8 +278,14 @@ fn bad_flags_are_rejected_with_a_message() {
 async fn printed_sql_creates_tables_the_store_and_the_outbox_accept() {
     let (code, sql, err) = cli(&["migrate", "--print-sql", "--backend", "sqlite"]);
     assert_eq!(code, 0, "{err}");
-    assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"onceonly_keys\""), "{sql}");
-    assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"onceonly_outbox\""), "{sql}");
+    assert!(
+        sql.contains("CREATE TABLE IF NOT EXISTS \"onceonly_keys\""),
+        "{sql}"
+    );
+    assert!(
+        sql.contains("CREATE TABLE IF NOT EXISTS \"onceonly_outbox\""),
+        "{sql}"
+    );
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("own-migrations.db");
     let url = format!("sqlite:{}?mode=rwc", path.display());
@@ -291,7 +297,10 @@ async fn printed_sql_creates_tables_the_store_and_the_outbox_accept() {
             .collect::<Vec<_>>()
             .join("\n");
         if !statement.trim().is_empty() {
-            sqlx::query(&statement).execute(&pool).await.expect("apply printed DDL");
+            sqlx::query(&statement)
+                .execute(&pool)
+                .await
+                .expect("apply printed DDL");
         }
     }
     pool.close().await;

@@ -445,7 +445,10 @@ async fn payment_webhook_example_serves_prometheus_counters() {
             "--metrics-addr".into(),
             format!("127.0.0.1:{prom}"),
             "--database-url".into(),
-            format!("sqlite://{}?mode=rwc", dir.path().join("webhook.db").display()),
+            format!(
+                "sqlite://{}?mode=rwc",
+                dir.path().join("webhook.db").display()
+            ),
         ],
     );
     let client = reqwest::Client::new();

@@ -176,7 +176,10 @@ async fn payment_webhook_notifies_the_merchant_once_per_payment() {
     tokio::spawn(async move { axum::serve(listener, merchant).await });
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let db = format!("sqlite://{}?mode=rwc", dir.path().join("webhook.db").display());
+    let db = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("webhook.db").display()
+    );
     let listen = format!("127.0.0.1:{}", free_port());
     let child = Logged::new("payment_webhook_outbox");
     let args: Vec<String> = [

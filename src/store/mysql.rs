@@ -63,9 +63,13 @@ impl MySqlStore {
 
     /// Connects with `options` (TLS settings, a password from a secret
     /// store, ...) with the same pool as [`MySqlStore::connect`].
-    pub async fn connect_with(options: sqlx::mysql::MySqlConnectOptions) -> Result<Self, StoreError> {
+    pub async fn connect_with(
+        options: sqlx::mysql::MySqlConnectOptions,
+    ) -> Result<Self, StoreError> {
         let pool: MySqlPoolOptions = super::pool_options();
-        Ok(Self::new(pool.max_connections(10).connect_with(options).await?))
+        Ok(Self::new(
+            pool.max_connections(10).connect_with(options).await?,
+        ))
     }
 
     /// Uses table `name` (`table` or `database.table`), validated as an identifier.

@@ -136,7 +136,9 @@ mod url_tests {
         let missing = format!("sqlite:{}", dir.path().join("missing.db").display());
         assert!(SqliteStore::connect(&missing).await.is_err());
         // In memory: one connection, so the table migrate made is there.
-        let memory = SqliteStore::connect("sqlite::memory:").await.expect("memory");
+        let memory = SqliteStore::connect("sqlite::memory:")
+            .await
+            .expect("memory");
         memory.migrate().await.expect("migrate in memory");
         assert!(memory.get("s", "k").await.expect("get").is_none());
     }

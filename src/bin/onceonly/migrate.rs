@@ -69,8 +69,9 @@ fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
         BackendArg::Sqlite => BackendKind::Sqlite,
     };
     let table = TableName::new(&args.table)?;
-    let dedup = migration_sql(kind, &table)
-        .ok_or_else(|| format!("this build has no {backend:?} support (rebuild with its feature)"))?;
+    let dedup = migration_sql(kind, &table).ok_or_else(|| {
+        format!("this build has no {backend:?} support (rebuild with its feature)")
+    })?;
     out!("-- onceonly dedup table {table} ({backend:?})");
     for statement in dedup {
         out!("{statement};");

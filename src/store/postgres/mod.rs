@@ -61,9 +61,13 @@ impl PgStore {
 
     /// Connects with `options` (TLS settings, a password from a secret
     /// store, ...) with the same pool as [`PgStore::connect`].
-    pub async fn connect_with(options: sqlx::postgres::PgConnectOptions) -> Result<Self, StoreError> {
+    pub async fn connect_with(
+        options: sqlx::postgres::PgConnectOptions,
+    ) -> Result<Self, StoreError> {
         let pool: PgPoolOptions = super::pool_options();
-        Ok(Self::new(pool.max_connections(10).connect_with(options).await?))
+        Ok(Self::new(
+            pool.max_connections(10).connect_with(options).await?,
+        ))
     }
 
     /// How long a statement of a claim transaction (the claim, and the
