@@ -274,20 +274,21 @@ pub enum BackendKind {
 /// `backend` (the table and its indexes, `IF NOT EXISTS`), for your own
 /// migration tool; `None` if the backend is not compiled in. PostgreSQL's
 /// migration lock is left out: run the statements in one migration.
+// Without any backend compiled in every arm returns `None`.
+#[allow(unreachable_code, unused_variables)]
 pub fn migration_sql(backend: BackendKind, table: &TableName) -> Option<Vec<String>> {
-    let sql = match backend {
+    let ddl: Vec<String> = match backend {
         #[cfg(feature = "postgres")]
-        BackendKind::Postgres => sql::Sql::postgres(table),
+        BackendKind::Postgres => sql::Sql::postgres(table).ddl,
         #[cfg(feature = "mysql")]
-        BackendKind::MySql => sql::Sql::mysql(table),
+        BackendKind::MySql => sql::Sql::mysql(table).ddl,
         #[cfg(feature = "sqlite")]
-        BackendKind::Sqlite => sql::Sql::sqlite(table),
+        BackendKind::Sqlite => sql::Sql::sqlite(table).ddl,
         #[allow(unreachable_patterns)]
         _ => return None,
     };
     Some(
-        sql.ddl
-            .into_iter()
+        ddl.into_iter()
             .filter(|s| !s.starts_with("SELECT pg_advisory"))
             .collect(),
     )
