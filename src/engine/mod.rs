@@ -12,7 +12,7 @@ mod decision;
 mod handler;
 mod outcome;
 mod retry;
-mod session;
+pub(crate) mod session;
 mod tx;
 
 use std::panic::AssertUnwindSafe;

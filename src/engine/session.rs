@@ -104,7 +104,7 @@ pub enum Claimed<S: SqlStore> {
 impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::New(session) => f.debug_tuple("New").field(&session.key).finish(),
+            Self::New(session) => f.debug_tuple("New").field(&session.key()).finish(),
             Self::Duplicate { result } => f
                 .debug_struct("Duplicate")
                 .field("result_bytes", &result.as_ref().map(Vec::len))
@@ -147,9 +147,8 @@ pub enum ClaimError {
 /// [`finish`](Session::finish) rolls the transaction back.
 pub struct Session<S: SqlStore> {
     engine: Engine<S>,
+    /// The transaction; its [`Origin`] holds the scope and the key.
     tx: Tx<S::Db>,
-    scope: Option<String>,
-    key: String,
     fingerprint: Option<Fingerprint>,
     times: ClaimTimes,
 }
@@ -222,8 +221,6 @@ impl<S: SqlStore> Engine<S> {
         Ok(Claimed::New(Session {
             engine: self.clone(),
             tx: Tx::new(tx, Origin::new(scope, spec.key, spec.traceparent)),
-            scope: spec.scope.map(str::to_owned),
-            key: spec.key.to_owned(),
             fingerprint: spec.fingerprint,
             times,
         }))
@@ -263,7 +260,7 @@ impl<S: SqlStore> Session<S> {
 
     /// The claimed key.
     pub fn key(&self) -> &str {
-        &self.key
+        self.tx.origin().key()
     }
 
     /// Records `result` with the key, commits the claim with everything
@@ -276,11 +273,12 @@ impl<S: SqlStore> Session<S> {
         let Some(mut tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await else {
             return Err(Failure::TxHeld);
         };
-        let scope = self.scope.as_deref().unwrap_or(&engine.inner.scope);
+        let origin = self.tx.origin();
+        let (scope, key) = (origin.scope(), origin.key());
         let recorded = engine
             .inner
             .store
-            .complete(&mut tx, scope, &self.key, result)
+            .complete(&mut tx, scope, key, result)
             .await;
         if let Err(e) = recorded {
             drop(tx.rollback().await);
@@ -293,7 +291,7 @@ impl<S: SqlStore> Session<S> {
         engine
             .tell_tier(&Completed {
                 scope,
-                key: &self.key,
+                key,
                 fingerprint: self.fingerprint.as_ref(),
                 result,
                 now_ms: self.times.now_ms,

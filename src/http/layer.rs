@@ -20,6 +20,7 @@ use super::answer::{self, StoreDown};
 use super::config::{Ack, Config, IdempotencyLayerBuilder, InFlight, Mode};
 use super::request::{bind_to_request, delivery_of, repeated_key, scope_for};
 use super::stored::{StoredResponse, read_up_to};
+use crate::engine::session::traceparent_of;
 use crate::engine::{ClaimSpec, Claimed, Failure, OutcomeKind, Session};
 use crate::key::{KeyError, KeySpec};
 use crate::store::SqlStore;
@@ -237,12 +238,7 @@ where
         .scope(&scope)
         .fingerprint(fingerprint)
         .source(Some(&source))
-        .traceparent(
-            parts
-                .headers
-                .get("traceparent")
-                .and_then(|v| v.to_str().ok()),
-        )
+        .traceparent(traceparent_of(&delivery))
         .lock_wait(wait);
     let session = match cfg.engine.claim_with(spec).await {
         Ok(Claimed::New(session)) => session,

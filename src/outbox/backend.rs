@@ -177,8 +177,8 @@ pub trait OutboxBackend: Database {
         now_ms: i64,
     ) -> Result<(), sqlx::Error>;
 
-    /// Records a failed attempt: dead if `dead` or at `max_attempts`,
-    /// otherwise due again at `next_ms`.
+    /// Records a failed attempt: parked if `dead`, otherwise due again at
+    /// `next_ms`.
     #[doc(hidden)]
     async fn mark_failed(
         conn: &mut Self::Connection,
@@ -236,7 +236,6 @@ pub struct OutboxDialect(pub(crate) Dialect);
 #[doc(hidden)]
 pub struct Failed<'a> {
     pub(crate) id: i64,
-    pub(crate) max_attempts: i32,
     pub(crate) dead: bool,
     pub(crate) next_ms: i64,
     pub(crate) error: &'a str,
@@ -449,8 +448,14 @@ macro_rules! outbox_backend {
                 failure: &Failed<'_>,
             ) -> Result<(), sqlx::Error> {
                 sqlx::query(&sql.failed)
-                    .bind(failure.max_attempts)
-                    .bind(i32::from(failure.dead))
+                    .bind(
+                        if failure.dead {
+                            Status::Dead
+                        } else {
+                            Status::Pending
+                        }
+                        .code(),
+                    )
                     .bind(failure.next_ms)
                     .bind(failure.error)
                     .bind(failure.id)

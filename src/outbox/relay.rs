@@ -198,8 +198,7 @@ impl<DB: OutboxBackend> Relay<DB> {
             let delay = self.retry_delay(row.attempts);
             let failure = Failed {
                 id: row.id,
-                max_attempts: i32::try_from(self.max_attempts).unwrap_or(i32::MAX),
-                dead: error.is_permanent(),
+                dead,
                 next_ms: SystemClock
                     .now_ms()
                     .saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)),

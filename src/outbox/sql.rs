@@ -61,8 +61,8 @@ pub struct OutboxSql {
     pub follow_lock: &'static str,
     /// `$1` sent_at, then ids.
     pub sent_prefix: String,
-    /// `$1` attempts limit, `$2` dead (0/1: a permanent failure), `$3`
-    /// next attempt, `$4` error, `$5` id.
+    /// `$1` the new status (pending or dead), `$2` next attempt, `$3`
+    /// error, `$4` id.
     pub failed: String,
     /// Rows and the oldest `created_at_ms` per status and kind.
     pub stats: String,
@@ -197,16 +197,14 @@ impl OutboxSql {
         let sent_prefix = format!(
             "UPDATE {t} SET status = 1, attempts = attempts + 1, last_error = NULL, sent_at_ms = "
         );
-        // `status` first: MySQL evaluates assignments left to right, and
-        // must see the attempts before this one.
+        // The relay decides whether the row is dead; the statement records it.
         let failed = format!(
-            "UPDATE {t} SET status = CASE WHEN attempts + 1 >= {} OR {} = 1 THEN 2 ELSE 0 END, \
-             attempts = attempts + 1, next_attempt_at_ms = {}, last_error = {} WHERE id = {}",
+            "UPDATE {t} SET status = {}, attempts = attempts + 1, next_attempt_at_ms = {}, \
+             last_error = {} WHERE id = {}",
             p(1),
             p(2),
             p(3),
-            p(4),
-            p(5)
+            p(4)
         );
         let stats = format!(
             "SELECT status, kind, COUNT(*) AS n, MIN(created_at_ms) AS oldest_ms \
