@@ -8,108 +8,22 @@
 #[path = "../../examples/support/ledger.rs"]
 mod ledger;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::{PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{connect, declare_queue, depth, publish_stream, url};
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
+use onceonly_integration_tests::private_pg::PrivatePg;
 use onceonly_integration_tests::unique;
 
 const PORT: u16 = 54_329;
 
-/// A throwaway PostgreSQL server run as the `postgres` user.
-struct PrivatePg {
-    bin: PathBuf,
-    data: PathBuf,
-}
-
-impl PrivatePg {
-    fn ctl(&self, args: &[&str]) -> bool {
-        let pg_ctl = self.bin.join("pg_ctl");
-        Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(pg_ctl)
-            .arg("-D")
-            .arg(&self.data)
-            .args(args)
-            .status()
-            .is_ok_and(|s| s.success())
-    }
-
-    fn start(&self) {
-        let opts = format!("-p {PORT} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off");
-        assert!(
-            self.ctl(&[
-                "-w",
-                "-l",
-                "/tmp/onceonly-private-pg.log",
-                "-o",
-                &opts,
-                "start"
-            ]),
-            "private PostgreSQL did not start; see /tmp/onceonly-private-pg.log"
-        );
-    }
-
-    fn stop_immediately(&self) {
-        assert!(self.ctl(&["-m", "immediate", "stop"]), "pg_ctl stop failed");
-    }
-
-    fn new() -> Self {
-        let bin = std::fs::read_dir("/usr/lib/postgresql")
-            .ok()
-            .and_then(|versions| {
-                versions
-                    .flatten()
-                    .map(|v| v.path().join("bin"))
-                    .find(|b| b.join("initdb").exists())
-            })
-            .expect("PostgreSQL server binaries (initdb, pg_ctl) under /usr/lib/postgresql");
-        let data = std::env::temp_dir().join(unique("onceonly-pg"));
-        std::fs::create_dir_all(&data).unwrap();
-        chown_postgres(&data);
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .args(["-A", "trust", "-U", "postgres", "-D"])
-            .arg(&data)
-            .stdout(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(
-            ok,
-            "initdb failed (the test runs it as the postgres user through runuser)"
-        );
-        let pg = Self { bin, data };
-        pg.start();
-        pg
-    }
-}
-
-impl Drop for PrivatePg {
-    fn drop(&mut self) {
-        self.ctl(&["-m", "immediate", "stop"]);
-        let _ = std::fs::remove_dir_all(&self.data);
-    }
-}
-
-fn chown_postgres(path: &Path) {
-    let ok = Command::new("chown")
-        .args(["postgres:postgres"])
-        .arg(path)
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "chown postgres {}", path.display());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_outage_is_waited_out_never_dead_lettered() {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let pg = PrivatePg::new();
-    let db_url = format!("postgres://postgres@127.0.0.1:{PORT}/postgres");
+    let pg = PrivatePg::builder(PORT).start();
+    let db_url = pg.url();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(2))
         .connect(&db_url)
