@@ -136,8 +136,7 @@ impl PrivatePgBuilder {
             append(&data.join("postgresql.conf"), &conf);
         }
         if let Some(hba) = &self.hba {
-            std::fs::write(data.join("pg_hba.conf"), hba.join("\n") + "\n")
-                .expect("pg_hba.conf");
+            std::fs::write(data.join("pg_hba.conf"), hba.join("\n") + "\n").expect("pg_hba.conf");
         }
         let log = std::env::temp_dir().join(format!("{}.log", unique("onceonly-private-pg")));
         let pg = PrivatePg {

@@ -72,6 +72,15 @@ pub struct DbArgs {
     pub table: String,
 }
 
+/// Parses a librdkafka `KEY=VALUE` setting (`-X`).
+#[cfg(feature = "kafka")]
+fn parse_pair(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = match cli.verbose {

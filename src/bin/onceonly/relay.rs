@@ -24,6 +24,11 @@ pub struct RelayArgs {
     #[cfg(feature = "kafka")]
     #[arg(long, env = "ONCEONLY_KAFKA_BROKERS")]
     kafka_brokers: Option<String>,
+    /// librdkafka setting of the producer, KEY=VALUE (repeatable), e.g.
+    /// `-X security.protocol=sasl_ssl -X sasl.mechanism=SCRAM-SHA-512`.
+    #[cfg(feature = "kafka")]
+    #[arg(short = 'X', value_name = "KEY=VALUE", value_parser = crate::parse_pair, requires = "kafka_brokers")]
+    kafka_config: Vec<(String, String)>,
     /// AMQP broker URL: publish `amqp` rows (publisher confirms, mandatory).
     #[cfg(feature = "amqp")]
     #[arg(long, env = "ONCEONLY_AMQP_URL", hide_env_values = true)]
@@ -89,7 +94,12 @@ fn publishers<DB: OutboxBackend>(
     let mut builder = builder;
     #[cfg(feature = "kafka")]
     if let Some(brokers) = &args.kafka_brokers {
-        builder = builder.publisher(onceonly::outbox::KafkaPublisher::new(brokers)?);
+        let mut config = rdkafka::ClientConfig::new();
+        config.set("bootstrap.servers", brokers);
+        for (key, value) in &args.kafka_config {
+            config.set(key, value);
+        }
+        builder = builder.publisher(onceonly::outbox::KafkaPublisher::with_config(&config)?);
     }
     #[cfg(feature = "amqp")]
     if let Some(url) = &args.amqp_url {

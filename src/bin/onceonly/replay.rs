@@ -146,7 +146,7 @@ struct KafkaArgs {
     #[arg(long)]
     from_beginning: bool,
     /// librdkafka setting for consumer and producer, KEY=VALUE (repeatable).
-    #[arg(short = 'X', value_name = "KEY=VALUE", value_parser = parse_pair)]
+    #[arg(short = 'X', value_name = "KEY=VALUE", value_parser = crate::parse_pair)]
     config: Vec<(String, String)>,
     #[command(flatten)]
     selection: Selection,
@@ -359,14 +359,6 @@ fn parse_rate(s: &str) -> Result<f64, String> {
     } else {
         Err(format!("rate must be positive, got {s:?}"))
     }
-}
-
-#[cfg(feature = "kafka")]
-fn parse_pair(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
-        .filter(|(k, _)| !k.is_empty())
-        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
 }
 
 #[cfg(test)]

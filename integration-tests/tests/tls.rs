@@ -1,0 +1,427 @@
+//! TLS end to end, with certificates made by the test (a private CA and a
+//! server certificate for `localhost`):
+//!
+//! - PostgreSQL runs with `ssl = on` and a `pg_hba.conf` that rejects plain
+//!   connections (a private server: its own data directory and port). The
+//!   store, the engine and the `onceonly` CLI reach it with
+//!   `sslmode=verify-full&sslrootcert=<test CA>`; a plain connection and a
+//!   server that the client's CA did not sign are refused.
+//! - Kafka and RabbitMQ are reached through a TLS-terminating proxy (the
+//!   broker builds here have no TLS listener of their own: tansu 0.6 has
+//!   none, and turning one on in the shared RabbitMQ would reconfigure it for
+//!   every other test). A private tansu advertises the proxy's port, so every
+//!   Kafka connection, bootstrap and broker, goes through TLS. `onceonly
+//!   relay` publishes the outbox with `-X security.protocol=ssl` and an
+//!   `amqps://` URL, trusting the test CA through `SSL_CERT_FILE`.
+//! - Redis is reached with `rediss://` and the test CA as the only root.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use onceonly::outbox::{Outbox, OutboxMessage};
+use onceonly::{
+    Delivery, Engine, Json, KeySpec, Outcome, PgStore, SqlStore, handler_fn,
+    redis::{RedisClaim, RedisStore},
+};
+use onceonly_integration_tests::amqp::{connect, declare_queue, take};
+use onceonly_integration_tests::cli::{onceonly, onceonly_binary};
+use onceonly_integration_tests::private_pg::PrivatePg;
+use onceonly_integration_tests::tls::{TestCa, TlsProxy};
+use onceonly_integration_tests::{Pay, pay, unique};
+use rdkafka::ClientConfig;
+use rdkafka::Message as _;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use sqlx::postgres::PgConnectOptions;
+
+/// A private PostgreSQL on `port` that accepts TLS connections only, with
+/// `ca`'s server certificate.
+fn tls_only_pg(port: u16, ca: &TestCa) -> PrivatePg {
+    PrivatePg::builder(port)
+        .setting("ssl", "on")
+        .setting("ssl_cert_file", "'server.crt'")
+        .setting("ssl_key_file", "'server.key'")
+        .hba(&[
+            "local all all trust",
+            "hostssl all all 127.0.0.1/32 trust",
+            "hostssl all all ::1/128 trust",
+            "hostnossl all all 0.0.0.0/0 reject",
+            "hostnossl all all ::/0 reject",
+        ])
+        .file("server.crt", ca.cert_pem())
+        .file("server.key", ca.key_pem())
+        .start()
+}
+
+/// `postgres://…@localhost:PORT/postgres?sslmode=MODE[&sslrootcert=CA]`.
+fn pg_url(port: u16, mode: &str, root: Option<&TestCa>) -> String {
+    let mut url = format!("postgres://postgres@localhost:{port}/postgres?sslmode={mode}");
+    if let Some(ca) = root {
+        url.push_str(&format!("&sslrootcert={}", ca.ca_path().display()));
+    }
+    url
+}
+
+/// `host:port` of a service URL (`scheme://[user[:pw]@]host:port[/…]`).
+fn authority(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split(['/', '?']).next().unwrap_or(rest).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_and_the_store_reach_postgres_only_over_verified_tls() {
+    let ca = TestCa::with_names("pg", &["localhost"]);
+    let stranger = TestCa::new("stranger");
+    let pg = tls_only_pg(54_331, &ca);
+    let port = pg.port();
+    let verified = pg_url(port, "verify-full", Some(&ca));
+
+    let migrate = onceonly(&["migrate", "--database-url", &verified]).await;
+    assert!(migrate.success, "migrate over TLS: {migrate:?}");
+    let stats = onceonly(&["stats", "--database-url", &verified]).await;
+    assert!(stats.success, "stats over TLS: {stats:?}");
+
+    // The server refuses plain connections: the TLS above was real.
+    let plain = onceonly(&["stats", "--database-url", &pg_url(port, "disable", None)]).await;
+    assert!(!plain.success, "a plain connection must be refused");
+    assert!(
+        plain.stderr.contains("no encryption") || plain.stderr.contains("pg_hba.conf"),
+        "{}",
+        plain.stderr
+    );
+    // verify-full checks the chain: a CA that did not sign the server fails.
+    let unknown = onceonly(&[
+        "stats",
+        "--database-url",
+        &pg_url(port, "verify-full", Some(&stranger)),
+    ])
+    .await;
+    assert!(!unknown.success, "an unknown issuer must be refused");
+    assert!(
+        unknown.stderr.to_lowercase().contains("certificate"),
+        "{}",
+        unknown.stderr
+    );
+    // verify-full checks the name too: the certificate names `localhost`
+    // only, so 127.0.0.1 is refused.
+    let by_address = |mode: &str| {
+        format!(
+            "postgres://postgres@127.0.0.1:{port}/postgres?sslmode={mode}&sslrootcert={}",
+            ca.ca_path().display()
+        )
+    };
+    let wrong_name = onceonly(&["stats", "--database-url", &by_address("verify-full")]).await;
+    assert!(
+        !wrong_name.success,
+        "a name the certificate lacks must be refused"
+    );
+    assert!(
+        wrong_name.stderr.contains("not valid for name"),
+        "{}",
+        wrong_name.stderr
+    );
+    // (sqlx 0.8.6 with rustls >= 0.23.24 checks the name in verify-ca as
+    // well, launchbadge/sqlx#3793: stricter than libpq, so not tested here.)
+
+    // The library: a store from a URL and from ConnectOptions, both on TLS.
+    let store = PgStore::connect(&verified).await.expect("store over TLS");
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(store.pool())
+        .await
+        .expect("pg_stat_ssl");
+    assert!(ssl, "the store's connection is not encrypted");
+    let options: PgConnectOptions = verified.parse().expect("options");
+    let store = PgStore::connect_with(options)
+        .await
+        .expect("store from options");
+    store.migrate().await.expect("migrate");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database() {
+    let ca = TestCa::new("relay");
+    let pg = tls_only_pg(54_332, &ca);
+    let db = pg_url(pg.port(), "verify-full", Some(&ca));
+
+    // Kafka: a private tansu whose advertised address is the TLS proxy.
+    let kafka = PrivateTansu::start(&ca).await;
+    let kafka_tls = |config: &mut ClientConfig| {
+        config
+            .set("bootstrap.servers", kafka.bootstrap())
+            .set("security.protocol", "ssl")
+            .set("ssl.ca.location", ca.ca_path().to_string_lossy().as_ref());
+    };
+    let topic = unique("settled_tls");
+    let mut admin_config = ClientConfig::new();
+    kafka_tls(&mut admin_config);
+    let admin: AdminClient<DefaultClientContext> = admin_config.create().expect("admin");
+    let created = admin
+        .create_topics(
+            [&NewTopic::new(&topic, 1, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await
+        .expect("create topic over TLS");
+    assert!(created.iter().all(Result::is_ok), "{created:?}");
+
+    // RabbitMQ: amqps through a proxy in front of the shared broker.
+    let amqp = TlsProxy::start(&ca, &authority(&onceonly_integration_tests::amqp::url())).await;
+    let (_conn, channel) = connect().await;
+    let queue = unique("settled_tls");
+    declare_queue(&channel, &queue).await;
+
+    // Payments claimed on the TLS database, each enqueueing one Kafka and
+    // one AMQP message in the claim's transaction.
+    let store = PgStore::connect(&db).await.expect("store over TLS");
+    store.migrate().await.expect("migrate");
+    let outbox = Outbox::<sqlx::Postgres>::new();
+    outbox.migrate(store.pool()).await.expect("outbox table");
+    let engine = Engine::builder(store.clone())
+        .scope("tls")
+        .key(KeySpec::json_field("/out_trade_no"))
+        .build()
+        .expect("engine");
+    let handler = {
+        let (outbox, topic, queue) = (outbox.clone(), topic.clone(), queue.clone());
+        handler_fn(
+            move |tx: onceonly::Tx<sqlx::Postgres>, Json(p): Json<Pay>| {
+                let (outbox, topic, queue) = (outbox.clone(), topic.clone(), queue.clone());
+                async move {
+                    let mut conn = tx.lock().await?;
+                    let body = serde_json::to_vec(&p).expect("json");
+                    outbox
+                        .enqueue(
+                            &mut conn,
+                            OutboxMessage::kafka(topic, p.out_trade_no.clone(), body.clone()),
+                        )
+                        .await?;
+                    outbox
+                        .enqueue(&mut conn, OutboxMessage::amqp("", queue, body))
+                        .await?;
+                    Ok(())
+                }
+            },
+        )
+    };
+    const N: usize = 20;
+    for i in 0..N {
+        let report = engine
+            .process(&handler, &Delivery::new(pay(&format!("TLS-{i:03}"), 10)))
+            .await;
+        assert!(
+            matches!(report.outcome, Outcome::Processed { .. }),
+            "{report:?}"
+        );
+    }
+
+    let relay = tokio::process::Command::new(onceonly_binary())
+        .args(["relay", "--database-url", &db, "--poll-interval", "200ms"])
+        .args(["--kafka-brokers", &kafka.bootstrap()])
+        .args(["-X", "security.protocol=ssl"])
+        .args(["-X", &format!("ssl.ca.location={}", ca.ca_path().display())])
+        .args([
+            "--amqp-url",
+            &format!("amqps://guest:guest@localhost:{}/%2f", amqp.port()),
+        ])
+        // lapin trusts the system roots, and SSL_CERT_FILE replaces them.
+        .env("SSL_CERT_FILE", ca.ca_path())
+        .env_remove("ONCEONLY_DATABASE_URL")
+        .env_remove("ONCEONLY_OUTBOX_TABLE")
+        .env_remove("ONCEONLY_KAFKA_BROKERS")
+        .env_remove("ONCEONLY_AMQP_URL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn onceonly relay");
+
+    let sent = async || -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM onceonly_outbox WHERE status = 1")
+            .fetch_one(store.pool())
+            .await
+            .expect("count")
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sent().await < 2 * N as i64 {
+        if Instant::now() > deadline {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &relay.id().expect("pid").to_string()])
+                .status();
+            let out = relay.wait_with_output().await.expect("relay output");
+            panic!(
+                "the relay did not publish over TLS ({} of {} sent):\n{}",
+                sent().await,
+                2 * N,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &relay.id().expect("pid").to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let out = tokio::time::timeout(Duration::from_secs(30), relay.wait_with_output())
+        .await
+        .expect("the relay did not stop on SIGTERM")
+        .expect("relay output");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Every message arrived, once, through TLS.
+    let mut reader_config = ClientConfig::new();
+    kafka_tls(&mut reader_config);
+    let records = read_topic(reader_config, &topic, N);
+    let mut keys: Vec<String> = records.clone();
+    keys.sort();
+    keys.dedup();
+    assert_eq!((records.len(), keys.len()), (N, N), "{records:?}");
+    let delivered = take(&channel, &queue, N + 1, Duration::from_secs(5)).await;
+    assert_eq!(delivered.len(), N, "AMQP messages through amqps");
+    assert!(
+        amqp.handshakes() >= 1,
+        "the relay reached RabbitMQ without TLS"
+    );
+    assert!(kafka.proxy.handshakes() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_claims_over_rediss_with_a_private_root() {
+    let ca = TestCa::new("redis");
+    let redis_url =
+        std::env::var("ONCEONLY_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let proxy = TlsProxy::start(&ca, &authority(&redis_url)).await;
+    let client = redis::Client::build_with_tls(
+        format!("rediss://localhost:{}", proxy.port()),
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca.ca_pem().as_bytes().to_vec()),
+        },
+    )
+    .expect("client");
+    let conn = redis::aio::ConnectionManager::new(client)
+        .await
+        .expect("connection over TLS");
+    let store = RedisStore::new(conn).with_prefix(unique("tls"));
+    let RedisClaim::Claimed(lease) = store.claim("tls", "K-1", None).await.expect("claim") else {
+        panic!("a new key must be claimed");
+    };
+    assert!(store.complete(&lease, b"done").await.expect("complete"));
+    match store.claim("tls", "K-1", None).await.expect("claim again") {
+        RedisClaim::Done(result) => assert_eq!(result, b"done"),
+        other => panic!("expected the stored result, got {other:?}"),
+    }
+    assert!(proxy.handshakes() >= 1, "the client did not use TLS");
+
+    // A client that trusts only the system roots refuses the test CA.
+    let untrusting =
+        redis::Client::open(format!("rediss://localhost:{}", proxy.port())).expect("client");
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        untrusting.get_multiplexed_async_connection(),
+    )
+    .await
+    .expect("a refused handshake fails fast");
+    assert!(
+        refused.is_err(),
+        "a server signed by an unknown CA was accepted"
+    );
+}
+
+/// Reads `n` records of partition 0 of `topic` from the beginning (their
+/// keys), over the client configuration given.
+fn read_topic(mut config: ClientConfig, topic: &str, n: usize) -> Vec<String> {
+    let consumer: BaseConsumer = config
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("reader");
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, rdkafka::Offset::Beginning)
+        .expect("offset");
+    consumer.assign(&tpl).expect("assign");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut keys = Vec::new();
+    // One poll past the n-th record, to see a copy that should not be there.
+    while Instant::now() < deadline && keys.len() <= n {
+        match consumer.poll(Duration::from_millis(500)) {
+            Some(Ok(m)) => keys.push(String::from_utf8_lossy(m.key().unwrap_or_default()).into()),
+            Some(Err(e)) => eprintln!("reader: {e}"),
+            None if keys.len() == n => break,
+            None => {}
+        }
+    }
+    keys
+}
+
+/// A tansu of the test's own, behind a [`TlsProxy`] whose port it
+/// advertises: clients can reach it over TLS only.
+struct PrivateTansu {
+    child: std::process::Child,
+    proxy: TlsProxy,
+}
+
+impl PrivateTansu {
+    async fn start(ca: &TestCa) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind proxy");
+        let advertised = listener.local_addr().expect("address").port();
+        let plain = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let child = std::process::Command::new(tansu_binary())
+            .args(["broker", "--silent"])
+            .args(["--listener-url", &format!("tcp://127.0.0.1:{plain}")])
+            .args([
+                "--advertised-listener-url",
+                &format!("tcp://localhost:{advertised}"),
+            ])
+            .args(["--storage-engine", "memory://tansu/"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", plain)).is_err() {
+            assert!(Instant::now() < deadline, "private tansu did not listen");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let proxy = TlsProxy::serve(listener, ca, &format!("127.0.0.1:{plain}"));
+        Self { child, proxy }
+    }
+
+    fn bootstrap(&self) -> String {
+        format!("localhost:{}", self.proxy.port())
+    }
+}
+
+impl Drop for PrivateTansu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The tansu 0.6.0 binary of `scripts/tansu-bin` (TANSU_BIN, the cache,
+/// PATH, else `cargo install`: also where Kafka itself runs under Docker
+/// Compose, since this test needs a broker that advertises its proxy).
+fn tansu_binary() -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/tansu-bin");
+    let out = std::process::Command::new(script)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("scripts/tansu-bin");
+    assert!(
+        out.status.success(),
+        "no tansu 0.6.0 binary and `scripts/tansu-bin` could not install one; set TANSU_BIN"
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
