@@ -13,6 +13,7 @@ use rcgen::{
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio_rustls::rustls::{self, ServerConfig};
 
@@ -25,6 +26,8 @@ pub struct TestCa {
     cert_pem: String,
     key_der: Vec<u8>,
     key_pem: String,
+    client_cert_pem: String,
+    client_key_pem: String,
 }
 
 impl TestCa {
@@ -57,7 +60,19 @@ impl TestCa {
             .signed_by(&key, &ca_cert, &ca_key)
             .expect("server certificate");
 
+        let client_key = KeyPair::generate().expect("client key");
+        let mut client = CertificateParams::new(Vec::<String>::new()).expect("client params");
+        client
+            .distinguished_name
+            .push(DnType::CommonName, "onceonly-test-client");
+        client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let client_cert = client
+            .signed_by(&client_key, &ca_cert, &ca_key)
+            .expect("client certificate");
+
         let ca = Self {
+            client_cert_pem: client_cert.pem(),
+            client_key_pem: client_key.serialize_pem(),
             dir: tempfile::tempdir().expect("temporary directory"),
             ca_pem: ca_cert.pem(),
             cert_der: cert.der().clone(),
@@ -66,7 +81,20 @@ impl TestCa {
             key_pem: key.serialize_pem(),
         };
         std::fs::write(ca.ca_path(), &ca.ca_pem).expect("write ca.crt");
+        std::fs::write(ca.dir().join("client.crt"), &ca.client_cert_pem).expect("client.crt");
+        std::fs::write(ca.dir().join("client.key"), &ca.client_key_pem).expect("client.key");
         ca
+    }
+
+    /// A client certificate this CA signed (`CN=onceonly-test-client`,
+    /// client auth): the certificate and its key, PEM.
+    pub fn client_identity(&self) -> (&str, &str) {
+        (&self.client_cert_pem, &self.client_key_pem)
+    }
+
+    /// [`client_identity`](Self::client_identity) as files: certificate, key.
+    pub fn client_identity_paths(&self) -> (PathBuf, PathBuf) {
+        (self.dir().join("client.crt"), self.dir().join("client.key"))
     }
 
     /// The CA certificate (PEM) as a file: give it to clients as
@@ -95,12 +123,28 @@ impl TestCa {
         self.dir.path()
     }
 
-    fn server_config(&self) -> ServerConfig {
+    /// A server configuration; with `client_auth`, clients must present a
+    /// certificate this CA signed.
+    fn server_config(&self, client_auth: bool) -> ServerConfig {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key_der.clone()));
-        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
-            .expect("TLS versions")
-            .with_no_client_auth()
+            .expect("TLS versions");
+        let builder = if client_auth {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
+                roots.add(cert.expect("CA pem")).expect("CA root");
+            }
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .build()
+                    .expect("client verifier");
+            builder.with_client_cert_verifier(verifier)
+        } else {
+            builder.with_no_client_auth()
+        };
+        builder
             .with_single_cert(vec![self.cert_der.clone()], key)
             .expect("server certificate and key")
     }
@@ -119,13 +163,21 @@ impl TlsProxy {
     /// `upstream` (`host:port`).
     pub async fn start(ca: &TestCa, upstream: &str) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        Self::serve(listener, ca, upstream)
+        Self::serve(listener, ca, upstream, false)
     }
 
-    /// Serves on `listener` (bound by the caller, for a port known in advance).
-    pub fn serve(listener: TcpListener, ca: &TestCa, upstream: &str) -> Self {
+    /// [`start`](Self::start), and clients must present a certificate `ca`
+    /// signed (mutual TLS).
+    pub async fn start_mutual(ca: &TestCa, upstream: &str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        Self::serve(listener, ca, upstream, true)
+    }
+
+    /// Serves on `listener` (bound by the caller, for a port known in
+    /// advance), asking for a client certificate if `client_auth`.
+    pub fn serve(listener: TcpListener, ca: &TestCa, upstream: &str, client_auth: bool) -> Self {
         let port = listener.local_addr().expect("proxy address").port();
-        let acceptor = TlsAcceptor::from(Arc::new(ca.server_config()));
+        let acceptor = TlsAcceptor::from(Arc::new(ca.server_config(client_auth)));
         let handshakes = Arc::new(AtomicUsize::new(0));
         let counted = handshakes.clone();
         let upstream = upstream.to_string();

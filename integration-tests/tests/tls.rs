@@ -12,22 +12,32 @@
 //!   every other test). A private tansu advertises the proxy's port, so every
 //!   Kafka connection, bootstrap and broker, goes through TLS. `onceonly
 //!   relay` publishes the outbox with `-X security.protocol=ssl` and an
-//!   `amqps://` URL, trusting the test CA through `SSL_CERT_FILE`.
+//!   `amqps://` URL with `--amqp-ca`, `--amqp-cert` and `--amqp-key` (the
+//!   AMQP proxy demands a client certificate); an `AmqpConsumer` drains a
+//!   queue over amqps with `AmqpTls`, and a client without the certificate
+//!   is refused.
 //! - Redis is reached with `rediss://` and the test CA as the only root.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use onceonly::amqp::{AmqpConsumer, AmqpTls, CancellationToken};
+use onceonly::ops::replay::AmqpReplay;
 use onceonly::outbox::{Outbox, OutboxMessage};
 use onceonly::{
     Delivery, Engine, Json, KeySpec, Outcome, PgStore, SqlStore, handler_fn,
     redis::{RedisClaim, RedisStore},
 };
-use onceonly_integration_tests::amqp::{connect, declare_queue, take};
+use onceonly_integration_tests::amqp::{connect, declare_queue, depth, publish_stream, take};
 use onceonly_integration_tests::cli::{onceonly, onceonly_binary};
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::ledger::{assert_exact, crash_stream};
 use onceonly_integration_tests::private_pg::PrivatePg;
 use onceonly_integration_tests::tls::{TestCa, TlsProxy};
-use onceonly_integration_tests::{Pay, pay, unique};
+use onceonly_integration_tests::{Pay, pay, pg_store, unique};
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -166,8 +176,11 @@ async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database(
         .expect("create topic over TLS");
     assert!(created.iter().all(Result::is_ok), "{created:?}");
 
-    // RabbitMQ: amqps through a proxy in front of the shared broker.
-    let amqp = TlsProxy::start(&ca, &authority(&onceonly_integration_tests::amqp::url())).await;
+    // RabbitMQ: amqps through a proxy in front of the shared broker, which
+    // wants a client certificate.
+    let amqp =
+        TlsProxy::start_mutual(&ca, &authority(&onceonly_integration_tests::amqp::url())).await;
+    let (client_cert, client_key) = ca.client_identity_paths();
     let (_conn, channel) = connect().await;
     let queue = unique("settled_tls");
     declare_queue(&channel, &queue).await;
@@ -216,7 +229,7 @@ async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database(
         );
     }
 
-    let relay = tokio::process::Command::new(onceonly_binary())
+    let mut relay = tokio::process::Command::new(onceonly_binary())
         .args(["relay", "--database-url", &db, "--poll-interval", "200ms"])
         .args(["--kafka-brokers", &kafka.bootstrap()])
         .args(["-X", "security.protocol=ssl"])
@@ -225,12 +238,17 @@ async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database(
             "--amqp-url",
             &format!("amqps://guest:guest@localhost:{}/%2f", amqp.port()),
         ])
-        // lapin trusts the system roots, and SSL_CERT_FILE replaces them.
-        .env("SSL_CERT_FILE", ca.ca_path())
+        .arg("--amqp-ca")
+        .arg(ca.ca_path())
+        .arg("--amqp-cert")
+        .arg(&client_cert)
+        .arg("--amqp-key")
+        .arg(&client_key)
         .env_remove("ONCEONLY_DATABASE_URL")
         .env_remove("ONCEONLY_OUTBOX_TABLE")
         .env_remove("ONCEONLY_KAFKA_BROKERS")
         .env_remove("ONCEONLY_AMQP_URL")
+        .env_remove("SSL_CERT_FILE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -245,10 +263,13 @@ async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database(
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     while sent().await < 2 * N as i64 {
-        if Instant::now() > deadline {
-            let _ = std::process::Command::new("kill")
-                .args(["-TERM", &relay.id().expect("pid").to_string()])
-                .status();
+        let exited = relay.try_wait().expect("relay status").is_some();
+        if exited || Instant::now() > deadline {
+            if let Some(pid) = relay.id() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+            }
             let out = relay.wait_with_output().await.expect("relay output");
             panic!(
                 "the relay did not publish over TLS ({} of {} sent):\n{}",
@@ -289,6 +310,66 @@ async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database(
         "the relay reached RabbitMQ without TLS"
     );
     assert!(kafka.proxy.handshakes() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_amqp_consumer_works_over_amqps_with_a_client_certificate() {
+    let ca = TestCa::new("amqp");
+    let proxy =
+        TlsProxy::start_mutual(&ca, &authority(&onceonly_integration_tests::amqp::url())).await;
+    let amqps = format!("amqps://guest:guest@localhost:{}/%2f", proxy.port());
+    let (cert, key) = ca.client_identity();
+    let tls = AmqpTls::new()
+        .ca_pem(ca.ca_pem())
+        .client_identity_pem(cert, key);
+
+    let db = pg_schema("amqps").await;
+    let store = pg_store(&db, "onceonly_keys").await;
+    ledger::postgres::create_tables(store.pool())
+        .await
+        .expect("ledger");
+    let queue = unique("amqps");
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    let stream = crash_stream("S", 200);
+    publish_stream(&channel, &queue, &stream).await;
+
+    let consumer = AmqpConsumer::builder(store.clone())
+        .url(&amqps)
+        .tls(tls.clone())
+        .queue(&queue)
+        .key_expr("json:/out_trade_no")
+        .exit_when_idle(Duration::from_secs(2))
+        .build()
+        .expect("consumer");
+    let stats = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()),
+    )
+    .await
+    .expect("the consumer did not drain the queue over amqps")
+    .expect("consumer failed");
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_exact(store.pool(), &stream.expected).await;
+    assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
+    assert!(proxy.handshakes() >= 1, "the consumer did not use TLS");
+
+    // Without the client certificate the broker's TLS endpoint refuses the
+    // connection: the replay reports it instead of reading anything.
+    let handshakes = proxy.handshakes();
+    let refused = AmqpReplay::builder()
+        .url(&amqps)
+        .tls(AmqpTls::new().ca_pem(ca.ca_pem()))
+        .queue(format!("{queue}.dlq"))
+        .build()
+        .expect("replay")
+        .run()
+        .await;
+    assert!(
+        refused.is_err(),
+        "connected without a client certificate: {refused:?}"
+    );
+    assert_eq!(proxy.handshakes(), handshakes, "no handshake may complete");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -394,7 +475,7 @@ impl PrivateTansu {
             assert!(Instant::now() < deadline, "private tansu did not listen");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let proxy = TlsProxy::serve(listener, ca, &format!("127.0.0.1:{plain}"));
+        let proxy = TlsProxy::serve(listener, ca, &format!("127.0.0.1:{plain}"), false);
         Self { child, proxy }
     }
 

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use super::AmqpConsumerError;
 use super::consumer::{AmqpConsumer, Settings};
 use super::topology::{DeadLetterTarget, QueueKind, Topology};
+use super::{AmqpConsumerError, AmqpTls};
 use crate::engine::{Engine, EngineBuilder, RetryPolicy};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::KeySpec;
@@ -17,6 +17,7 @@ pub struct AmqpConsumerBuilder<S> {
     engine: EngineBuilder<S>,
     scope: Option<String>,
     url: Option<String>,
+    tls: AmqpTls,
     queue: Option<String>,
     kind: QueueKind,
     delivery_limit: Option<i64>,
@@ -34,6 +35,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             engine: Engine::builder(store),
             scope: None,
             url: None,
+            tls: AmqpTls::new(),
             queue: None,
             kind: QueueKind::Classic,
             delivery_limit: None,
@@ -52,6 +54,14 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     #[must_use]
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
+        self
+    }
+
+    /// TLS settings of an `amqps://` URL beyond the system's roots: a
+    /// private CA, a client certificate.
+    #[must_use]
+    pub fn tls(mut self, tls: AmqpTls) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -202,6 +212,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             topology,
             Settings {
                 url,
+                tls: self.tls,
                 prefetch: self.prefetch,
                 concurrency: self.concurrency,
                 exit_when_idle: self.exit_when_idle,

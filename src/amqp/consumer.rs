@@ -11,7 +11,6 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -27,6 +26,7 @@ use crate::store::SqlStore;
 
 pub(super) struct Settings {
     pub(super) url: String,
+    pub(super) tls: super::AmqpTls,
     pub(super) prefetch: u16,
     pub(super) concurrency: usize,
     pub(super) exit_when_idle: Option<Duration>,
@@ -144,7 +144,7 @@ where
     // A broker that is starting can accept the connection and then stall:
     // bound the whole setup.
     let setup = async {
-        let conn = Connection::connect(&settings.url, ConnectionProperties::default()).await?;
+        let conn = super::connect(&settings.url, &settings.tls).await?;
         let channel = conn.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())

@@ -66,6 +66,7 @@
 //! [`reconnect_backoff`]: AmqpConsumerBuilder::reconnect_backoff
 
 mod builder;
+mod connect;
 mod consumer;
 mod error;
 pub mod headers;
@@ -76,6 +77,8 @@ mod worker;
 
 pub use crate::consumer_stats::ConsumerStats;
 pub use builder::AmqpConsumerBuilder;
+pub use connect::AmqpTls;
+pub(crate) use connect::connect;
 pub use consumer::AmqpConsumer;
 pub use error::AmqpConsumerError;
 pub use tokio_util::sync::CancellationToken;

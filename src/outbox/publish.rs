@@ -184,10 +184,11 @@ mod amqp {
     use async_trait::async_trait;
     use lapin::options::ConfirmSelectOptions;
     use lapin::types::{AMQPValue, FieldTable};
-    use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+    use lapin::{BasicProperties, Channel};
     use tokio::sync::Mutex;
 
     use super::{Kind, Outgoing, PublishError, Publisher};
+    use crate::amqp::AmqpTls;
 
     /// Publishes to RabbitMQ with publisher confirms, `mandatory` and
     /// persistent delivery: a message counts as sent once the broker
@@ -195,6 +196,7 @@ mod amqp {
     /// connection is lost.
     pub struct AmqpPublisher {
         url: String,
+        tls: AmqpTls,
         channel: Mutex<Option<Channel>>,
     }
 
@@ -203,8 +205,16 @@ mod amqp {
         pub fn new(url: impl Into<String>) -> Self {
             Self {
                 url: url.into(),
+                tls: AmqpTls::new(),
                 channel: Mutex::new(None),
             }
+        }
+
+        /// TLS settings of an `amqps://` URL beyond the system's roots.
+        #[must_use]
+        pub fn with_tls(mut self, tls: AmqpTls) -> Self {
+            self.tls = tls;
+            self
         }
 
         async fn channel(&self) -> Result<Channel, PublishError> {
@@ -213,7 +223,7 @@ mod amqp {
                 return Ok(channel.clone());
             }
             let unavailable = |e: lapin::Error| PublishError::retryable(format!("amqp: {e}"));
-            let conn = Connection::connect(&self.url, ConnectionProperties::default())
+            let conn = crate::amqp::connect(&self.url, &self.tls)
                 .await
                 .map_err(unavailable)?;
             let channel = conn.create_channel().await.map_err(unavailable)?;

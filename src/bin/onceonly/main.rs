@@ -72,6 +72,43 @@ pub struct DbArgs {
     pub table: String,
 }
 
+/// TLS files of an `amqps://` broker beyond the system's roots.
+#[cfg(feature = "amqp")]
+#[derive(clap::Args, Debug)]
+pub struct AmqpTlsArgs {
+    /// PEM file of a CA to trust for amqps:// (besides the system's roots).
+    #[arg(long, env = "ONCEONLY_AMQP_CA", value_name = "FILE")]
+    pub amqp_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for amqps:// (with --amqp-key).
+    #[arg(
+        long,
+        env = "ONCEONLY_AMQP_CERT",
+        value_name = "FILE",
+        requires = "amqp_key"
+    )]
+    pub amqp_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --amqp-cert (PKCS#8, PKCS#1 or SEC1, unencrypted).
+    #[arg(
+        long,
+        env = "ONCEONLY_AMQP_KEY",
+        value_name = "FILE",
+        requires = "amqp_cert"
+    )]
+    pub amqp_key: Option<std::path::PathBuf>,
+}
+
+#[cfg(feature = "amqp")]
+impl AmqpTlsArgs {
+    /// Reads the files into TLS settings.
+    pub fn load(&self) -> std::io::Result<onceonly::amqp::AmqpTls> {
+        onceonly::amqp::AmqpTls::from_files(
+            self.amqp_ca.as_deref(),
+            self.amqp_cert.as_deref(),
+            self.amqp_key.as_deref(),
+        )
+    }
+}
+
 /// Parses a librdkafka `KEY=VALUE` setting (`-X`).
 #[cfg(feature = "kafka")]
 fn parse_pair(s: &str) -> Result<(String, String), String> {

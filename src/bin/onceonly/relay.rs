@@ -33,6 +33,9 @@ pub struct RelayArgs {
     #[cfg(feature = "amqp")]
     #[arg(long, env = "ONCEONLY_AMQP_URL", hide_env_values = true)]
     amqp_url: Option<String>,
+    #[cfg(feature = "amqp")]
+    #[command(flatten)]
+    amqp_tls: crate::AmqpTlsArgs,
     /// HMAC secret: POST `webhook` rows, signed (header x-onceonly-signature).
     #[cfg(feature = "webhook")]
     #[arg(long, env = "ONCEONLY_WEBHOOK_SECRET", hide_env_values = true)]
@@ -103,7 +106,9 @@ fn publishers<DB: OutboxBackend>(
     }
     #[cfg(feature = "amqp")]
     if let Some(url) = &args.amqp_url {
-        builder = builder.publisher(onceonly::outbox::AmqpPublisher::new(url.clone()));
+        builder = builder.publisher(
+            onceonly::outbox::AmqpPublisher::new(url.clone()).with_tls(args.amqp_tls.load()?),
+        );
     }
     #[cfg(feature = "webhook")]
     if let Some(secret) = &args.webhook_secret {

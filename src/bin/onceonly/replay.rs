@@ -115,6 +115,8 @@ struct AmqpArgs {
         hide_env_values = true
     )]
     url: String,
+    #[command(flatten)]
+    tls: crate::AmqpTlsArgs,
     /// The dead-letter queue, e.g. orders.dlq.
     #[arg(long)]
     queue: String,
@@ -160,6 +162,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), BoxError> {
             let ui = Ui::new(a.selection.dry_run);
             let replay = onceonly::ops::replay::AmqpReplay::builder()
                 .url(a.url)
+                .tls(a.tls.load()?)
                 .queue(&a.queue)
                 .to_queue(a.to_queue)
                 .options(options(&a.selection))

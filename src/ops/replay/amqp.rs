@@ -10,14 +10,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection};
 
 use super::options::{ReplayOptions, required};
 use super::report::{Action, Letter, ProgressFn, ReplayReport, record};
 use super::{REPLAYED_FROM, ReplayError};
-use crate::amqp::headers;
 use crate::amqp::message::{header_text, set_text};
 use crate::amqp::publish::publish_confirmed;
+use crate::amqp::{AmqpTls, headers};
 
 /// Bounds connecting, opening channels and closing.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -27,6 +27,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Default)]
 pub struct AmqpReplayBuilder {
     url: Option<String>,
+    tls: AmqpTls,
     queue: Option<String>,
     to_queue: bool,
     options: ReplayOptions,
@@ -47,6 +48,13 @@ impl AmqpReplayBuilder {
     #[must_use]
     pub fn url(mut self, url: impl Into<String>) -> Self {
         self.url = Some(url.into());
+        self
+    }
+
+    /// TLS settings of an `amqps://` URL beyond the system's roots.
+    #[must_use]
+    pub fn tls(mut self, tls: AmqpTls) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -91,6 +99,7 @@ impl AmqpReplayBuilder {
         self.options.validate()?;
         Ok(AmqpReplay {
             url,
+            tls: self.tls,
             queue,
             to_queue: self.to_queue,
             options: self.options,
@@ -122,6 +131,7 @@ impl AmqpReplayBuilder {
 /// twice.
 pub struct AmqpReplay {
     url: String,
+    tls: AmqpTls,
     queue: String,
     to_queue: bool,
     options: ReplayOptions,
@@ -147,11 +157,7 @@ impl AmqpReplay {
     /// dead letters that could not be republished are counted in
     /// [`ReplayReport::failed`] and stay in the queue.
     pub async fn run(&self) -> Result<ReplayReport, ReplayError> {
-        let conn = bounded(
-            "connecting",
-            Connection::connect(&self.url, ConnectionProperties::default()),
-        )
-        .await??;
+        let conn = bounded("connecting", crate::amqp::connect(&self.url, &self.tls)).await??;
         let result = self.run_on(&conn).await;
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
