@@ -86,6 +86,7 @@ pub mod kafka;
 pub mod ledger;
 pub mod mock;
 pub mod private_pg;
+pub mod services;
 pub mod tls;
 
 /// SQL of the business table `charges(id, out_trade_no, amount)` per backend.

@@ -1,18 +1,42 @@
 //! A throwaway PostgreSQL server of a test's own (its own data directory and
-//! port, so stopping or reconfiguring it disturbs no other test), run as the
-//! `postgres` user with the host's `initdb` and `pg_ctl`.
+//! port, so stopping or reconfiguring it disturbs no other test). Where it
+//! runs is decided by [`crate::services`]:
+//!
+//! - on the host: the host's `initdb` and `pg_ctl`, run as the `postgres`
+//!   user (through `runuser`, so as root), data in a temporary directory;
+//! - under Docker Compose: service `postgres-private` of `docker-compose.yml`
+//!   (127.0.0.1:54329), replaced by a fresh container (and volume) on every
+//!   start, so it begins as empty as after `initdb`.
+//!
+//! Settings, `pg_hba.conf` lines and files given to the builder are applied
+//! in both cases: under compose they are written into the container's data
+//! directory (`docker compose exec`) and the container is restarted, and
+//! the loopback addresses of `hba` lines are rewritten for the container
+//! ([`crate::services::hba_for_container`]).
+//!
+//! Extension point for a server that needs more than that under compose
+//! (another port, an image with other extensions, files mounted from the
+//! repository): add a service to `docker-compose.yml` that publishes
+//! `127.0.0.1:PORT:5432` and pass its name to
+//! [`PrivatePgBuilder::compose_service`]. The builder checks that the
+//! service publishes the builder's port, and fails loudly if not.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::services::{self, Mechanism, Service, compose};
 use crate::unique;
 
 /// A private PostgreSQL server, stopped and deleted on drop.
 pub struct PrivatePg {
-    bin: PathBuf,
-    data: PathBuf,
     port: u16,
-    log: PathBuf,
+    data: PathBuf,
+    how: How,
+}
+
+enum How {
+    Host { bin: PathBuf, log: PathBuf },
+    Compose { service: String },
 }
 
 /// Settings of a [`PrivatePg`] before it starts.
@@ -21,16 +45,23 @@ pub struct PrivatePgBuilder {
     settings: Vec<(String, String)>,
     hba: Option<Vec<String>>,
     files: Vec<(String, Vec<u8>)>,
+    compose_service: Option<String>,
 }
 
+/// The compose service used when the builder names none.
+pub const DEFAULT_COMPOSE_SERVICE: &str = "postgres-private";
+
 impl PrivatePg {
-    /// A server on `port` (127.0.0.1, trust auth, socket in /tmp).
+    /// A server on `port` (127.0.0.1, trust auth). Under Docker Compose the
+    /// port must be the one its compose service publishes (54329 for
+    /// `postgres-private`).
     pub fn builder(port: u16) -> PrivatePgBuilder {
         PrivatePgBuilder {
             port,
             settings: Vec::new(),
             hba: None,
             files: Vec::new(),
+            compose_service: None,
         }
     }
 
@@ -45,16 +76,25 @@ impl PrivatePg {
     }
 
     /// The data directory (where [`PrivatePgBuilder::file`] puts files).
+    /// Under Docker Compose, a path inside the container.
     pub fn data_dir(&self) -> &Path {
         &self.data
     }
 
-    fn ctl(&self, args: &[&str]) -> bool {
+    /// How it runs: on the host or under Docker Compose.
+    pub fn mechanism(&self) -> Mechanism {
+        match self.how {
+            How::Host { .. } => Mechanism::Host,
+            How::Compose { .. } => Mechanism::Compose,
+        }
+    }
+
+    fn ctl(bin: &Path, data: &Path, args: &[&str]) -> bool {
         Command::new("runuser")
             .args(["-u", "postgres", "--"])
-            .arg(self.bin.join("pg_ctl"))
+            .arg(bin.join("pg_ctl"))
             .arg("-D")
-            .arg(&self.data)
+            .arg(data)
             .args(args)
             .stdout(Stdio::null())
             .status()
@@ -63,20 +103,34 @@ impl PrivatePg {
 
     /// Starts the server and waits until it accepts connections.
     pub fn start(&self) {
-        let opts = format!(
-            "-p {} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off",
-            self.port
-        );
-        let log = self.log.to_string_lossy().into_owned();
-        assert!(
-            self.ctl(&["-w", "-l", &log, "-o", &opts, "start"]),
-            "private PostgreSQL did not start; see {log}"
-        );
+        match &self.how {
+            How::Host { bin, log } => {
+                let opts = format!(
+                    "-p {} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off",
+                    self.port
+                );
+                let log = log.to_string_lossy().into_owned();
+                assert!(
+                    Self::ctl(bin, &self.data, &["-w", "-l", &log, "-o", &opts, "start"]),
+                    "private PostgreSQL did not start; see {log}"
+                );
+            }
+            How::Compose { service } => compose_up(service),
+        }
     }
 
-    /// Stops the server the way a crash would (`pg_ctl stop -m immediate`).
+    /// Stops the server the way a crash would: `pg_ctl stop -m immediate`
+    /// on the host, `docker compose kill -s KILL` under compose.
     pub fn stop_immediately(&self) {
-        assert!(self.ctl(&["-m", "immediate", "stop"]), "pg_ctl stop failed");
+        match &self.how {
+            How::Host { bin, .. } => assert!(
+                Self::ctl(bin, &self.data, &["-m", "immediate", "stop"]),
+                "pg_ctl stop failed"
+            ),
+            How::Compose { service } => {
+                services::run(compose().args(["kill", "-s", "KILL", service]))
+            }
+        }
     }
 }
 
@@ -101,9 +155,28 @@ impl PrivatePgBuilder {
         self
     }
 
-    /// Runs `initdb`, writes the configuration and starts the server.
+    /// Under Docker Compose, run this service of `docker-compose.yml`
+    /// instead of `postgres-private` (it must publish `127.0.0.1:PORT:5432`
+    /// with the builder's port). No effect on the host.
+    pub fn compose_service(mut self, name: &str) -> Self {
+        self.compose_service = Some(name.into());
+        self
+    }
+
+    /// Creates the server (`initdb`, or a fresh container), writes the
+    /// configuration and starts it.
     pub fn start(self) -> PrivatePg {
-        let bin = server_binaries();
+        match Service::PrivatePostgres.mechanism() {
+            Mechanism::Host => self.start_on_host(),
+            Mechanism::Compose => self.start_in_compose(),
+        }
+    }
+
+    fn start_on_host(self) -> PrivatePg {
+        let bin = services::pg_server_binaries().expect(
+            "PostgreSQL server binaries (initdb, pg_ctl) under /usr/lib/postgresql: \
+             install the postgresql package (scripts/services uses it too)",
+        );
         let data = std::env::temp_dir().join(unique("onceonly-pg"));
         std::fs::create_dir_all(&data).expect("private PostgreSQL data directory");
         chown_postgres(&data);
@@ -128,49 +201,148 @@ impl PrivatePgBuilder {
             chown_postgres(&path);
         }
         if !self.settings.is_empty() {
-            let conf: String = self
-                .settings
-                .iter()
-                .map(|(k, v)| format!("{k} = {v}\n"))
-                .collect();
-            append(&data.join("postgresql.conf"), &conf);
+            append(&data.join("postgresql.conf"), &self.conf());
         }
         if let Some(hba) = &self.hba {
             std::fs::write(data.join("pg_hba.conf"), hba.join("\n") + "\n").expect("pg_hba.conf");
         }
         let log = std::env::temp_dir().join(format!("{}.log", unique("onceonly-private-pg")));
         let pg = PrivatePg {
-            bin,
-            data,
             port: self.port,
-            log,
+            data,
+            how: How::Host { bin, log },
         };
         pg.start();
         pg
+    }
+
+    fn start_in_compose(self) -> PrivatePg {
+        let service = self
+            .compose_service
+            .clone()
+            .unwrap_or_else(|| DEFAULT_COMPOSE_SERVICE.into());
+        // A new container and anonymous volume: as empty as after initdb.
+        services::run(compose().args(["rm", "--stop", "--force", "--volumes", &service]));
+        compose_up(&service);
+        let mut pg = PrivatePg {
+            port: self.port,
+            data: PathBuf::new(),
+            how: How::Compose {
+                service: service.clone(),
+            },
+        };
+        // From here on, a failure drops `pg`, which removes the container.
+        let published = services::output(compose().args(["port", &service, "5432"]));
+        assert_eq!(
+            services::published_port(&published),
+            Some(self.port),
+            "compose service {service} publishes PostgreSQL on {published:?}, but the test asked \
+             for port {}: add a service publishing \"127.0.0.1:{}:5432\" to docker-compose.yml \
+             and name it with PrivatePgBuilder::compose_service",
+            self.port,
+            self.port
+        );
+        let data = services::output(compose().args(["exec", "-T", &service, "printenv", "PGDATA"]))
+            .trim()
+            .to_owned();
+        assert!(
+            data.starts_with('/'),
+            "PGDATA of compose service {service}: {data:?}"
+        );
+        pg.data = PathBuf::from(data);
+        if self.files.is_empty() && self.settings.is_empty() && self.hba.is_none() {
+            return pg;
+        }
+        for (name, contents) in &self.files {
+            // sh -c SCRIPT sh NAME: the name is $1, never parsed by a shell.
+            services::run_with_input(
+                compose().args([
+                    "exec",
+                    "-T",
+                    &service,
+                    "sh",
+                    "-c",
+                    "f=\"$PGDATA/$1\" && cat > \"$f\" && chown postgres:postgres \"$f\" \
+                     && chmod 0600 \"$f\"",
+                    "sh",
+                    name,
+                ]),
+                contents,
+            );
+        }
+        if !self.settings.is_empty() {
+            services::run_with_input(
+                compose().args([
+                    "exec",
+                    "-T",
+                    &service,
+                    "sh",
+                    "-c",
+                    "cat >> \"$PGDATA/postgresql.conf\"",
+                ]),
+                self.conf().as_bytes(),
+            );
+        }
+        if let Some(hba) = &self.hba {
+            let lines = services::hba_for_container(hba);
+            services::run_with_input(
+                compose().args([
+                    "exec",
+                    "-T",
+                    &service,
+                    "sh",
+                    "-c",
+                    "cat > \"$PGDATA/pg_hba.conf\"",
+                ]),
+                (lines.join("\n") + "\n").as_bytes(),
+            );
+        }
+        // Restart to load them (some, like ssl files, need a reload at
+        // least; a restart covers every setting).
+        services::run(compose().args(["stop", &service]));
+        compose_up(&service);
+        pg
+    }
+
+    fn conf(&self) -> String {
+        self.settings
+            .iter()
+            .map(|(k, v)| format!("{k} = {v}\n"))
+            .collect()
+    }
+}
+
+/// `docker compose up -d --wait SERVICE`: starts it (creating it if need be)
+/// and waits for its health check (`pg_isready` over TCP).
+fn compose_up(service: &str) {
+    if let Err(e) = services::try_run(compose().args(["up", "-d", "--wait", service])) {
+        let logs = compose()
+            .args(["logs", "--tail", "30", service])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        panic!("private PostgreSQL (compose service {service}) did not start: {e}\n{logs}");
     }
 }
 
 impl Drop for PrivatePg {
     fn drop(&mut self) {
-        self.ctl(&["-m", "immediate", "stop"]);
-        let _ = std::fs::remove_dir_all(&self.data);
+        match &self.how {
+            How::Host { bin, .. } => {
+                Self::ctl(bin, &self.data, &["-m", "immediate", "stop"]);
+                let _ = std::fs::remove_dir_all(&self.data);
+            }
+            How::Compose { service } => {
+                let _ = services::try_run(compose().args([
+                    "rm",
+                    "--stop",
+                    "--force",
+                    "--volumes",
+                    service,
+                ]));
+            }
+        }
     }
-}
-
-/// The directory of `initdb` and `pg_ctl` of the installed server.
-fn server_binaries() -> PathBuf {
-    std::fs::read_dir("/usr/lib/postgresql")
-        .ok()
-        .and_then(|versions| {
-            versions
-                .flatten()
-                .map(|v| v.path().join("bin"))
-                .find(|b| b.join("initdb").exists())
-        })
-        .expect(
-            "PostgreSQL server binaries (initdb, pg_ctl) under /usr/lib/postgresql: \
-             install the postgresql package (scripts/services uses it too)",
-        )
 }
 
 fn append(path: &Path, text: &str) {

@@ -1,11 +1,12 @@
 //! RabbitMQ restarted under a running consumer (`rabbitmqctl stop_app`, then
-//! `start_app`): the consumer reconnects and drains the queue with an exact
-//! ledger. In its own test binary so that no other test sees the restart.
+//! `start_app`, on the host or inside the compose container, see
+//! `onceonly_integration_tests::services`): the consumer reconnects and
+//! drains the queue with an exact ledger. In its own test binary so that no
+//! other test sees the restart.
 
 #[path = "../../examples/support/ledger.rs"]
 mod ledger;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use onceonly::amqp::{AmqpConsumer, CancellationToken};
@@ -13,30 +14,25 @@ use onceonly::{RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{Expected, assert_exact, rows};
+use onceonly_integration_tests::services::Service;
 use onceonly_integration_tests::{pay, pg_store, unique};
-
-fn rabbitmqctl(args: &[&str]) {
-    let status = Command::new("rabbitmqctl")
-        .args(args)
-        .status()
-        .unwrap_or_else(|e| {
-            panic!("rabbitmqctl {args:?}: {e} (is RabbitMQ installed? scripts/services)")
-        });
-    assert!(status.success(), "rabbitmqctl {args:?} failed");
-}
 
 /// Starts the broker app again however the test ends.
 struct Restart;
 
 impl Drop for Restart {
     fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl").arg("start_app").status();
+        if let Err(e) = Service::RabbitMq.try_start() {
+            eprintln!("starting RabbitMQ's app again: {e}");
+        }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    // Host tools or docker compose: decided first (panics if neither).
+    let how = Service::RabbitMq.mechanism();
     let queue = unique("arestart");
     let db = pg_schema("arestart").await;
     let store = pg_store(&db, "onceonly_keys").await;
@@ -78,13 +74,13 @@ async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let guard = Restart;
-    rabbitmqctl(&["stop_app"]);
+    Service::RabbitMq.stop();
     let at_stop = rows(&pool).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    rabbitmqctl(&["start_app"]);
+    Service::RabbitMq.start();
     std::mem::forget(guard);
     eprintln!(
-        "restarted RabbitMQ with {at_stop} of {} rows done",
+        "restarted RabbitMQ ({how:?}) with {at_stop} of {} rows done",
         expected.len()
     );
 

@@ -1,6 +1,7 @@
 //! The database goes away under a running consumer: a private PostgreSQL
 //! (its own data directory and port, so no other test is disturbed) is
-//! stopped with `pg_ctl stop -m immediate` while the AMQP consumer works,
+//! stopped with `pg_ctl stop -m immediate` (under Docker Compose: its
+//! container `postgres-private` killed) while the AMQP consumer works,
 //! then started again. An outage is the infrastructure's fault, not the
 //! messages': nothing may be dead-lettered, nothing acked unprocessed, and
 //! the ledger must end exact.

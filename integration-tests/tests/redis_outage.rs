@@ -1,17 +1,18 @@
-//! Redis shut down in the middle of a run (`redis-cli shutdown nosave`),
-//! then started again by `scripts/services`: the two-tier store falls
+//! Redis shut down in the middle of a run (`redis-cli shutdown nosave` and
+//! `scripts/services redis` on the host, `docker compose stop redis` and
+//! `up -d --wait redis` under compose; see
+//! `onceonly_integration_tests::services`): the two-tier store falls
 //! through to SQL and every key still takes effect exactly once. In its own
 //! test binary so no other test sees the outage.
 
 #[path = "../../examples/support/ledger.rs"]
 mod ledger;
 
-use std::process::Command;
-
 use onceonly::redis::CachedStore;
 use onceonly::{Delivery, Engine, SqlStore};
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream};
+use onceonly_integration_tests::services::Service;
 use onceonly_integration_tests::{redis_unreachable, redis_url, unique};
 
 /// Starts Redis again however the test ends.
@@ -19,22 +20,25 @@ struct Restart;
 
 impl Restart {
     fn now(&self) {
-        let services = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
-        let status = Command::new(services).status().expect("scripts/services");
-        assert!(status.success(), "scripts/services could not restart Redis");
+        Service::Redis.start();
     }
 }
 
 impl Drop for Restart {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.now();
+        if std::thread::panicking()
+            && let Err(e) = Service::Redis.try_start()
+        {
+            eprintln!("starting Redis again: {e}");
         }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_down_mid_run_stays_exactly_once_through_sql() {
+    // Host tools or docker compose: decided first (panics if neither).
+    let how = Service::Redis.mechanism();
+    eprintln!("Redis is stopped and started through: {how:?}");
     let url = pg_schema("routage").await;
     let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
     ledger::postgres::create_tables(sql.pool()).await.unwrap();
@@ -53,9 +57,7 @@ async fn redis_down_mid_run_stays_exactly_once_through_sql() {
     let restart = Restart;
     for (i, (_, body)) in stream.messages.iter().enumerate() {
         if i == third {
-            let _ = Command::new("redis-cli")
-                .args(["shutdown", "nosave"])
-                .status();
+            Service::Redis.stop();
         }
         if i == 2 * third {
             restart.now();

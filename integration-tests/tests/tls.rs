@@ -47,8 +47,10 @@ use sqlx::postgres::PgConnectOptions;
 
 /// A private PostgreSQL on `port` that accepts TLS connections only, with
 /// `ca`'s server certificate.
-fn tls_only_pg(port: u16, ca: &TestCa) -> PrivatePg {
+/// (Under Docker Compose: service `compose_service`, which publishes `port`.)
+fn tls_only_pg(port: u16, compose_service: &str, ca: &TestCa) -> PrivatePg {
     PrivatePg::builder(port)
+        .compose_service(compose_service)
         .setting("ssl", "on")
         .setting("ssl_cert_file", "'server.crt'")
         .setting("ssl_key_file", "'server.key'")
@@ -84,7 +86,7 @@ fn authority(url: &str) -> String {
 async fn the_cli_and_the_store_reach_postgres_only_over_verified_tls() {
     let ca = TestCa::with_names("pg", &["localhost"]);
     let stranger = TestCa::new("stranger");
-    let pg = tls_only_pg(54_331, &ca);
+    let pg = tls_only_pg(54_331, "postgres-tls", &ca);
     let port = pg.port();
     let verified = pg_url(port, "verify-full", Some(&ca));
 
@@ -152,7 +154,7 @@ async fn the_cli_and_the_store_reach_postgres_only_over_verified_tls() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database() {
     let ca = TestCa::new("relay");
-    let pg = tls_only_pg(54_332, &ca);
+    let pg = tls_only_pg(54_332, "postgres-tls-relay", &ca);
     let db = pg_url(pg.port(), "verify-full", Some(&ca));
 
     // Kafka: a private tansu whose advertised address is the TLS proxy.
