@@ -28,6 +28,7 @@ pub mod kafka;
 pub mod key;
 pub mod ops;
 pub mod outbox;
+pub mod redact;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -45,6 +46,7 @@ pub use engine::{
 };
 pub use fingerprint::{Fingerprint, FingerprintSpec};
 pub use key::{IdemKey, KeyError, KeySpec, KeySpecError};
+pub use redact::KeyRedaction;
 #[cfg(feature = "mysql")]
 pub use store::mysql::MySqlStore;
 #[cfg(feature = "postgres")]

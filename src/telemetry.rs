@@ -42,20 +42,22 @@
 //! Each delivery runs in a span named [`SPAN_NAME`] (`onceonly.delivery`, at
 //! `INFO`) with the fields `scope`, `transport`, `source`, `key` and, once
 //! known, `outcome`. The handler runs inside it, so its own events carry
-//! those fields. Keys can be personal data: with
-//! [`EngineBuilder::hash_keys_in_traces`](crate::EngineBuilder::hash_keys_in_traces)
-//! the `key` field is `sha256:` and the first 16 hex digits of the key's
-//! SHA-256 instead.
+//! those fields, and so do onceonly's own events about the delivery (a
+//! store error, the cache tier's warnings). Keys can be personal data: the
+//! `key` field is shown as
+//! [`EngineBuilder::key_redaction`](crate::EngineBuilder::key_redaction)
+//! says, e.g. `hmac:` and 16 hex digits of a keyed hash (see
+//! [`KeyRedaction`]). Errors name no key: the span says which it was.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram, SharedString};
-use sha2::{Digest, Sha256};
 use tracing::Span;
 use tracing::field::Empty;
 
 use crate::engine::OutcomeKind;
+use crate::redact::KeyRedaction;
 use crate::store::InfraFault;
 
 /// Counter of processing attempts by outcome.
@@ -165,7 +167,7 @@ const OUTCOMES: [OutcomeKind; 5] = [
 pub(crate) struct Telemetry {
     scope: SharedString,
     transport: &'static str,
-    hash_keys: bool,
+    redaction: KeyRedaction,
     outcomes: [Counter; 5],
     handler: Histogram,
     commit: Histogram,
@@ -209,7 +211,7 @@ impl Waits {
 impl Telemetry {
     /// Resolves the handles of `scope` and `transport` with the recorder
     /// installed now.
-    pub(crate) fn new(scope: &str, transport: &'static str, hash_keys: bool) -> Self {
+    pub(crate) fn new(scope: &str, transport: &'static str, redaction: KeyRedaction) -> Self {
         let scope = SharedString::from(Arc::<str>::from(scope));
         let outcomes = OUTCOMES.map(|kind| {
             metrics::counter!(
@@ -237,7 +239,7 @@ impl Telemetry {
         Self {
             scope,
             transport,
-            hash_keys,
+            redaction,
             outcomes,
             handler,
             commit,
@@ -362,23 +364,18 @@ impl Telemetry {
         )
     }
 
-    /// Records the key on `span`, hashed if so configured.
+    /// How keys are shown in spans and logs.
+    pub(crate) fn redaction(&self) -> &KeyRedaction {
+        &self.redaction
+    }
+
+    /// Records the key on `span`, as the redaction shows it.
     pub(crate) fn record_key(&self, span: &Span, key: &str) {
         if span.is_disabled() {
             return;
         }
-        if self.hash_keys {
-            span.record("key", hashed_key(key).as_str());
-        } else {
-            span.record("key", key);
-        }
+        span.record("key", &*self.redaction.show(key));
     }
-}
-
-/// `sha256:` and the first 16 hex digits of the key's SHA-256.
-pub(crate) fn hashed_key(key: &str) -> String {
-    let digest = Sha256::digest(key.as_bytes());
-    format!("sha256:{}", hex::encode(&digest[..8]))
 }
 
 /// Counts `n` records purged from `table`.
@@ -391,12 +388,6 @@ pub(crate) fn purged(table: &crate::store::TableName, n: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hashed_keys_are_a_stable_prefix() {
-        // SHA-256("abc") = ba7816bf8f01cfea...
-        assert_eq!(hashed_key("abc"), "sha256:ba7816bf8f01cfea");
-    }
 
     #[test]
     fn outcome_table_matches_the_kinds() {

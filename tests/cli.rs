@@ -8,7 +8,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use onceonly::{
-    Clock as _, Delivery, Engine, KeySpec, ManualClock, Outcome, SqlStore, SqliteStore, handler_fn,
+    Clock as _, Delivery, Engine, KeyRedaction, KeySpec, ManualClock, Outcome, SqlStore,
+    SqliteStore, handler_fn,
 };
 
 /// Runs the CLI (this file's one runner); returns its exit status (-1 if
@@ -30,7 +31,7 @@ fn cli(args: &[&str]) -> (i32, String, String) {
 fn help_lists_the_subcommands() {
     let (code, out, _) = cli(&["--help"]);
     assert_eq!(code, 0);
-    for sub in ["migrate", "inspect", "purge", "stats", "outbox"] {
+    for sub in ["migrate", "inspect", "purge", "stats", "outbox", "key-hash"] {
         assert!(out.contains(sub), "{sub} missing from --help:\n{out}");
     }
     let (code, _, err) = cli(&["purge", "--database-url", "sqlite:x.db"]);
@@ -46,6 +47,43 @@ fn help_lists_the_subcommands() {
         !err.contains("tiger"),
         "the password leaked into the error: {err}"
     );
+}
+
+#[test]
+fn key_hash_prints_the_form_the_logs_show() {
+    let key_hash = |secret: Option<&str>, keys: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceonly"));
+        cmd.args(["key-hash", "--secret-env", "ONCEONLY_TEST_KEY_SECRET"])
+            .args(keys)
+            .env_remove("ONCEONLY_TEST_KEY_SECRET");
+        if let Some(secret) = secret {
+            cmd.env("ONCEONLY_TEST_KEY_SECRET", secret);
+        }
+        let out = cmd.output().expect("run onceonly");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let secret = "an operator's secret of 32 bytes";
+    let (code, out, err) = key_hash(Some(secret), &["ORDER-4711", "--", "-1"]);
+    assert_eq!(code, 0, "{err}");
+    let redaction = KeyRedaction::hmac(secret).unwrap();
+    assert_eq!(
+        out,
+        format!(
+            "{}\n{}\n",
+            redaction.show("ORDER-4711"),
+            redaction.show("-1")
+        )
+    );
+    let (code, _, err) = key_hash(None, &["ORDER-4711"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("ONCEONLY_TEST_KEY_SECRET is not set"), "{err}");
+    let (code, _, err) = key_hash(Some("short"), &["ORDER-4711"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("at least 16"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -621,7 +621,7 @@ async fn delivery_span_wraps_the_handler_and_hashes_keys_when_asked() {
     assert_eq!(in_handler[0]["key"], "plain-1");
     let hashed = &in_handler[1]["key"];
     assert!(
-        hashed.starts_with("sha256:") && hashed.len() == "sha256:".len() + 16,
+        hashed.starts_with("hmac:") && hashed.len() == "hmac:".len() + 16,
         "{hashed}"
     );
     assert!(!hashed.contains("secret"));

@@ -113,7 +113,7 @@ impl<S: SqlStore> Engine<S> {
                 lock_wait: None,
             };
             if let Some(hit) = self.cached_claim(&self.inner.scope, &req).await {
-                let outcome = settled(&key, hit, fingerprint.as_ref());
+                let outcome = settled(hit, fingerprint.as_ref());
                 reports[index] = Some(report(Some(key), outcome));
                 continue;
             }
@@ -244,7 +244,7 @@ impl<S: SqlStore> Engine<S> {
                     if let Claim::Duplicate { result } = &other {
                         stored[i].clone_from(result);
                     }
-                    settled(&item.key, other, item.fingerprint.as_ref())
+                    settled(other, item.fingerprint.as_ref())
                 }
             };
             outcomes.push(outcome);

@@ -7,6 +7,7 @@ use super::{Engine, Inner, RetryPolicy};
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{KeySpec, KeySpecError};
+use crate::redact::{KeyRedaction, KeyRedactionError};
 use crate::store::{SqlStore, StoreError, validate_scope};
 use crate::telemetry::Telemetry;
 
@@ -33,6 +34,10 @@ pub enum BuildError {
     /// The retention is zero.
     #[error("retention must be longer than zero")]
     ZeroRetention,
+    /// The key redaction could not be set up (see
+    /// [`EngineBuilder::hash_keys_in_traces`]).
+    #[error(transparent)]
+    KeyRedaction(#[from] KeyRedactionError),
 }
 
 /// Builds an [`Engine`]: `Engine::builder(store).scope(..).key(..).build()`.
@@ -46,7 +51,7 @@ pub struct EngineBuilder<S> {
     transient_retries: u32,
     clock: Arc<dyn Clock>,
     transport: &'static str,
-    hash_keys: bool,
+    redaction: Result<KeyRedaction, KeyRedactionError>,
 }
 
 impl<S: SqlStore> EngineBuilder<S> {
@@ -61,7 +66,7 @@ impl<S: SqlStore> EngineBuilder<S> {
             transient_retries: 3,
             clock: Arc::new(SystemClock),
             transport: crate::telemetry::TRANSPORT_ENGINE,
-            hash_keys: false,
+            redaction: Ok(KeyRedaction::plain()),
         }
     }
 
@@ -136,13 +141,33 @@ impl<S: SqlStore> EngineBuilder<S> {
         self
     }
 
-    /// Record a hash of each key in traces instead of the key itself
-    /// (default `false`): `sha256:` and the first 16 hex digits of its
-    /// SHA-256. Keys such as e-mail addresses or account numbers are
-    /// personal data; the hash still correlates the lines of one key.
+    /// How keys are shown in the delivery span, and so in every line
+    /// logged about a delivery (default [`KeyRedaction::plain`]: the key
+    /// itself). Keys such as e-mail addresses or account numbers are
+    /// personal data: [`KeyRedaction::hmac`] with a secret shared by the
+    /// deployment shows `hmac:` and 16 hex digits of a keyed hash, which
+    /// still correlates the lines of one key and which an operator can
+    /// compute for a known key. See [`redact`](crate::redact).
+    #[must_use]
+    pub fn key_redaction(mut self, redaction: KeyRedaction) -> Self {
+        self.redaction = Ok(redaction);
+        self
+    }
+
+    /// Shorthand: `true` shows keys under the process's random secret
+    /// ([`KeyRedaction::per_process`]: correlated within this process
+    /// only, and no one can compute the form of a given key), `false` as
+    /// they are (the default). Prefer [`key_redaction`](Self::key_redaction)
+    /// with [`KeyRedaction::hmac`] to correlate across processes and find
+    /// a known key's lines. If the operating system's random source fails,
+    /// [`build`](Self::build) fails with [`BuildError::KeyRedaction`].
     #[must_use]
     pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
-        self.hash_keys = hash;
+        self.redaction = if hash {
+            KeyRedaction::per_process()
+        } else {
+            Ok(KeyRedaction::plain())
+        };
         self
     }
 
@@ -156,7 +181,7 @@ impl<S: SqlStore> EngineBuilder<S> {
         if self.retention.is_zero() {
             return Err(BuildError::ZeroRetention);
         }
-        let telemetry = Telemetry::new(&scope, self.transport, self.hash_keys);
+        let telemetry = Telemetry::new(&scope, self.transport, self.redaction?);
         Ok(Engine {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -215,8 +240,16 @@ macro_rules! forward_engine_settings {
             self
         }
 
-        /// Record a hash of each key in traces instead of the key itself
-        /// (default `false`); see
+        /// How keys are shown in spans and logs (default: as they are);
+        /// see [`EngineBuilder::key_redaction`].
+        #[must_use]
+        pub fn key_redaction(mut self, redaction: $crate::KeyRedaction) -> Self {
+            self.engine = self.engine.key_redaction(redaction);
+            self
+        }
+
+        /// Shorthand for a [`KeyRedaction::per_process`](crate::KeyRedaction::per_process)
+        /// (`true`) or plain keys (`false`, the default); see
         /// [`EngineBuilder::hash_keys_in_traces`].
         #[must_use]
         pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {

@@ -92,7 +92,7 @@ mod tests {
     #[test]
     fn infrastructure_waits_whatever_the_attempt() {
         let policy = RetryPolicy::none();
-        let read_only = failed(Failure::Store(StoreError::ClaimLost("k".into())));
+        let read_only = failed(Failure::Store(StoreError::ClaimLost));
         assert_eq!(
             decide(&read_only, 99, &policy),
             Decision::Wait(InfraFault::Contention)

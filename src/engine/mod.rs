@@ -99,6 +99,14 @@ impl<S: SqlStore> Engine<S> {
         self.inner.retention
     }
 
+    /// How this engine shows keys in spans and logs (see
+    /// [`EngineBuilder::key_redaction`]): use it to log keys in your own
+    /// code the way onceonly does, e.g.
+    /// `tracing::warn!(key = %engine.key_redaction().show(key), ...)`.
+    pub fn key_redaction(&self) -> &crate::KeyRedaction {
+        self.inner.telemetry.redaction()
+    }
+
     /// The metric handles and span settings of this engine.
     #[cfg(any(feature = "kafka", feature = "amqp", feature = "http"))]
     pub(crate) fn telemetry(&self) -> &Telemetry {
@@ -246,11 +254,10 @@ impl<S: SqlStore> Engine<S> {
             lock_wait: None,
         };
         if let Some(hit) = self.cached_claim(&inner.scope, &req).await {
-            return settled(key, hit, fingerprint);
+            return settled(hit, fingerprint);
         }
         match inner.store.get(&inner.scope, key.as_str()).await {
             Ok(Some(record)) if record.expires_at_ms > inner.clock.now_ms() => settled(
-                key,
                 classify_existing(record.fingerprint, record.result, &req),
                 fingerprint,
             ),
@@ -370,7 +377,6 @@ impl<S: SqlStore> Engine<S> {
 
 /// The outcome of a claim that found the key already taken.
 fn settled<T: serde::de::DeserializeOwned>(
-    key: &IdemKey,
     claim: Claim,
     received: Option<&Fingerprint>,
 ) -> Outcome<T> {
@@ -384,7 +390,7 @@ fn settled<T: serde::de::DeserializeOwned>(
         },
         // Claimed and in-batch repeats are resolved by the callers.
         other => Outcome::Failed(Failure::Store(StoreError::Corrupt(format!(
-            "unexpected claim {other:?} for key {key:?}"
+            "unexpected claim {other:?} of a settled key"
         )))),
     }
 }

@@ -104,7 +104,11 @@ pub enum Claimed<S: SqlStore> {
 impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::New(session) => f.debug_tuple("New").field(&session.key()).finish(),
+            // The key as the engine shows it in spans and logs.
+            Self::New(session) => f
+                .debug_tuple("New")
+                .field(&session.engine.key_redaction().show(session.key()))
+                .finish(),
             Self::Duplicate { result } => f
                 .debug_struct("Duplicate")
                 .field("result_bytes", &result.as_ref().map(Vec::len))

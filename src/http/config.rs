@@ -116,6 +116,10 @@ pub enum HttpBuildError {
     /// Retention must be longer than zero.
     #[error("retention must be longer than zero")]
     ZeroRetention,
+    /// The key redaction could not be set up (see
+    /// [`IdempotencyLayerBuilder::hash_keys_in_traces`]).
+    #[error(transparent)]
+    KeyRedaction(#[from] crate::redact::KeyRedactionError),
 }
 
 pub(crate) struct Config<S: SqlStore> {
@@ -321,8 +325,17 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         self
     }
 
-    /// Record a hash of each key in traces instead of the key itself
-    /// (default `false`); see
+    /// How keys are shown in spans and logs (default: as they are); see
+    /// [`EngineBuilder::key_redaction`](crate::EngineBuilder::key_redaction).
+    #[must_use]
+    pub fn key_redaction(mut self, redaction: crate::KeyRedaction) -> Self {
+        self.engine = self.engine.key_redaction(redaction);
+        self
+    }
+
+    /// Shorthand for a
+    /// [`KeyRedaction::per_process`](crate::KeyRedaction::per_process)
+    /// (`true`) or plain keys (`false`, the default); see
     /// [`EngineBuilder::hash_keys_in_traces`](crate::EngineBuilder::hash_keys_in_traces).
     #[must_use]
     pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
@@ -351,6 +364,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             .map_err(|e| match e {
                 BuildError::Key(e) => HttpBuildError::Key(e),
                 BuildError::Scope(e) => HttpBuildError::Scope(e),
+                BuildError::KeyRedaction(e) => HttpBuildError::KeyRedaction(e),
                 _ => HttpBuildError::ZeroRetention,
             })?;
         Ok(IdempotencyLayer::from_config(Config {

@@ -4,7 +4,8 @@
 ///
 /// Each variant is a distinct, precise reason; transports put
 /// [`KeyError::reason`] and the message into the dead-letter headers or the
-/// HTTP problem body.
+/// HTTP problem body. No variant carries the key's text (it may be
+/// personal data, and these messages are logged).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyError {
@@ -53,8 +54,8 @@ pub enum KeyError {
         at: usize,
     },
     /// The spec requires a UUID and the key is not one.
-    #[error("key {0:?} is not a UUID")]
-    NotUuid(String),
+    #[error("key is not a UUID")]
+    NotUuid,
     /// A user-supplied key function refused the delivery.
     #[error("key function failed: {0}")]
     Custom(String),

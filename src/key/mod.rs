@@ -254,7 +254,7 @@ impl KeySpec {
                     .ok_or_else(|| KeyError::MissingMetadata { name: name.clone() })?;
                 let text = std::str::from_utf8(bytes).map_err(|_| KeyError::NotUtf8)?;
                 if *uuid && uuid::Uuid::try_parse(text).is_err() {
-                    return Err(KeyError::NotUuid(truncate_for_error(text)));
+                    return Err(KeyError::NotUuid);
                 }
                 text.to_owned()
             }
@@ -338,10 +338,6 @@ fn validate(raw: String, max_len: usize, compact: bool) -> Result<IdemKey, KeyEr
         });
     }
     Ok(IdemKey(raw))
-}
-
-fn truncate_for_error(text: &str) -> String {
-    text.chars().take(64).collect()
 }
 
 #[cfg(test)]

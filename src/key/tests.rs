@@ -42,10 +42,7 @@ fn uuid_header_is_validated() {
     let ok = json("{}").with_metadata("Idempotency-Key", "8e629a6e-2b0c-4f1e-9a43-5b0b2a3c1d7e");
     assert!(spec.derive(&ok).is_ok());
     let bad = json("{}").with_metadata("Idempotency-Key", "not-a-uuid");
-    assert_eq!(
-        spec.derive(&bad),
-        Err(KeyError::NotUuid("not-a-uuid".into()))
-    );
+    assert_eq!(spec.derive(&bad), Err(KeyError::NotUuid));
 }
 
 #[test]

@@ -46,6 +46,10 @@ const OP_TIMEOUT: Duration = Duration::from_millis(500);
 ///   does not.
 /// - Redis down: every lookup falls through to SQL (logged, counted in
 ///   [`errors`](Self::errors)); exactly-once still holds, through SQL.
+///
+/// Its log lines name no key: they are emitted inside the delivery's
+/// `onceonly.delivery` span, whose `key` field shows it as the engine's
+/// [`KeyRedaction`](crate::KeyRedaction) says.
 #[derive(Clone)]
 pub struct CachedStore<S> {
     sql: S,

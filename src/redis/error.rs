@@ -7,11 +7,10 @@ pub enum RedisError {
     /// Redis is unreachable or answered with an error.
     #[error("Redis error: {0}")]
     Redis(#[from] ::redis::RedisError),
-    /// A value under one of our keys is not in our format.
-    #[error("unexpected value under {key}: {detail}")]
+    /// A value under one of our keys is not in our format. The Redis key
+    /// is not part of the error: it holds the business key.
+    #[error("unexpected value in Redis: {detail}")]
     Corrupt {
-        /// The Redis key.
-        key: String,
         /// What was wrong.
         detail: String,
     },

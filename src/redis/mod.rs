@@ -8,7 +8,9 @@
 //!   written only after the SQL commit. Works wherever a SQL store does.
 //!
 //! Keys are `<prefix>{<scope>}:<key>`: the hash tag keeps a scope in one
-//! Redis Cluster slot.
+//! Redis Cluster slot. Log lines and errors never show these Redis keys
+//! (they hold the business key); [`RedisStore`]'s lines show the key as
+//! its [`KeyRedaction`](crate::KeyRedaction) says.
 
 mod cached;
 mod error;

@@ -14,6 +14,7 @@ use super::error::RedisError;
 use super::keys::KeyLayout;
 use super::scripts;
 use crate::fingerprint::Fingerprint;
+use crate::redact::KeyRedaction;
 
 /// What to do when Redis is unreachable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -128,6 +129,7 @@ pub struct RedisStore {
     retention: Duration,
     on_error: OnRedisError,
     unclaimed_runs: Arc<AtomicU64>,
+    redaction: KeyRedaction,
 }
 
 impl RedisStore {
@@ -147,6 +149,7 @@ impl RedisStore {
             retention: Duration::from_secs(7 * 24 * 3600),
             on_error: OnRedisError::FailClosed,
             unclaimed_runs: Arc::new(AtomicU64::new(0)),
+            redaction: KeyRedaction::plain(),
         }
     }
 
@@ -179,6 +182,16 @@ impl RedisStore {
         self
     }
 
+    /// How keys are shown in this store's log lines (default: as they
+    /// are). They run outside any delivery span, so they name the key
+    /// themselves: give the same [`KeyRedaction`] as your engines for the
+    /// same form everywhere.
+    #[must_use]
+    pub fn with_key_redaction(mut self, redaction: KeyRedaction) -> Self {
+        self.redaction = redaction;
+        self
+    }
+
     /// Effects run without a claim because Redis was down (fail open).
     pub fn unclaimed_runs(&self) -> u64 {
         self.unclaimed_runs.load(Ordering::Relaxed)
@@ -202,7 +215,6 @@ impl RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         let corrupt = |detail: &str| RedisError::Corrupt {
-            key: redis_key.clone(),
             detail: detail.to_owned(),
         };
         match reply.first().map(Vec::as_slice) {
@@ -288,7 +300,7 @@ impl RedisStore {
             Ok(RedisClaim::Busy { retry_after }) => return Ok(Once::Busy { retry_after }),
             Err(e) if self.on_error == OnRedisError::FailOpen && e.is_infrastructure() => {
                 self.unclaimed_runs.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(error = %e, scope, key, "Redis unavailable: FAILING OPEN, effect runs unclaimed");
+                tracing::error!(error = %e, scope, key = %self.redaction.show(key), "Redis unavailable: FAILING OPEN, effect runs unclaimed");
                 return effect
                     .await
                     .map(Once::RanUnclaimed)
@@ -312,14 +324,14 @@ impl RedisStore {
                     Ok(true) => held_until = tokio::time::Instant::now() + self.lease,
                     Ok(false) => {
                         renewing = false;
-                        tracing::error!(key, "lease lost while the effect runs; another caller may run it too");
+                        tracing::error!(key = %self.redaction.show(key), "lease lost while the effect runs; another caller may run it too");
                     }
                     Err(e) if tokio::time::Instant::now() < held_until => {
-                        tracing::warn!(key, error = %e, "lease renewal failed; retrying");
+                        tracing::warn!(key = %self.redaction.show(key), error = %e, "lease renewal failed; retrying");
                     }
                     Err(e) => {
                         renewing = false;
-                        tracing::error!(key, error = %e, "lease renewals failed for a whole lease; the claim is presumed lost");
+                        tracing::error!(key = %self.redaction.show(key), error = %e, "lease renewals failed for a whole lease; the claim is presumed lost");
                     }
                 },
             }
@@ -334,7 +346,7 @@ impl RedisStore {
                         Ok(true) => return Ok(Once::Ran(value)),
                         Ok(false) => break,
                         Err(e) => {
-                            tracing::warn!(key, error = %e, attempt, "recording the result failed");
+                            tracing::warn!(key = %self.redaction.show(key), error = %e, attempt, "recording the result failed");
                             tokio::time::sleep(Duration::from_millis(100 * (attempt + 1))).await;
                         }
                     }
@@ -343,7 +355,7 @@ impl RedisStore {
             }
             Err(e) => {
                 if let Err(re) = self.release(&lease).await {
-                    tracing::warn!(key, error = %re, "release failed; the claim expires with its lease");
+                    tracing::warn!(key = %self.redaction.show(key), error = %re, "release failed; the claim expires with its lease");
                 }
                 Err(RunOnceError::Effect(e))
             }

@@ -144,7 +144,7 @@ where
                 }
             }
         }
-        Err(StoreError::Contention(req.key.to_owned()))
+        Err(StoreError::Contention)
     }
 
     /// Claims many keys: the backend's own batch claim, or one claim per key.
@@ -241,7 +241,7 @@ where
             .bind(key)
             .execute(&mut *conn)
             .await?;
-        expect_one(DB::rows_affected(&done), key)
+        expect_one(DB::rows_affected(&done))
     }
 
     /// Records many results: the backend's own statement, or one per key.

@@ -27,8 +27,7 @@ impl Existing {
             None => None,
             Some(bytes) => Some(Fingerprint::from_slice(&bytes).ok_or_else(|| {
                 StoreError::Corrupt(format!(
-                    "fingerprint of key {:?} has {} bytes, expected 32",
-                    req.key,
+                    "a stored fingerprint has {} bytes, expected 32",
                     bytes.len()
                 ))
             })?),

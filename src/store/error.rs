@@ -20,6 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// An error of the dedup store.
+///
+/// No variant carries the idempotency key, so no error text can leak one
+/// into a log: the `onceonly.delivery` span around the line that logs the
+/// error names the key, as the engine's
+/// [`KeyRedaction`](crate::KeyRedaction) shows it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
@@ -34,18 +39,18 @@ pub enum StoreError {
     /// The scope is empty, too long or contains control characters.
     #[error("invalid scope {0:?}: 1 to 128 bytes without control characters")]
     InvalidScope(String),
-    /// The record of a key kept changing under the claim (concurrent purge
-    /// and reclaim); transient.
-    #[error("claim of key {0:?} kept racing with concurrent changes")]
-    Contention(String),
+    /// The record of the key kept changing under the claim (concurrent
+    /// purge and reclaim); transient.
+    #[error("the claim kept racing with concurrent changes to its record (purge, reclaim)")]
+    Contention,
     /// The claim of a key vanished from its own open transaction before the
     /// result was recorded: the database rolled the transaction back inside
     /// the handler (a deadlock or lock wait timeout victim on MySQL/MariaDB,
     /// whose error the handler swallowed). Nothing of the attempt is
     /// committed; it is retried.
-    #[error("the claim of key {0:?} was rolled back by the database during the handler")]
-    ClaimLost(String),
-    /// A stored record could not be read back.
+    #[error("the claim was rolled back by the database during the handler")]
+    ClaimLost,
+    /// A stored record could not be read back (the text names no key).
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
 }
@@ -144,7 +149,7 @@ impl StoreError {
             // Anything else from the dedup store's own statements is unexpected
             // of the database, never the message's doing.
             Self::Database(e) => Some(infra_fault(e).unwrap_or(InfraFault::Corrupt)),
-            Self::Contention(_) | Self::ClaimLost(_) => Some(InfraFault::Contention),
+            Self::Contention | Self::ClaimLost => Some(InfraFault::Contention),
             Self::Corrupt(_) => Some(InfraFault::Corrupt),
             // Rejected when an engine or layer is built; never at run time.
             Self::InvalidTableName(_) | Self::InvalidScope(_) => Some(InfraFault::MissingSchema),
@@ -417,7 +422,8 @@ mod tests {
     #[test]
     fn store_errors_other_than_data_exceptions_are_infrastructure() {
         assert!(StoreError::Database(sqlx::Error::PoolTimedOut).is_unreachable());
-        assert!(StoreError::ClaimLost("k".into()).is_contention());
+        assert!(StoreError::ClaimLost.is_contention());
+        assert!(StoreError::Contention.is_contention());
         assert!(StoreError::Corrupt("x".into()).is_infrastructure());
         assert!(StoreError::Database(sqlx::Error::RowNotFound).is_infrastructure());
     }

@@ -343,12 +343,12 @@ pub(crate) use batch::plan_batch;
 /// means the claim is gone from its own transaction: the database rolled the
 /// transaction back under the handler (MySQL/MariaDB end a transaction on a
 /// deadlock or lock wait timeout, and a handler may swallow that error).
-pub(crate) fn expect_one(rows: u64, key: &str) -> Result<(), StoreError> {
+pub(crate) fn expect_one(rows: u64) -> Result<(), StoreError> {
     match rows {
         1 => Ok(()),
-        0 => Err(StoreError::ClaimLost(key.to_owned())),
+        0 => Err(StoreError::ClaimLost),
         n => Err(StoreError::Corrupt(format!(
-            "recording the result of key {key:?} updated {n} rows instead of 1"
+            "recording a key's result updated {n} rows instead of 1"
         ))),
     }
 }

@@ -1,9 +1,11 @@
 //! `onceonly`: operate a onceonly deployment — create the dedup and outbox
 //! tables, inspect and purge records, show statistics, replay dead letters,
-//! watch and retry the transactional outbox.
+//! watch and retry the transactional outbox, compute the logged form of a
+//! key.
 
 mod db;
 mod inspect;
+mod key_hash;
 mod migrate;
 mod outbox;
 mod purge;
@@ -59,6 +61,7 @@ enum Command {
     /// Replay dead letters back to where they came from.
     #[cfg(any(feature = "amqp", feature = "kafka"))]
     Replay(replay::ReplayArgs),
+    KeyHash(key_hash::KeyHashArgs),
 }
 
 /// Where the dedup table lives.
@@ -158,6 +161,7 @@ fn main() -> ExitCode {
             Command::Relay(a) => relay::run(a).await.map(|()| ExitCode::SUCCESS),
             #[cfg(any(feature = "amqp", feature = "kafka"))]
             Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
+            Command::KeyHash(a) => key_hash::run(a).map(|()| ExitCode::SUCCESS),
         }
     });
     match result {

@@ -97,7 +97,7 @@ pub(super) async fn complete_many(
     match done.rows_affected() {
         n if n == results.len() as u64 => Ok(()),
         // Fewer: a claim vanished from its own transaction.
-        n if n < results.len() as u64 => Err(StoreError::ClaimLost(keys[0].to_owned())),
+        n if n < results.len() as u64 => Err(StoreError::ClaimLost),
         n => Err(StoreError::Corrupt(format!(
             "recording {} results updated {n} rows",
             results.len()
