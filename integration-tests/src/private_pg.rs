@@ -253,47 +253,33 @@ impl PrivatePgBuilder {
         if self.files.is_empty() && self.settings.is_empty() && self.hba.is_none() {
             return pg;
         }
-        for (name, contents) in &self.files {
-            // sh -c SCRIPT sh NAME: the name is $1, never parsed by a shell.
+        // `sh -c SCRIPT sh ARG`: the argument is $1, never parsed by a shell.
+        let write = |script: &str, arg: &str, input: &[u8]| {
             services::run_with_input(
-                compose().args([
-                    "exec",
-                    "-T",
-                    &service,
-                    "sh",
-                    "-c",
-                    "f=\"$PGDATA/$1\" && cat > \"$f\" && chown postgres:postgres \"$f\" \
-                     && chmod 0600 \"$f\"",
-                    "sh",
-                    name,
-                ]),
+                compose().args(["exec", "-T", &service, "sh", "-c", script, "sh", arg]),
+                input,
+            );
+        };
+        for (name, contents) in &self.files {
+            write(
+                "f=\"$PGDATA/$1\" && cat > \"$f\" && chown postgres:postgres \"$f\" \
+                 && chmod 0600 \"$f\"",
+                name,
                 contents,
             );
         }
         if !self.settings.is_empty() {
-            services::run_with_input(
-                compose().args([
-                    "exec",
-                    "-T",
-                    &service,
-                    "sh",
-                    "-c",
-                    "cat >> \"$PGDATA/postgresql.conf\"",
-                ]),
+            write(
+                "cat >> \"$PGDATA/$1\"",
+                "postgresql.conf",
                 self.conf().as_bytes(),
             );
         }
         if let Some(hba) = &self.hba {
             let lines = services::hba_for_container(hba);
-            services::run_with_input(
-                compose().args([
-                    "exec",
-                    "-T",
-                    &service,
-                    "sh",
-                    "-c",
-                    "cat > \"$PGDATA/pg_hba.conf\"",
-                ]),
+            write(
+                "cat > \"$PGDATA/$1\"",
+                "pg_hba.conf",
                 (lines.join("\n") + "\n").as_bytes(),
             );
         }
