@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use tokio::process::{Child, Command};
 
@@ -52,6 +53,52 @@ impl Logged {
             .kill_on_drop(true)
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {name}: {e}"))
+    }
+
+    /// Lets `child` work until `progressed()` (it committed something new),
+    /// then a random moment of up to `jitter` more, and SIGKILLs and reaps
+    /// it. Fails if the child exits by itself or nothing progressed by
+    /// `deadline`.
+    pub async fn kill_after_progress(
+        &self,
+        mut child: Child,
+        progressed: impl AsyncFn() -> bool,
+        deadline: Instant,
+        jitter: Duration,
+        rng: &mut fastrand::Rng,
+    ) {
+        loop {
+            if let Some(status) = child.try_wait().expect("child status") {
+                panic!("the child exited early ({status}); log:\n{}", self.tail());
+            }
+            if progressed().await {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no progress; log:\n{}",
+                self.tail()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let jitter_ms = u64::try_from(jitter.as_millis()).unwrap_or(u64::MAX);
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..jitter_ms.max(1)))).await;
+        child.start_kill().expect("SIGKILL");
+        child.wait().await.expect("reap");
+    }
+
+    /// Waits up to `timeout` for `child` to exit by itself, successfully
+    /// (a final run that drains the backlog).
+    pub async fn finishes(&self, mut child: Child, timeout: Duration) {
+        let status = tokio::time::timeout(timeout, child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("final run did not drain; log:\n{}", self.tail()))
+            .expect("wait");
+        assert!(
+            status.success(),
+            "final run failed ({status}); log:\n{}",
+            self.tail()
+        );
     }
 
     /// The last 40 lines of the log.

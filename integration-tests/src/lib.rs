@@ -28,6 +28,15 @@ fn unreachable_service(what: &str, url: &str, e: impl std::fmt::Display) -> ! {
     )
 }
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a child process
+/// or server that must be told its port before it binds).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
 /// A name unique to this process and call, usable as an SQL identifier.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicUsize = AtomicUsize::new(0);

@@ -68,27 +68,16 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
     for kill in 1..=KILLS {
         let before = rows(&pool).await;
         let prefetch = if kill % 2 == 0 { 8 } else { 64 };
-        let mut child = run.spawn(prefetch, None);
-        loop {
-            if let Some(status) = child.try_wait().expect("child status") {
-                panic!(
-                    "amqp_orders exited early ({status}); log:\n{}",
-                    run.child.tail()
-                );
-            }
-            if rows(&pool).await > before {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no progress; log:\n{}",
-                run.child.tail()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(rng.u64(0..400))).await;
-        child.start_kill().expect("SIGKILL");
-        child.wait().await.expect("reap");
+        let child = run.spawn(prefetch, None);
+        run.child
+            .kill_after_progress(
+                child,
+                async || rows(&pool).await > before,
+                deadline,
+                Duration::from_millis(400),
+                &mut rng,
+            )
+            .await;
         eprintln!(
             "kill {kill}: ledger rows {} (prefetch {prefetch})",
             rows(&pool).await
@@ -100,16 +89,9 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         "the kills must land before the backlog is drained ({before_final} rows)"
     );
 
-    let mut child = run.spawn(32, Some(3));
-    let status = tokio::time::timeout(Duration::from_secs(240), child.wait())
-        .await
-        .unwrap_or_else(|_| panic!("final run did not drain; log:\n{}", run.child.tail()))
-        .expect("wait");
-    assert!(
-        status.success(),
-        "final run failed ({status}); log:\n{}",
-        run.child.tail()
-    );
+    run.child
+        .finishes(run.spawn(32, Some(3)), Duration::from_secs(240))
+        .await;
 
     assert_exact(&pool, &stream.expected).await;
     // The final consumer closed its channel, so anything unacked would be

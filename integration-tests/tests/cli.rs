@@ -744,6 +744,31 @@ async fn migrate_with_outbox(url: &str, table: &str, outbox: &str, backend: &str
     );
 }
 
+/// [`outbox_subcommands`] with `store`'s pool running the test's own
+/// statements (a macro: the executor bounds differ per backend).
+macro_rules! outbox_subcommands_on {
+    ($store:expr, $url:expr, $outbox:expr) => {{
+        let outbox: &str = $outbox;
+        outbox_subcommands(
+            $url,
+            outbox,
+            async |sql| {
+                sqlx::query(sql)
+                    .execute($store.pool())
+                    .await
+                    .expect("update");
+            },
+            async |filter| {
+                sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE {filter}"))
+                    .fetch_one($store.pool())
+                    .await
+                    .expect("count")
+            },
+        )
+        .await
+    }};
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn outbox_subcommands_on_postgres() {
     let url = pg_url();
@@ -751,23 +776,7 @@ async fn outbox_subcommands_on_postgres() {
     migrate_with_outbox(&url, &table, &outbox, "postgres").await;
     let store = pg_store(&url, &table).await;
     enqueue_orders!(store, sqlx::Postgres, &outbox);
-    outbox_subcommands(
-        &url,
-        &outbox,
-        async |sql| {
-            sqlx::query(sql)
-                .execute(store.pool())
-                .await
-                .expect("update");
-        },
-        async |filter| {
-            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE {filter}"))
-                .fetch_one(store.pool())
-                .await
-                .expect("count")
-        },
-    )
-    .await;
+    outbox_subcommands_on!(store, &url, &outbox);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -777,23 +786,7 @@ async fn outbox_subcommands_on_mariadb() {
     migrate_with_outbox(&url, &table, &outbox, "mysql").await;
     let store = mysql_store(&url, &table).await;
     enqueue_orders!(store, sqlx::MySql, &outbox);
-    outbox_subcommands(
-        &url,
-        &outbox,
-        async |sql| {
-            sqlx::query(sql)
-                .execute(store.pool())
-                .await
-                .expect("update");
-        },
-        async |filter| {
-            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {outbox} WHERE {filter}"))
-                .fetch_one(store.pool())
-                .await
-                .expect("count")
-        },
-    )
-    .await;
+    outbox_subcommands_on!(store, &url, &outbox);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -808,23 +801,7 @@ async fn outbox_subcommands_on_sqlite() {
         .with_table("ob_keys")
         .expect("table");
     enqueue_orders!(store, sqlx::Sqlite, "ob");
-    outbox_subcommands(
-        &url,
-        "ob",
-        async |sql| {
-            sqlx::query(sql)
-                .execute(store.pool())
-                .await
-                .expect("update");
-        },
-        async |filter| {
-            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM ob WHERE {filter}"))
-                .fetch_one(store.pool())
-                .await
-                .expect("count")
-        },
-    )
-    .await;
+    outbox_subcommands_on!(store, &url, "ob");
 }
 
 /// `onceonly relay` publishes the outbox to Kafka, keeps running while

@@ -7,18 +7,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use onceonly_integration_tests::child::Logged;
+use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::kafka::pg_schema;
 use reqwest::Client;
 use sqlx::PgPool;
 
 const KEYS: usize = 1_500;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
 
 /// Posts order `i` until the server answers 2xx; returns whether the answer
 /// that ended it was a replay.

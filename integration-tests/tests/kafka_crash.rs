@@ -87,24 +87,18 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         );
         let before = rows(&pool).await;
         let batch_size = if kills % 2 == 0 { 1 } else { 25 };
-        let mut child = run.spawn(batch_size, None);
+        let child = run.spawn(batch_size, None);
         // Kill while it works: once it has committed something new, after
         // a random extra moment.
-        loop {
-            if let Some(status) = child.try_wait().expect("child status") {
-                panic!(
-                    "kafka_payments exited early ({status}); log:\n{}",
-                    run.log_tail()
-                );
-            }
-            if rows(&pool).await > before || Instant::now() > deadline {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(rng.u64(0..700))).await;
-        child.start_kill().expect("SIGKILL");
-        child.wait().await.expect("reap");
+        run.child
+            .kill_after_progress(
+                child,
+                async || rows(&pool).await > before,
+                deadline,
+                Duration::from_millis(700),
+                &mut rng,
+            )
+            .await;
         kills += 1;
         eprintln!(
             "kill {kills}: ledger rows {} (batch size {batch_size})",
@@ -117,16 +111,9 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         "the kills must land before the backlog is drained ({before_final} rows)"
     );
 
-    let mut child = run.spawn(10, Some(5));
-    let status = tokio::time::timeout(Duration::from_secs(240), child.wait())
-        .await
-        .unwrap_or_else(|_| panic!("final run did not drain; log:\n{}", run.log_tail()))
-        .expect("wait");
-    assert!(
-        status.success(),
-        "final run failed ({status}); log:\n{}",
-        run.log_tail()
-    );
+    run.child
+        .finishes(run.spawn(10, Some(5)), Duration::from_secs(240))
+        .await;
 
     assert_exact(&pool, &stream.expected).await;
     let positions = committed(&run.group, &run.topic, 3);

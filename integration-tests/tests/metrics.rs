@@ -26,6 +26,7 @@ use onceonly::{Delivery, Engine, Handler, HandlerError, Json, RetryPolicy, SqlSt
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
 use onceonly_integration_tests::{pay, pg_store, sqlite_store, unique};
@@ -424,13 +425,6 @@ async fn kafka_consumer_lag_gauge_reaches_zero_once_everything_is_committed() {
 }
 
 // ---------------------------------------------------------------- Prometheus
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payment_webhook_example_serves_prometheus_counters() {

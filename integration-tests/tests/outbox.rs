@@ -200,6 +200,26 @@ async fn fill<DB: OutboxBackend, S: SqlStore<Db = DB>>(
     }
 }
 
+/// Waits until `n` messages of `outbox` are sent; fails after `timeout`
+/// with `what`.
+async fn wait_sent<DB: OutboxBackend>(
+    outbox: &Outbox<DB>,
+    pool: &sqlx::Pool<DB>,
+    n: i64,
+    timeout: Duration,
+    what: &str,
+) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let sent = outbox.stats(pool).await.expect("stats").rows(Status::Sent);
+        if sent >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {sent}/{n} sent");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Runs relays over `pool` until the outbox has no pending row; returns
 /// what each recorded.
 async fn relay_all<DB: OutboxBackend>(
@@ -221,18 +241,14 @@ async fn relay_all<DB: OutboxBackend>(
                 .spawn()
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let sent = outbox.stats(pool).await.expect("stats").rows(Status::Sent);
-        if sent as usize >= total {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "relays did not finish: {sent}/{total} sent"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_sent(
+        outbox,
+        pool,
+        total as i64,
+        Duration::from_secs(60),
+        "relays did not finish",
+    )
+    .await;
     for handle in handles {
         handle.stop().await;
     }
@@ -373,17 +389,14 @@ async fn kafka_relay_sends_every_message_with_its_id_and_waits_out_a_broker_outa
         );
         expected.insert(format!("K-{i}"), format!("acct-{}", i % 4));
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while outbox
-        .stats(store.pool())
-        .await
-        .expect("stats")
-        .rows(Status::Sent)
-        < n
-    {
-        assert!(Instant::now() < deadline, "not all sent");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_sent(
+        &outbox,
+        store.pool(),
+        n,
+        Duration::from_secs(60),
+        "not all sent",
+    )
+    .await;
     let stats = relay.stop().await;
     assert_eq!(stats.dead, 0, "{stats:?}");
     let read = k::read_all_on(
@@ -529,17 +542,14 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
         .build()
         .expect("relay")
         .spawn();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while outbox
-        .stats(store.pool())
-        .await
-        .expect("stats")
-        .rows(Status::Sent)
-        < n
-    {
-        assert!(Instant::now() < deadline, "not all notifications delivered");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_sent(
+        &outbox,
+        store.pool(),
+        n,
+        Duration::from_secs(90),
+        "not all notifications delivered",
+    )
+    .await;
     let stats = relay.stop().await;
     let r = receiver.lock().expect("lock");
     assert_eq!(

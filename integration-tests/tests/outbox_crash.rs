@@ -150,24 +150,18 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
         );
         let before = rows(&pool).await;
         let batch_size = if kills % 2 == 0 { 1 } else { 25 };
-        let mut child = run.spawn(batch_size, None);
+        let child = run.spawn(batch_size, None);
         // Kill while it works: once it has committed something new, after
         // a random extra moment (the relay publishes meanwhile).
-        loop {
-            if let Some(status) = child.try_wait().expect("child status") {
-                panic!(
-                    "kafka_payments exited early ({status}); log:\n{}",
-                    run.child.tail()
-                );
-            }
-            if rows(&pool).await > before || Instant::now() > deadline {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(rng.u64(0..700))).await;
-        child.start_kill().expect("SIGKILL");
-        child.wait().await.expect("reap");
+        run.child
+            .kill_after_progress(
+                child,
+                async || rows(&pool).await > before,
+                deadline,
+                Duration::from_millis(700),
+                &mut rng,
+            )
+            .await;
         kills += 1;
         eprintln!(
             "kill {kills}: ledger rows {}, outbox rows by status {:?} (batch size {batch_size})",
@@ -181,16 +175,9 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
         "the kills must land before the backlog is drained ({before_final} rows)"
     );
 
-    let mut child = run.spawn(10, Some(5));
-    let status = tokio::time::timeout(Duration::from_secs(240), child.wait())
-        .await
-        .unwrap_or_else(|_| panic!("final run did not drain; log:\n{}", run.child.tail()))
-        .expect("wait");
-    assert!(
-        status.success(),
-        "final run failed ({status}); log:\n{}",
-        run.child.tail()
-    );
+    run.child
+        .finishes(run.spawn(10, Some(5)), Duration::from_secs(240))
+        .await;
 
     // (a) The ledger is exact; the outbox holds one sent row per payment.
     assert_exact(&pool, &stream.expected).await;

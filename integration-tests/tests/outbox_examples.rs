@@ -19,6 +19,7 @@ use onceonly::outbox::{MESSAGE_ID_HEADER, SIGNATURE_HEADER};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, take, url};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::example_ledger::Settled;
+use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{Expected, assert_exact};
 use onceonly_integration_tests::{pay, unique};
@@ -144,13 +145,6 @@ async fn amqp_orders_relays_one_settled_message_per_payment() {
 
 /// What the merchant's endpoint received: headers and body per POST.
 type Received = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payment_webhook_notifies_the_merchant_once_per_payment() {

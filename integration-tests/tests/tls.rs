@@ -37,7 +37,7 @@ use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream};
 use onceonly_integration_tests::private_pg::PrivatePg;
 use onceonly_integration_tests::tls::{TestCa, TlsProxy};
-use onceonly_integration_tests::{Pay, pay, pg_store, unique};
+use onceonly_integration_tests::{Pay, free_port, pay, pg_store, unique};
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -456,10 +456,7 @@ impl PrivateTansu {
             .await
             .expect("bind proxy");
         let advertised = listener.local_addr().expect("address").port();
-        let plain = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let plain = free_port();
         let child = std::process::Command::new(tansu_binary())
             .args(["broker", "--silent"])
             .args(["--listener-url", &format!("tcp://127.0.0.1:{plain}")])
