@@ -101,7 +101,7 @@ impl<S: SqlStore> AmqpConsumer<S> {
             handler,
             topology: self.topology,
             counters: Counters::default(),
-            publishing: tokio::sync::Mutex::new(()),
+            publishing: super::publish::Confirms::new(super::publish::CONFIRM_TIMEOUT),
         });
         let settings = self.settings;
         let delays = || crate::engine::backoff(settings.reconnect_min, settings.reconnect_max);

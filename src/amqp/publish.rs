@@ -1,12 +1,108 @@
 //! Publishing with publisher confirms: a publish counts only once the broker
 //! confirmed it, and an unroutable one (no queue bound) is a failure.
 
+use std::time::Duration;
+
 use lapin::options::BasicPublishOptions;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation};
 
 use super::AmqpConsumerError;
 use super::message::set_text;
+
+/// Confirmed publishes on one channel, one at a time and each bounded.
+///
+/// One at a time, because lapin hands a `basic.return` (an unroutable
+/// message) to whichever confirm completes next, not to its own publish:
+/// two publishes in flight on one channel could swap verdicts, reporting
+/// the routable one returned and the unroutable one delivered. Bounded,
+/// because a broker under a memory or disk alarm stops reading from
+/// publishers and never confirms.
+///
+/// After a publish timed out, its confirm (or return) may still arrive and
+/// be taken for the next publish's: a caller that can should replace the
+/// channel (the outbox publisher does).
+#[derive(Debug)]
+pub(crate) struct Confirms {
+    one_at_a_time: tokio::sync::Mutex<()>,
+    timeout: Duration,
+}
+
+/// How long one publish waits for its confirm by default.
+pub(crate) const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Confirms {
+    pub(crate) fn new(timeout: Duration) -> Self {
+        Self {
+            one_at_a_time: tokio::sync::Mutex::new(()),
+            timeout,
+        }
+    }
+
+    /// How long one publish may wait for its confirm.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Waits for this channel's turn: no other publish of this `Confirms`
+    /// in flight until the guard drops.
+    pub(crate) async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.one_at_a_time.lock().await
+    }
+
+    /// Publishes on `channel` once no other publish of this `Confirms` is
+    /// in flight, and waits for the confirm for at most the timeout (the
+    /// wait for the turn included).
+    pub(crate) async fn publish(
+        &self,
+        channel: &Channel,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), AmqpConsumerError> {
+        let sent = tokio::time::timeout(self.timeout, async {
+            let _turn = self.turn().await;
+            publish_confirmed(channel, exchange, routing_key, body, properties).await
+        })
+        .await;
+        sent.unwrap_or_else(|_| Err(self.timed_out(exchange, routing_key)))
+    }
+
+    /// Publishes while holding the turn (see [`Confirms::turn`]), waiting
+    /// for the confirm for at most the timeout. `Err` says whether the
+    /// channel must be replaced: after a timeout (a late confirm or return
+    /// would be taken for the next publish's) or a channel error; a nack or
+    /// a return leaves it in order.
+    pub(crate) async fn publish_in_turn(
+        &self,
+        _turn: &tokio::sync::MutexGuard<'_, ()>,
+        channel: &Channel,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), (AmqpConsumerError, bool)> {
+        let sent = tokio::time::timeout(
+            self.timeout,
+            publish_confirmed(channel, exchange, routing_key, body, properties),
+        )
+        .await;
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err((e, !channel.status().connected())),
+            Err(_) => Err((self.timed_out(exchange, routing_key), true)),
+        }
+    }
+
+    fn timed_out(&self, exchange: &str, routing_key: &str) -> AmqpConsumerError {
+        AmqpConsumerError::NotConfirmed {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            reason: format!("no confirm within {:?}", self.timeout),
+        }
+    }
+}
 
 /// Publishes and waits for the broker's confirm.
 pub(crate) async fn publish_confirmed(

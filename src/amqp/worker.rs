@@ -9,10 +9,9 @@ use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::AmqpConsumerError;
 use super::headers;
 use super::message::{header_text, set_int, set_text, to_delivery};
-use super::publish::{copy_properties, publish_confirmed};
+use super::publish::{Confirms, copy_properties};
 use super::topology::Topology;
 use crate::clock::{Clock, SystemClock};
 use crate::consumer_stats::{Counters, bump};
@@ -26,14 +25,9 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) handler: H,
     pub(crate) topology: Topology,
     pub(crate) counters: Counters,
-    /// One publish at a time on the channel: lapin matches a returned
-    /// (unroutable) message to the next confirm, not to its own publish.
-    pub(crate) publishing: tokio::sync::Mutex<()>,
+    /// The channel's publishes: one at a time, each bounded.
+    pub(crate) publishing: Confirms,
 }
-
-/// How long one publish may wait for its confirm (a broker under a memory
-/// or disk alarm blocks publishers) before it counts as failed.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What to publish before the ack.
 enum Next {
@@ -288,15 +282,11 @@ async fn reply<S: SqlStore, H>(
         }
     };
     props = props.with_headers(h);
-    let sent = {
-        let _one_at_a_time = env.publishing.lock().await;
-        tokio::time::timeout(
-            CONFIRM_TIMEOUT,
-            publish_confirmed(channel, "", reply_to, &body, props),
-        )
+    match env
+        .publishing
+        .publish(channel, "", reply_to, &body, props)
         .await
-    };
-    match sent.unwrap_or_else(|_| Err(timed_out("", reply_to))) {
+    {
         Ok(()) => bump(&env.counters.replies),
         Err(e) => tracing::warn!(reply_to, error = %e, "RPC reply not delivered"),
     }
@@ -318,14 +308,7 @@ async fn publish_until_confirmed<S: SqlStore, H>(
         let sent = tokio::select! {
             biased;
             () = stop.cancelled() => return false,
-            sent = async {
-                let _one_at_a_time = env.publishing.lock().await;
-                tokio::time::timeout(
-                    CONFIRM_TIMEOUT,
-                    publish_confirmed(channel, exchange, routing_key, body, props.clone()),
-                )
-                .await
-            } => sent.unwrap_or_else(|_| Err(timed_out(exchange, routing_key))),
+            sent = env.publishing.publish(channel, exchange, routing_key, body, props.clone()) => sent,
         };
         match sent {
             Ok(()) => return true,
@@ -337,13 +320,5 @@ async fn publish_until_confirmed<S: SqlStore, H>(
                 }
             }
         }
-    }
-}
-
-fn timed_out(exchange: &str, routing_key: &str) -> AmqpConsumerError {
-    AmqpConsumerError::NotConfirmed {
-        exchange: exchange.to_owned(),
-        routing_key: routing_key.to_owned(),
-        reason: format!("no confirm within {CONFIRM_TIMEOUT:?}"),
     }
 }

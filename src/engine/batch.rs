@@ -185,7 +185,7 @@ impl<S: SqlStore> Engine<S> {
                 }
             }
         };
-        let tx = Tx::new(tx, Origin::new(&inner.scope, "", None));
+        let tx = Tx::new(tx, Origin::new(&inner.scope, "", None, times.now_ms));
         let mut outcomes = Vec::with_capacity(ready.len());
         let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
         for (i, (item, claim)) in ready.iter_mut().zip(claims).enumerate() {
@@ -200,6 +200,7 @@ impl<S: SqlStore> Engine<S> {
                                     &inner.scope,
                                     item.key.as_str(),
                                     super::session::traceparent_of(item.delivery),
+                                    times.now_ms,
                                 )),
                                 handler,
                                 item.delivery,

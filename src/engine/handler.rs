@@ -136,14 +136,18 @@ impl HandlerError {
 /// [`infra_fault`](crate::store::infra_fault): the database's state
 /// (unreachable, read-only, missing table, permission, resources, shutdown,
 /// timeout, contention) is an infrastructure failure that transports wait
-/// out; anything else (a constraint violation, a value that does not fit)
-/// is permanent.
+/// out; a transaction aborted by an earlier error the handler swallowed
+/// (PostgreSQL `25P02`) is retryable, since that error may have been
+/// transient; anything else (a constraint violation, a value that does not
+/// fit) is permanent.
 impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
         crate::store::error::observe(&e);
         let infrastructure = crate::store::infra_fault(&e);
+        let aborted =
+            matches!(&e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"));
         Self {
-            retryable: infrastructure.is_some(),
+            retryable: infrastructure.is_some() || aborted,
             infrastructure,
             source: Box::new(e),
         }

@@ -173,6 +173,16 @@ pub enum Failure {
     /// dropped. A bug of the handler, never retried.
     #[error("the handler kept the transaction after it returned")]
     TxHeld,
+    /// The database refused the message's own writes as the transaction
+    /// ended: a deferred constraint or a constraint trigger failing at
+    /// `COMMIT`, or a transaction the handler left aborted (PostgreSQL
+    /// `25P02`) after swallowing one of its errors (see
+    /// [`is_write_fault`](crate::store::is_write_fault)). Nothing of the
+    /// attempt is committed. Retried per the retry policy (a missing parent
+    /// row may arrive), then dead-lettered (`handler_error`); never waited
+    /// on as if the database were down.
+    #[error("the database refused the message's writes at commit: {0}")]
+    Commit(#[source] sqlx::Error),
 }
 
 impl Failure {
@@ -182,7 +192,7 @@ impl Failure {
         match self {
             Self::Handler(e) => e.is_retryable() || e.is_infrastructure(),
             Self::Store(e) => e.is_infrastructure(),
-            Self::Panic(_) => true,
+            Self::Panic(_) | Self::Commit(_) => true,
             Self::Encode(_) | Self::TxHeld => false,
         }
     }
@@ -195,7 +205,7 @@ impl Failure {
         match self {
             Self::Store(e) => e.infra_fault(),
             Self::Handler(e) => e.infra_fault(),
-            Self::Panic(_) | Self::Encode(_) | Self::TxHeld => None,
+            Self::Panic(_) | Self::Encode(_) | Self::TxHeld | Self::Commit(_) => None,
         }
     }
 

@@ -11,7 +11,9 @@ use super::{Engine, Failure};
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdemKey, KeyError};
-use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+use crate::store::{
+    Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError, is_write_fault,
+};
 
 /// What to claim, for [`Engine::claim_with`]: a key, and optionally another
 /// scope, a fingerprint, source coordinates and a bound on waiting for a
@@ -224,7 +226,10 @@ impl<S: SqlStore> Engine<S> {
         }
         Ok(Claimed::New(Session {
             engine: self.clone(),
-            tx: Tx::new(tx, Origin::new(scope, spec.key, spec.traceparent)),
+            tx: Tx::new(
+                tx,
+                Origin::new(scope, spec.key, spec.traceparent, times.now_ms),
+            ),
             fingerprint: spec.fingerprint,
             times,
         }))
@@ -286,12 +291,19 @@ impl<S: SqlStore> Session<S> {
             .await;
         if let Err(e) = recorded {
             drop(tx.rollback().await);
-            return Err(Failure::Store(e));
+            return Err(match e {
+                // The handler left the transaction aborted.
+                StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
+                e => Failure::Store(e),
+            });
         }
-        engine
-            .commit(tx)
-            .await
-            .map_err(|e| Failure::Store(e.into()))?;
+        engine.commit(tx).await.map_err(|e| {
+            if is_write_fault(&e) {
+                Failure::Commit(e)
+            } else {
+                Failure::Store(e.into())
+            }
+        })?;
         engine
             .tell_tier(&Completed {
                 scope,

@@ -62,17 +62,31 @@ pub struct Origin {
     scope: String,
     key: String,
     traceparent: Option<String>,
+    claimed_at_ms: i64,
     sequence: AtomicU32,
 }
 
 impl Origin {
-    pub(crate) fn new(scope: &str, key: &str, traceparent: Option<&str>) -> Self {
+    pub(crate) fn new(
+        scope: &str,
+        key: &str,
+        traceparent: Option<&str>,
+        claimed_at_ms: i64,
+    ) -> Self {
         Self {
             scope: scope.to_owned(),
             key: key.to_owned(),
             traceparent: traceparent.map(str::to_owned),
+            claimed_at_ms,
             sequence: AtomicU32::new(0),
         }
+    }
+
+    /// When the key was claimed, in milliseconds since the Unix epoch (the
+    /// dedup record's creation time): it tells this run of the handler
+    /// from a later one after the record expired and the key came back.
+    pub fn claimed_at_ms(&self) -> i64 {
+        self.claimed_at_ms
     }
 
     /// The scope the key was claimed in.

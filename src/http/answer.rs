@@ -164,7 +164,18 @@ pub(super) enum StoreDown {
     Answer(Response<Body>),
 }
 
-/// Only a database that cannot be reached at all may fail open; any other
+/// Whether `error` is a pool that timed out while every connection was in
+/// use: not an unreachable database but our own load, typically requests
+/// waiting for the lock of a key another request holds. Failing open then
+/// would run a second copy of a request whose first copy is still running.
+fn pool_exhausted<DB: sqlx::Database>(pool: &sqlx::Pool<DB>, error: &StoreError) -> bool {
+    matches!(error, StoreError::Database(sqlx::Error::PoolTimedOut))
+        && pool.num_idle() == 0
+        && pool.size() >= pool.options().get_max_connections()
+}
+
+/// Only a database that cannot be reached at all may fail open (a pool
+/// exhausted by the service's own in-flight requests is not that); any other
 /// state of the database (read-only, missing table, no privilege, out of
 /// resources, shutting down, timing out) is `503`, and a data exception on
 /// a value of the request is `400`.
@@ -179,6 +190,7 @@ pub(super) fn store_down<S: SqlStore>(cfg: &Config<S>, error: &StoreError) -> St
     };
     if fault == InfraFault::Unreachable
         && cfg.http.on_store_error == super::config::OnStoreError::FailOpen
+        && !pool_exhausted(cfg.engine.store().pool(), error)
     {
         // Failing open or not, the request got no dedup.
         cfg.engine

@@ -337,6 +337,20 @@ async fn finish<S: SqlStore>(
                 "the idempotency transaction disappeared",
             );
         }
+        // The database refused the request's own writes at COMMIT (a
+        // deferred constraint, a constraint trigger) or the handler left
+        // the transaction aborted: nothing was kept, and the same request
+        // would fail the same way.
+        Err(Failure::Commit(e)) => {
+            tracing::warn!(error = %e, "the request's writes were refused at commit");
+            return answer::refused(
+                cfg,
+                StatusCode::CONFLICT,
+                "commit-refused",
+                "Writes refused",
+                "the database refused this request's writes when committing them; nothing was kept",
+            );
+        }
         Err(e) => {
             tracing::error!(error = %e, "storing the response failed; answering 503");
             return answer::unavailable(

@@ -41,9 +41,33 @@ pub mod headers {
     /// On a copy in the retry topic: when it is due again, in milliseconds
     /// since the Unix epoch.
     pub const DUE: &str = "x-onceonly-due";
-    /// Prefix shared by all of the above; such headers on an incoming record
-    /// (a replayed dead letter) are replaced, not repeated.
+    /// Prefix shared by all of the above (and by the outbox's
+    /// `x-onceonly-message-id` and `x-onceonly-causation-id`, which are the
+    /// message's own and travel with every copy).
     pub const PREFIX: &str = "x-onceonly-";
+
+    /// The headers this consumer writes on a copy (retry, dead letter): on
+    /// an incoming record (a retried copy, a replayed dead letter) they are
+    /// replaced, not repeated. Every other header, the outbox's message and
+    /// causation ids included, is copied as it came.
+    pub const WRITTEN: [&str; 11] = [
+        ORIGINAL_TOPIC,
+        ORIGINAL_PARTITION,
+        ORIGINAL_OFFSET,
+        ORIGINAL_KEY,
+        REASON,
+        ERROR,
+        ATTEMPTS,
+        FIRST_SEEN,
+        IDEMPOTENCY_KEY,
+        SCOPE,
+        DUE,
+    ];
+
+    /// Whether `name` is one of the headers in [`WRITTEN`].
+    pub fn is_written(name: &str) -> bool {
+        WRITTEN.contains(&name)
+    }
 }
 
 /// Why a record is dead-lettered.
@@ -148,8 +172,9 @@ impl DeadLetterer {
             .map_err(|source| KafkaConsumerError::RetryCopy { topic, source })
     }
 
-    /// Sends a copy of the record (payload, key, its own headers) to
-    /// `topic` with onceonly's headers: the origin, the scope, and `extra`.
+    /// Sends a copy of the record (payload, key, its own headers, those of
+    /// an outbox included) to `topic` with this consumer's headers (the
+    /// origin, the scope, and `extra`), which replace any it carried.
     async fn send(
         &self,
         envelope: &Envelope,
@@ -161,7 +186,7 @@ impl DeadLetterer {
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
             for header in original.iter() {
-                if !header.key.starts_with(headers::PREFIX) {
+                if !headers::is_written(header.key) {
                     h = h.insert(header);
                 }
             }

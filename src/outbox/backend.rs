@@ -153,7 +153,8 @@ pub trait OutboxBackend: Database {
         channel: &str,
     ) -> Result<(), sqlx::Error>;
 
-    /// Begins a relay transaction (SQLite: `BEGIN IMMEDIATE`).
+    /// Begins the short transaction in which a relay takes and leases its
+    /// rows (SQLite: `BEGIN IMMEDIATE`).
     #[doc(hidden)]
     async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error>;
 
@@ -167,6 +168,17 @@ pub trait OutboxBackend: Database {
         now_ms: i64,
         limit: i64,
     ) -> Result<Vec<OutboxRow>, sqlx::Error>;
+
+    /// Leases rows (the heads a relay took) until `until_ms`: they are not
+    /// due again before, so no other relay takes them while this one
+    /// publishes outside any transaction.
+    #[doc(hidden)]
+    async fn lease(
+        conn: &mut Self::Connection,
+        sql: &OutboxSql,
+        ids: &[i64],
+        until_ms: i64,
+    ) -> Result<(), sqlx::Error>;
 
     /// Marks rows sent.
     #[doc(hidden)]
@@ -421,6 +433,27 @@ macro_rules! outbox_backend {
                 rows.iter().map(read).collect()
             }
 
+            async fn lease(
+                conn: &mut Self::Connection,
+                sql: &OutboxSql,
+                ids: &[i64],
+                until_ms: i64,
+            ) -> Result<(), sqlx::Error> {
+                if ids.is_empty() {
+                    return Ok(());
+                }
+                let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.lease_prefix);
+                qb.push_bind(until_ms);
+                qb.push(" WHERE status = 0 AND id IN (");
+                let mut list = qb.separated(", ");
+                for id in ids {
+                    list.push_bind(*id);
+                }
+                qb.push(")");
+                qb.build().execute(&mut *conn).await?;
+                Ok(())
+            }
+
             async fn mark_sent(
                 conn: &mut Self::Connection,
                 sql: &OutboxSql,
@@ -432,7 +465,7 @@ macro_rules! outbox_backend {
                 }
                 let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.sent_prefix);
                 qb.push_bind(now_ms);
-                qb.push(" WHERE id IN (");
+                qb.push(" WHERE status = 0 AND id IN (");
                 let mut list = qb.separated(", ");
                 for id in ids {
                     list.push_bind(*id);

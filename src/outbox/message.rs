@@ -217,9 +217,20 @@ impl OutboxMessage {
     }
 }
 
-/// The deterministic id of the `position`-th message sent while handling
-/// the inbound key of `origin`: the same inbound message handled again
-/// (its record expired and it came back) sends the same ids.
+/// The id of the `position`-th message sent while handling the inbound key
+/// of `origin`: a SHA-256 over the scope, the key, the claim's time and the
+/// position, so every copy of the message (relay retries, dead letters,
+/// replays) carries the same id.
+///
+/// The claim's time makes each committed run of a handler send its own
+/// ids. Within the dedup window a key runs its handler once, so there is
+/// one run to name. After the window a key that comes back is processed
+/// again, as a new request (the retention is the promise: keep it longer
+/// than any redelivery or replay horizon): its effects are written again,
+/// and so are its messages, with new ids, which a downstream consumer
+/// keyed on [`MESSAGE_ID_HEADER`] applies instead of dropping them as the
+/// old run's (the old run's message may be gone from its dedup window
+/// too, or not: either way the new effect's message arrives).
 pub fn message_id(origin: &Origin, position: u32) -> String {
     let mut h = Sha256::new();
     h.update(b"onceonly-outbox\0");
@@ -227,6 +238,7 @@ pub fn message_id(origin: &Origin, position: u32) -> String {
         h.update((part.len() as u64).to_be_bytes());
         h.update(part);
     }
+    h.update(origin.claimed_at_ms().to_be_bytes());
     h.update(position.to_be_bytes());
     // 128 bits, as a UUID-shaped string downstream systems accept as an id.
     let d = h.finalize();
@@ -246,23 +258,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ids_depend_on_scope_key_and_position_only() {
-        let a = Origin::new("payments", "T-1", None);
-        let again = Origin::new("payments", "T-1", Some("00-abc-def-01"));
+    fn ids_depend_on_scope_key_claim_and_position_only() {
+        let a = Origin::new("payments", "T-1", None, 1);
+        let again = Origin::new("payments", "T-1", Some("00-abc-def-01"), 1);
         assert_eq!(message_id(&a, 0), message_id(&again, 0));
+        // The key processed again after its record expired: a new run.
+        assert_ne!(
+            message_id(&a, 0),
+            message_id(&Origin::new("payments", "T-1", None, 2), 0)
+        );
         assert_ne!(message_id(&a, 0), message_id(&a, 1));
         assert_ne!(
             message_id(&a, 0),
-            message_id(&Origin::new("payments", "T-2", None), 0)
+            message_id(&Origin::new("payments", "T-2", None, 1), 0)
         );
         assert_ne!(
             message_id(&a, 0),
-            message_id(&Origin::new("refunds", "T-1", None), 0)
+            message_id(&Origin::new("refunds", "T-1", None, 1), 0)
         );
         // No ambiguity between scope and key boundaries.
         assert_ne!(
-            message_id(&Origin::new("ab", "c", None), 0),
-            message_id(&Origin::new("a", "bc", None), 0)
+            message_id(&Origin::new("ab", "c", None, 1), 0),
+            message_id(&Origin::new("a", "bc", None, 1), 0)
         );
         assert_eq!(message_id(&a, 0).len(), 36);
     }

@@ -82,7 +82,7 @@ pub use publish::KafkaPublisher;
 #[cfg(feature = "webhook")]
 pub use publish::WebhookPublisher;
 pub use publish::{Outgoing, PublishError, Publisher};
-pub use relay::{Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
+pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;
 
 use crate::clock::{Clock, SystemClock};
@@ -137,7 +137,7 @@ impl<DB: OutboxBackend> Outbox<DB> {
     fn build(table: &TableName) -> Self {
         Self {
             sql: Arc::new(OutboxSql::new(DB::DIALECT.0, table)),
-            channel: Arc::from(format!("onceonly_outbox_{}", table.table())),
+            channel: Arc::from(notify_channel(table.table())),
             _db: PhantomData,
         }
     }
@@ -168,9 +168,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
 
     /// Inserts `message` in the claim's transaction: it commits with the
     /// handler's writes and leaves only then, through a [`Relay`]. Returns
-    /// its deterministic id (see [`message_id`]); enqueueing the same
-    /// message position again (the inbound key processed again) inserts
-    /// nothing new.
+    /// its id (see [`message_id`]: the same for every copy of the message,
+    /// new for a later run of the key after its record expired).
     pub async fn enqueue(
         &self,
         conn: &mut TxGuard<DB>,
@@ -217,5 +216,40 @@ impl<DB: OutboxBackend> Outbox<DB> {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn channel(&self) -> &str {
         &self.channel
+    }
+}
+
+/// The PostgreSQL NOTIFY channel of outbox table `table`:
+/// `onceonly_outbox_<table>`, or, where that would pass PostgreSQL's
+/// 63-byte identifier limit (a legal table name of up to 48 bytes can),
+/// as much of it as fits with a hash of the whole name, so that every
+/// enqueue's `pg_notify` works and distinct tables keep distinct channels.
+fn notify_channel(table: &str) -> String {
+    const MAX: usize = 63;
+    let full = format!("onceonly_outbox_{table}");
+    if full.len() <= MAX {
+        return full;
+    }
+    use sha2::{Digest, Sha256};
+    let hash = hex::encode(&Sha256::digest(table.as_bytes())[..6]);
+    let mut cut = MAX - hash.len() - 1;
+    while !full.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}_{hash}", &full[..cut])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::notify_channel;
+
+    #[test]
+    fn notify_channels_fit_postgres_identifiers() {
+        assert_eq!(notify_channel("box"), "onceonly_outbox_box");
+        let long = "t".repeat(48);
+        let a = notify_channel(&long);
+        assert_eq!(a.len(), 63);
+        let other = format!("{}u", "t".repeat(47));
+        assert_ne!(a, notify_channel(&other));
     }
 }

@@ -181,23 +181,43 @@ pub use kafka::KafkaPublisher;
 
 #[cfg(feature = "amqp")]
 mod amqp {
+    use std::time::Duration;
+
     use async_trait::async_trait;
     use lapin::options::ConfirmSelectOptions;
     use lapin::types::{AMQPValue, FieldTable};
-    use lapin::{BasicProperties, Channel};
+    use lapin::{BasicProperties, Channel, Connection};
     use tokio::sync::Mutex;
 
     use super::{Kind, Outgoing, PublishError, Publisher};
     use crate::amqp::AmqpTls;
+    use crate::amqp::publish::{CONFIRM_TIMEOUT, Confirms};
 
     /// Publishes to RabbitMQ with publisher confirms, `mandatory` and
     /// persistent delivery: a message counts as sent once the broker
-    /// confirmed it was routed. Reconnects on the next publish after the
-    /// connection is lost.
+    /// confirmed it was routed.
+    ///
+    /// Publishes go one at a time on the channel (a returned message is
+    /// matched to the next confirm, not to its own publish, so concurrent
+    /// publishes could swap an unroutable message's verdict with another's),
+    /// and each waits for its confirm for at most the
+    /// [timeout](AmqpPublisher::with_timeout) (default 30 s; a broker
+    /// under a memory or disk alarm never confirms). After a timeout or a
+    /// lost connection the channel is replaced on the next publish, so a
+    /// late confirm is never taken for another message's.
     pub struct AmqpPublisher {
         url: String,
         tls: AmqpTls,
-        channel: Mutex<Option<Channel>>,
+        link: Mutex<Link>,
+        confirms: Confirms,
+    }
+
+    /// The current connection and channel, numbered so that a failed
+    /// publish closes only the link it used.
+    #[derive(Default)]
+    struct Link {
+        generation: u64,
+        open: Option<(Connection, Channel)>,
     }
 
     impl AmqpPublisher {
@@ -206,7 +226,8 @@ mod amqp {
             Self {
                 url: url.into(),
                 tls: AmqpTls::new(),
-                channel: Mutex::new(None),
+                link: Mutex::new(Link::default()),
+                confirms: Confirms::new(CONFIRM_TIMEOUT),
             }
         }
 
@@ -217,23 +238,63 @@ mod amqp {
             self
         }
 
-        async fn channel(&self) -> Result<Channel, PublishError> {
-            let mut slot = self.channel.lock().await;
-            if let Some(channel) = slot.as_ref().filter(|c| c.status().connected()) {
-                return Ok(channel.clone());
+        /// How long a publish (connecting included) may wait for the
+        /// broker's confirm before it fails and is retried later (default
+        /// 30 s).
+        #[must_use]
+        pub fn with_timeout(mut self, timeout: Duration) -> Self {
+            self.confirms = Confirms::new(timeout);
+            self
+        }
+
+        async fn channel(&self) -> Result<(u64, Channel), PublishError> {
+            let mut link = self.link.lock().await;
+            if let Some((_, channel)) = link.open.as_ref().filter(|(_, c)| c.status().connected()) {
+                return Ok((link.generation, channel.clone()));
+            }
+            if let Some((conn, _)) = link.open.take() {
+                close(conn).await;
             }
             let unavailable = |e: lapin::Error| PublishError::retryable(format!("amqp: {e}"));
-            let conn = crate::amqp::connect(&self.url, &self.tls)
-                .await
-                .map_err(unavailable)?;
-            let channel = conn.create_channel().await.map_err(unavailable)?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(unavailable)?;
-            *slot = Some(channel.clone());
-            Ok(channel)
+            let opened = tokio::time::timeout(self.confirms.timeout(), async {
+                let conn = crate::amqp::connect(&self.url, &self.tls).await?;
+                let channel = conn.create_channel().await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                Ok::<_, lapin::Error>((conn, channel))
+            })
+            .await
+            .map_err(|_| {
+                PublishError::retryable(format!(
+                    "amqp: no channel within {:?}",
+                    self.confirms.timeout()
+                ))
+            })?
+            .map_err(unavailable)?;
+            let channel = opened.1.clone();
+            link.generation += 1;
+            link.open = Some(opened);
+            Ok((link.generation, channel))
         }
+
+        /// Closes link `generation` if it is still the current one, so that
+        /// no late confirm or return of a failed publish is taken for a
+        /// later one's.
+        async fn discard(&self, generation: u64) {
+            let mut link = self.link.lock().await;
+            if link.generation == generation {
+                if let Some((conn, _)) = link.open.take() {
+                    close(conn).await;
+                }
+            }
+        }
+    }
+
+    /// Closes a connection without waiting long: its peer may be silent.
+    async fn close(conn: Connection) {
+        let closing = conn.close(320, "onceonly: replacing the publisher's connection".into());
+        drop(tokio::time::timeout(Duration::from_secs(1), closing).await);
     }
 
     #[async_trait]
@@ -244,7 +305,15 @@ mod amqp {
 
         async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError> {
             let row = message.row;
-            let channel = self.channel().await?;
+            let timeout = self.confirms.timeout();
+            let turn = tokio::time::timeout(timeout, self.confirms.turn())
+                .await
+                .map_err(|_| {
+                    PublishError::retryable(format!(
+                        "amqp: the channel stayed busy for {timeout:?}"
+                    ))
+                })?;
+            let (generation, channel) = self.channel().await?;
             let mut headers = FieldTable::default();
             for (name, value) in &message.headers {
                 headers.insert(
@@ -257,19 +326,28 @@ mod amqp {
                 .with_message_id(row.message_id.as_str().into())
                 .with_headers(headers);
             let routing_key = row.routing_key.as_deref().unwrap_or_default();
-            crate::amqp::publish::publish_confirmed(
-                &channel,
-                &row.destination,
-                routing_key,
-                &row.payload,
-                properties,
-            )
-            .await
-            .map_err(|e| {
-                // Unroutable: no queue is bound for it. Waiting for one
-                // may help (a consumer declaring its queue late).
-                PublishError::retryable(e.to_string())
-            })
+            let sent = self
+                .confirms
+                .publish_in_turn(
+                    &turn,
+                    &channel,
+                    &row.destination,
+                    routing_key,
+                    &row.payload,
+                    properties,
+                )
+                .await;
+            match sent {
+                Ok(()) => Ok(()),
+                Err((e, replace)) => {
+                    if replace {
+                        self.discard(generation).await;
+                    }
+                    // Unroutable (no queue bound) is retryable too: a
+                    // consumer may declare its queue late.
+                    Err(PublishError::retryable(e.to_string()))
+                }
+            }
         }
     }
 }
@@ -293,6 +371,12 @@ mod webhook {
     /// verifies, so a onceonly receiver can check it). A 2xx answer is
     /// delivered; 5xx, 408, 429 and timeouts are retried; any other 4xx is
     /// permanent.
+    ///
+    /// Redirects are not followed: an HTTP client following a 301, 302 or
+    /// 303 turns the POST into a GET without body, and the 2xx at its end
+    /// would mark a notification delivered that never arrived. A 3xx
+    /// answer is a permanent failure naming the `Location`: configure the
+    /// final URL.
     pub struct WebhookPublisher {
         client: reqwest::Client,
         secret: Vec<u8>,
@@ -308,8 +392,15 @@ mod webhook {
         pub fn with_timeout(secret: impl Into<Vec<u8>>, timeout: Duration) -> Self {
             let client = reqwest::Client::builder()
                 .timeout(timeout)
+                .redirect(reqwest::redirect::Policy::none())
                 .build()
-                .unwrap_or_default();
+                .unwrap_or_else(|e| {
+                    // Only a TLS backend that cannot start fails here; the
+                    // default client then follows redirects, which
+                    // `publish` detects and refuses.
+                    tracing::error!(error = %e, "webhook client setup failed; using the default client");
+                    reqwest::Client::default()
+                });
             Self {
                 client,
                 secret: secret.into(),
@@ -365,6 +456,24 @@ mod webhook {
                     }
                 })?;
             let status = response.status();
+            if status.is_redirection() {
+                let location = response
+                    .headers()
+                    .get(reqwest::header::LOCATION)
+                    .and_then(|l| l.to_str().ok())
+                    .unwrap_or("no Location");
+                return Err(PublishError::permanent(format!(
+                    "webhook {} answered {status} (redirect to {location}, not followed: a POST must reach its final URL)",
+                    row.destination
+                )));
+            }
+            if reqwest::Url::parse(&row.destination).ok().as_ref() != Some(response.url()) {
+                return Err(PublishError::permanent(format!(
+                    "webhook {} was redirected to {}: not delivered",
+                    row.destination,
+                    response.url()
+                )));
+            }
             if status.is_success() {
                 return Ok(());
             }

@@ -17,16 +17,22 @@ use super::publish::{Outgoing, PublishError, Publisher};
 use crate::clock::{Clock, SystemClock};
 use crate::store::StoreError;
 
+/// How long a relay holds the keys it took in a round by default (see
+/// [`RelayBuilder::lease`]).
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(120);
+
 /// Builds a [`Relay`]: `Relay::builder(pool, outbox).publisher(..).build()`.
 pub struct RelayBuilder<DB: OutboxBackend> {
     relay: Relay<DB>,
 }
 
 /// Publishes committed outbox rows. Several relays may run at once, in one
-/// process or many: each locks the rows it publishes (`FOR UPDATE SKIP
-/// LOCKED` on PostgreSQL and MySQL/MariaDB; SQLite has one writer), and
-/// only the first pending row of an ordering key can be taken, so order
-/// per key holds.
+/// process or many: each takes the rows it publishes in a short
+/// transaction (`FOR UPDATE SKIP LOCKED` on PostgreSQL and MySQL/MariaDB;
+/// SQLite has one writer) and leases their keys (see
+/// [`RelayBuilder::lease`]), and only the first pending row of an ordering
+/// key can be taken, so order per key holds. No transaction is open while
+/// a message is published.
 pub struct Relay<DB: OutboxBackend> {
     pool: Pool<DB>,
     outbox: Outbox<DB>,
@@ -38,6 +44,7 @@ pub struct Relay<DB: OutboxBackend> {
     backoff_max: Duration,
     keep_sent: Option<Duration>,
     purge_every: Duration,
+    lease: Duration,
     wake: Arc<Notify>,
 }
 
@@ -70,6 +77,7 @@ impl<DB: OutboxBackend> Relay<DB> {
                 backoff_max: Duration::from_secs(300),
                 keep_sent: Some(Duration::from_secs(24 * 3600)),
                 purge_every: Duration::from_secs(60),
+                lease: DEFAULT_LEASE,
                 wake: Arc::new(Notify::new()),
             },
         }
@@ -82,7 +90,9 @@ impl<DB: OutboxBackend> Relay<DB> {
         let mut stats = RelayStats::default();
         let kinds: Vec<Kind> = self.publishers.keys().copied().collect();
         let heads = self.outbox.sql().heads(&kinds);
-        let _listener = self.listen();
+        // Stopped with the relay (a detached listener would keep a pool
+        // connection for ever).
+        let _listener = self.listen().map(AbortOnDrop);
         let table = self.outbox.sql().table.clone();
         let mut last_purge = Instant::now();
         let mut last_backlog: Option<Instant> = None;
@@ -162,19 +172,44 @@ impl<DB: OutboxBackend> Relay<DB> {
         None
     }
 
-    /// One round: lock a batch, publish it per ordering key, record the
-    /// results, commit. Returns how many rows it took.
+    /// One round: take and lease a batch in a short transaction, publish it
+    /// per ordering key with no transaction open, then record the results
+    /// in another short transaction. Returns how many rows it took.
+    ///
+    /// No database transaction is open while a message travels: on SQLite
+    /// the relay's write lock would stop every claim and enqueue while a
+    /// webhook takes its time, and on PostgreSQL and MySQL/MariaDB its row
+    /// and gap locks would block enqueues alike. The lease (the heads'
+    /// `next_attempt_at_ms` moved to the end of the lease) keeps other
+    /// relays off the taken keys meanwhile; a relay that dies mid-round
+    /// leaves its keys to the others once the lease ends, and they publish
+    /// the rows again with the same message ids.
     async fn round(&self, heads: &str, stats: &mut RelayStats) -> Result<usize, StoreError> {
         let sql = self.outbox.sql();
-        let mut tx = DB::begin(&self.pool).await?;
         let now = SystemClock.now_ms();
-        let rows = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch)).await?;
-        if rows.is_empty() {
+        let rows = {
+            let mut tx = DB::begin(&self.pool).await?;
+            let rows = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch)).await?;
+            if !rows.is_empty() {
+                let lease_ms = i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX);
+                let mut first_of_key = std::collections::HashSet::new();
+                let leased: Vec<i64> = rows
+                    .iter()
+                    .filter(|r| first_of_key.insert(r.order_key.as_str()))
+                    .map(|r| r.id)
+                    .collect();
+                DB::lease(&mut tx, sql, &leased, now.saturating_add(lease_ms)).await?;
+            }
             tx.commit().await?;
+            rows
+        };
+        if rows.is_empty() {
             return Ok(0);
         }
         let taken = rows.len();
-        // Keys in parallel, each key's rows one after the other.
+        // Keys in parallel, each key's rows one after the other, within
+        // half the lease.
+        let deadline = Instant::now() + self.lease / 2;
         let mut by_key: BTreeMap<&str, Vec<&OutboxRow>> = BTreeMap::new();
         for row in &rows {
             by_key.entry(&row.order_key).or_default().push(row);
@@ -182,7 +217,7 @@ impl<DB: OutboxBackend> Relay<DB> {
         let results = futures_util::future::join_all(
             by_key
                 .into_values()
-                .map(|queue| self.publish_in_order(queue)),
+                .map(|queue| self.publish_in_order(queue, deadline)),
         )
         .await;
         let mut sent = Vec::with_capacity(taken);
@@ -191,7 +226,9 @@ impl<DB: OutboxBackend> Relay<DB> {
             sent.extend(ids);
             failures.extend(failure);
         }
+        let mut tx = self.pool.begin().await?;
         DB::mark_sent(&mut tx, sql, &sent, SystemClock.now_ms()).await?;
+        let mut dead_now = Vec::new();
         for (row, error) in &failures {
             let dead = error.is_permanent()
                 || u32::try_from(row.attempts + 1).unwrap_or(u32::MAX) >= self.max_attempts;
@@ -205,6 +242,13 @@ impl<DB: OutboxBackend> Relay<DB> {
                 error: &error.to_string(),
             };
             DB::mark_failed(&mut tx, sql, &failure).await?;
+            dead_now.push((row, error, dead, delay));
+        }
+        // A failed commit leaves the rows pending: they are published
+        // again, with the same message ids, once their lease ends.
+        tx.commit().await?;
+        stats.published += sent.len() as u64;
+        for (row, error, dead, delay) in dead_now {
             stats.failed += 1;
             if dead {
                 stats.dead += 1;
@@ -213,20 +257,22 @@ impl<DB: OutboxBackend> Relay<DB> {
                 tracing::warn!(message_id = %row.message_id, kind = %row.kind, destination = %row.destination, attempts = row.attempts + 1, ?delay, error = %error, "outbox publish failed; retrying");
             }
         }
-        // A failed commit leaves the rows pending: they are published
-        // again, with the same message ids.
-        tx.commit().await?;
-        stats.published += sent.len() as u64;
         Ok(taken)
     }
 
-    /// Publishes one key's rows in order, stopping at the first failure.
+    /// Publishes one key's rows in order, stopping at the first failure,
+    /// or before a row once `deadline` passed (the rest stay pending, due
+    /// at once, for the next round).
     async fn publish_in_order<'r>(
         &self,
         queue: Vec<&'r OutboxRow>,
+        deadline: Instant,
     ) -> (Vec<i64>, Option<(&'r OutboxRow, PublishError)>) {
         let mut sent = Vec::with_capacity(queue.len());
         for row in queue {
+            if !sent.is_empty() && Instant::now() >= deadline {
+                break;
+            }
             let kind = Kind::parse(&row.kind);
             let Some(publisher) = kind.and_then(|k| self.publishers.get(&k)) else {
                 let error =
@@ -298,6 +344,15 @@ impl<DB: OutboxBackend> Relay<DB> {
     }
 }
 
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The metric label of a destination: the topic or exchange, or a
 /// webhook's host (URLs would make one series per merchant path).
 fn destination_label(row: &OutboxRow) -> String {
@@ -360,6 +415,22 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     #[must_use]
     pub fn keep_sent(mut self, keep: Option<Duration>) -> Self {
         self.relay.keep_sent = keep;
+        self
+    }
+
+    /// How long the keys a round took stay its own (default
+    /// [`DEFAULT_LEASE`], at least 1 s). A round takes its rows in a short
+    /// transaction and publishes them with no transaction open; meanwhile
+    /// the lease keeps other relays off those keys. A round publishes a
+    /// key's rows for at most half the lease (the rest wait for the next
+    /// round), so keep it above twice the slowest publish (the publishers'
+    /// timeouts: 30 s for Kafka and AMQP, 10 s for webhooks by default).
+    /// If a relay dies mid-round, its keys are taken up again when the
+    /// lease ends, and their unconfirmed rows are sent again with the same
+    /// message ids.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.relay.lease = lease.max(Duration::from_secs(1));
         self
     }
 

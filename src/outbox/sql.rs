@@ -59,6 +59,8 @@ pub struct OutboxSql {
     /// `) ORDER BY id LIMIT n` and `follow_lock`.
     pub follow_prefix: String,
     pub follow_lock: &'static str,
+    /// `UPDATE .. SET next_attempt_at_ms = ` + until, then ids.
+    pub lease_prefix: String,
     /// `$1` sent_at, then ids.
     pub sent_prefix: String,
     /// `$1` the new status (pending or dead), `$2` next attempt, `$3`
@@ -197,10 +199,11 @@ impl OutboxSql {
         let sent_prefix = format!(
             "UPDATE {t} SET status = 1, attempts = attempts + 1, last_error = NULL, sent_at_ms = "
         );
+        let lease_prefix = format!("UPDATE {t} SET next_attempt_at_ms = ");
         // The relay decides whether the row is dead; the statement records it.
         let failed = format!(
             "UPDATE {t} SET status = {}, attempts = attempts + 1, next_attempt_at_ms = {}, \
-             last_error = {} WHERE id = {}",
+             last_error = {} WHERE status = 0 AND id = {}",
             p(1),
             p(2),
             p(3),
@@ -251,6 +254,7 @@ impl OutboxSql {
             heads,
             follow_prefix,
             follow_lock,
+            lease_prefix,
             sent_prefix,
             failed,
         }

@@ -76,12 +76,14 @@ impl From<sqlx::Error> for StoreError {
 /// | [`Resources`](InfraFault::Resources) | `53xxx`, `58xxx`, `XX001`, `XX002` | 1021, 1030, 1037, 1038, 1041, 1114, 1135, 1637 | `NOMEM` (7), `IOERR` (10), `CORRUPT` (11), `FULL` (13), `NOTADB` (26) | |
 /// | [`Shutdown`](InfraFault::Shutdown) | `57P01`, `57P02`, `57P04`, `57P05` | 1053, 1927 | | |
 /// | [`Timeout`](InfraFault::Timeout) | `57014` | 1317, 1969, 3024 | `INTERRUPT` (9) | |
-/// | [`Contention`](InfraFault::Contention) | `40001`, `40P01`, `55P03`, `55006`, `25P02` | 1205, 1213, 1412, 1615 | `BUSY` (5), `LOCKED` (6), `SCHEMA` (17) | |
+/// | [`Contention`](InfraFault::Contention) | `40001`, `40P01`, `55P03`, `55006` | 1205, 1213, 1412, 1615 | `BUSY` (5), `LOCKED` (6), `SCHEMA` (17) | |
 /// | [`Corrupt`](InfraFault::Corrupt) | | | | a dedup record that does not read back |
 ///
 /// Not infrastructure: constraint violations (`23xxx`, 1062, ...), data
-/// exceptions (`22xxx`: a value of this message does not fit), syntax errors
-/// and anything else: those say something about the message or the code.
+/// exceptions (`22xxx`: a value of this message does not fit), a
+/// transaction the handler left aborted (`25P02`, see [`is_write_fault`]),
+/// syntax errors and anything else: those say something about the message
+/// or the code.
 ///
 /// Every [`StoreError`] of the dedup store's own statements is an
 /// infrastructure fault except a data exception (`22xxx`, MySQL 1366/1406),
@@ -223,7 +225,7 @@ fn sqlstate_fault(code: &str) -> Option<InfraFault> {
         "XX001" | "XX002" => Resources,
         "57P01" | "57P02" | "57P04" | "57P05" => Shutdown,
         "57014" => Timeout,
-        "40001" | "40P01" | "55P03" | "55006" | "25P02" => Contention,
+        "40001" | "40P01" | "55P03" | "55006" => Contention,
         c if c.starts_with("08") => Unreachable,
         c if c.starts_with("28") => Permission,
         c if c.starts_with("53") || c.starts_with("58") => Resources,
@@ -272,6 +274,33 @@ fn sqlite_fault(primary: i32, message: &str) -> Option<InfraFault> {
         }
         _ => return None,
     })
+}
+
+/// Whether `e`, raised as a claim's transaction ends (recording the result,
+/// or `COMMIT`), is a fault of the message's own writes rather than of the
+/// database's state:
+///
+/// | | PostgreSQL (SQLSTATE) | MySQL / MariaDB | SQLite |
+/// |---|---|---|---|
+/// | a constraint checked at COMMIT (deferred unique or foreign key, check) | `23xxx`, `40002` | 1062, 1451, 1452, 3819, 4025 | `CONSTRAINT` (19) |
+/// | a constraint trigger raising an error | `P0001` | 1644 (`SIGNAL`) | `CONSTRAINT` (19, `RAISE`) |
+/// | a transaction the handler left aborted (it swallowed one of its errors) | `25P02` | | |
+///
+/// Such a failure is retried and dead-lettered like a handler error
+/// ([`Failure::Commit`](crate::engine::Failure::Commit)), never waited on:
+/// waiting in place is for the database's state, and these would fail the
+/// same way forever.
+pub fn is_write_fault(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => match db_code(db.as_ref()) {
+            DbCode::MySql(n) => matches!(n, 1062 | 1451 | 1452 | 1644 | 3819 | 4025),
+            DbCode::Sqlite(c) => c == 19,
+            DbCode::SqlState(c) => c.is_some_and(|c| {
+                c.starts_with("23") || matches!(c.as_ref(), "40002" | "P0001" | "25P02")
+            }),
+        },
+        _ => false,
+    }
 }
 
 /// Whether a value of the statement did not fit (Postgres class `22`,
@@ -401,6 +430,8 @@ mod tests {
         assert_eq!(sqlstate_fault("23505"), None);
         assert_eq!(sqlstate_fault("22001"), None);
         assert_eq!(sqlstate_fault("42601"), None);
+        // A handler's swallowed error is not the database's state.
+        assert_eq!(sqlstate_fault("25P02"), None);
     }
 
     #[test]

@@ -42,7 +42,9 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::fingerprint::Fingerprint;
 
-pub use error::{InfraFault, StoreError, infra_fault, is_stale_connection, pool_options};
+pub use error::{
+    InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
+};
 pub use table::TableName;
 pub use tier::{CacheTier, CachedRecord, Completed};
 

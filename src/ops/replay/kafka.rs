@@ -186,8 +186,11 @@ impl KafkaReplayBuilder {
 ///
 /// Each record goes back to `x-onceonly-original-topic`, to its
 /// `x-onceonly-original-partition` (so it lands next to the records of its
-/// key), with its record key, payload and every header not starting with
-/// `x-onceonly-`, plus `x-onceonly-replayed-from: <dlt>/<partition>/<offset>`.
+/// key), with its record key, payload and headers (the user's, and the
+/// outbox's `x-onceonly-message-id` and `x-onceonly-causation-id`) but
+/// without the failure's verdict and coordinates ([`headers::WRITTEN`],
+/// except the first-seen time), plus
+/// `x-onceonly-replayed-from: <dlt>/<partition>/<offset>`.
 ///
 /// # Offsets: a dead-letter topic is a log
 ///
@@ -437,9 +440,13 @@ impl KafkaReplay {
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
             for header in original.iter() {
-                // The failure verdict and coordinates go; the first-seen
-                // time stays, as on AMQP, so `--since` means the same there.
-                if !header.key.starts_with(headers::PREFIX) || header.key == headers::FIRST_SEEN {
+                // The failure verdict and coordinates go (and an earlier
+                // replay's mark); the first-seen time stays, as on AMQP, so
+                // `--since` means the same there. Everything else stays:
+                // the user's headers and the outbox's message and
+                // causation ids, which downstream consumers key on.
+                let verdict = headers::is_written(header.key) || header.key == REPLAYED_FROM;
+                if !verdict || header.key == headers::FIRST_SEEN {
                     h = h.insert(header);
                 }
             }
