@@ -96,6 +96,7 @@ pub mod ledger;
 pub mod mock;
 pub mod private_pg;
 pub mod services;
+pub mod silent_proxy;
 pub mod tls;
 
 /// SQL of the business table `charges(id, out_trade_no, amount)` per backend.
