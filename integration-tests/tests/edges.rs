@@ -336,6 +336,101 @@ mod amqp_confirms {
     }
 }
 
+/// A broker that stops answering (no FIN, no RST: a memory alarm, a dead
+/// link) does not hold a relay round for ever: the publish fails after its
+/// timeout, the row stays pending with the reason, the relay stops when
+/// asked, and once the network heals the message goes out on a new
+/// connection.
+mod amqp_silent_broker {
+    use super::*;
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    use onceonly_integration_tests::amqp::{connect, take};
+    use onceonly_integration_tests::silent_proxy::SilentProxy;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_silent_broker_ends_a_relay_round_within_the_publish_timeout() {
+        let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+        let queue = unique("edge_silent");
+        let (_conn, channel) = connect().await;
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    auto_delete: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue");
+        let proxy = SilentProxy::start("127.0.0.1:5672").await;
+        let via_proxy = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port());
+        let store = pg_store(&pg_url(), &unique("edge_keys")).await;
+        let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("edge_ob")).expect("table");
+        outbox.migrate(store.pool()).await.expect("migrate");
+        let to_queue =
+            |q: String| move |no: &str| vec![OutboxMessage::amqp("", &q, no.as_bytes().to_vec())];
+        enqueue_for(&store, &outbox, "Q-1", to_queue(queue.clone())).await;
+        let relay = Relay::builder(store.pool().clone(), outbox.clone())
+            .publisher(AmqpPublisher::new(via_proxy).with_timeout(Duration::from_secs(2)))
+            .poll_interval(Duration::from_millis(50))
+            .backoff(Duration::from_millis(100), Duration::from_millis(200))
+            .build()
+            .expect("relay")
+            .spawn();
+        let sent = |n: i64| {
+            let (outbox, pool) = (outbox.clone(), store.pool().clone());
+            async move { outbox.stats(&pool).await.expect("stats").rows(Status::Sent) >= n }
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !sent(1).await {
+            assert!(tokio::time::Instant::now() < deadline, "Q-1 not sent");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        proxy.silence();
+        enqueue_for(&store, &outbox, "Q-2", to_queue(queue.clone())).await;
+        // The publish times out and the round records it.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let pending = outbox
+                .list(store.pool(), Status::Pending, 10)
+                .await
+                .expect("list");
+            if let Some(error) = pending.first().and_then(|r| r.last_error.clone()) {
+                assert!(error.contains("no confirm within"), "{error}");
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the relay round never ended: {pending:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        proxy.heal();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !sent(2).await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "Q-2 not sent after the heal"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::timeout(Duration::from_secs(10), relay.stop())
+            .await
+            .expect("the relay did not stop");
+        let got = take(&channel, &queue, 2, Duration::from_secs(5)).await;
+        let bodies: Vec<String> = got
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.delivery.data).into_owned())
+            .collect();
+        assert!(
+            bodies.contains(&"Q-1".to_owned()) && bodies.contains(&"Q-2".to_owned()),
+            "{bodies:?}"
+        );
+    }
+}
+
 // --- 3. Webhooks: a redirect is not a delivery ----------------------------
 
 mod webhook_redirect {

@@ -194,10 +194,14 @@ async fn outlive(silence: Duration) {
     };
     let run = tokio::spawn(consumer.run_until(handler, stop.clone()));
 
-    wait_for(Duration::from_secs(60), "the consumer books payments", || {
-        let (direct, table) = (direct.clone(), table.clone());
-        async move { booked(&direct, &table).await >= 40 }
-    })
+    wait_for(
+        Duration::from_secs(60),
+        "the consumer books payments",
+        || {
+            let (direct, table) = (direct.clone(), table.clone());
+            async move { booked(&direct, &table).await >= 40 }
+        },
+    )
     .await;
 
     // Silence, with deliveries in flight.
@@ -296,7 +300,10 @@ async fn outlive(silence: Duration) {
         .expect("consumer task")
         .expect("consumer run");
     println!("silence {silence:?}: {stats:?}");
-    assert_eq!(stats.dead_lettered, 0, "a silent network dead-letters nothing");
+    assert_eq!(
+        stats.dead_lettered, 0,
+        "a silent network dead-letters nothing"
+    );
     assert_eq!(
         depth(&channel, &format!("{queue}.dlq")).await,
         0,
@@ -325,14 +332,18 @@ async fn outlive(silence: Duration) {
     assert_eq!(got, expected, "every payment booked once, with its amount");
 
     let released = released.await.expect("session watcher");
-    println!("silence {silence:?}: the silent sessions' transactions ended {released:?} after the silence");
+    println!(
+        "silence {silence:?}: the silent sessions' transactions ended {released:?} after the silence"
+    );
     assert!(
         released.is_some(),
         "the silent client's server sessions {in_flight:?} still had their transactions open \
          90 s after the silence: set idle_in_transaction_session_timeout on onceonly's sessions"
     );
     let (took, migrated) = migration.await.expect("migration task");
-    println!("silence {silence:?}: a startup migration during the silence returned after {took:?}: {migrated:?}");
+    println!(
+        "silence {silence:?}: a startup migration during the silence returned after {took:?}: {migrated:?}"
+    );
     assert!(
         migrated.is_ok(),
         "a startup migration blocked behind the silent sessions for 90 s: migrations need a lock timeout"
