@@ -634,6 +634,71 @@ mod commit_faults {
     }
 }
 
+/// Over HTTP, writes refused at COMMIT are the request's fault: `409
+/// commit-refused`, not a `503` that invites the client to retry the same
+/// doomed request for ever; the key stays free.
+mod commit_faults_http {
+    use super::*;
+    use axum::Router;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use onceonly::http::IdempotencyLayer;
+    use onceonly_integration_tests::kafka::pg_schema;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_whose_writes_fail_at_commit_is_409() {
+        let url_db = pg_schema("edgehttp").await;
+        let store = pg_store(&url_db, "onceonly_keys").await;
+        sqlx::query(
+            "CREATE TABLE seats (no text PRIMARY KEY, seat text NOT NULL, \
+             CONSTRAINT one_per_seat UNIQUE (seat) DEFERRABLE INITIALLY DEFERRED)",
+        )
+        .execute(store.pool())
+        .await
+        .expect("table");
+        let book = |tx: onceonly::http::Tx<sqlx::Postgres>, body: String| async move {
+            let Ok(mut conn) = tx.lock().await else {
+                return StatusCode::INTERNAL_SERVER_ERROR;
+            };
+            let done =
+                sqlx::query("INSERT INTO seats (no, seat) VALUES (gen_random_uuid()::text, $1)")
+                    .bind(body)
+                    .execute(&mut *conn)
+                    .await;
+            if done.is_ok() {
+                StatusCode::CREATED
+            } else {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        };
+        let layer = IdempotencyLayer::idempotency_key(store.clone(), "seats")
+            .build()
+            .expect("layer");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route("/book", post(book).layer(layer));
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let client = reqwest::Client::new();
+        let send = |key: &'static str| {
+            client
+                .post(format!("http://{addr}/book"))
+                .header("Idempotency-Key", key)
+                .body("s1")
+                .send()
+        };
+        assert_eq!(send("first").await.expect("first").status(), 201);
+        let second = send("second").await.expect("second");
+        assert_eq!(second.status(), 409);
+        let problem: serde_json::Value = second.json().await.expect("problem json");
+        assert_eq!(problem["type"], "urn:onceonly:problem:commit-refused");
+        let seats: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM seats")
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(seats, 1);
+    }
+}
+
 // --- 5. The relay holds no transaction while it publishes -----------------
 
 mod relay_no_tx {
@@ -768,52 +833,6 @@ mod smaller {
             .execute(store.pool())
             .await
             .expect("drop");
-    }
-
-    /// A key processed again after its record expired (a new request by
-    /// the dedup window's promise) sends a new message, with a new id,
-    /// instead of having it swallowed as the old run's.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_key_reused_after_its_retention_sends_a_new_message() {
-        let store = pg_store(&pg_url(), &unique("edge_keys")).await;
-        let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("edge_ob")).expect("table");
-        outbox.migrate(store.pool()).await.expect("migrate");
-        let engine = Engine::builder(store.clone())
-            .scope("edges")
-            .key_expr("json:/no")
-            .retention(Duration::from_millis(200))
-            .build()
-            .expect("engine");
-        let ob = outbox.clone();
-        let handler = handler_fn(
-            move |tx: Tx<sqlx::Postgres>, Json(v): Json<serde_json::Value>| {
-                let ob = ob.clone();
-                async move {
-                    let mut conn = tx.lock().await?;
-                    let m = OutboxMessage::kafka("settled", "k", v.to_string());
-                    Ok::<_, HandlerError>(ob.enqueue(&mut conn, m).await?)
-                }
-            },
-        );
-        let first = engine
-            .process(&handler, &Delivery::new(r#"{"no":"R-1","n":1}"#))
-            .await;
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        let second = engine
-            .process(&handler, &Delivery::new(r#"{"no":"R-1","n":1}"#))
-            .await;
-        let (Outcome::Processed { result: a }, Outcome::Processed { result: b }) =
-            (&first.outcome, &second.outcome)
-        else {
-            panic!("both runs process: {first:?} / {second:?}");
-        };
-        assert_ne!(a, b, "a new run, a new message id");
-        let stats = outbox.stats(store.pool()).await.expect("stats");
-        assert_eq!(
-            stats.rows(Status::Pending),
-            2,
-            "both runs' messages wait to be sent"
-        );
     }
 
     /// A pool exhausted by the service's own requests (waiting for a key

@@ -34,7 +34,7 @@
 //! | outcome                         | what happens                                  |
 //! |---------------------------------|-----------------------------------------------|
 //! | processed, duplicate            | RPC reply if `reply_to` is set (for a duplicate whose stored result no longer decodes: an error reply with `x-onceonly-error`), then ack |
-//! | retryable handler error, panic (handler, key function, `FromDelivery`) | copy to the retry queue with `x-onceonly-attempts`, confirmed, then ack; once the policy is exhausted: dead letter (`handler_error`) |
+//! | retryable handler error, panic (handler, key function, `FromDelivery`), the message's writes refused at COMMIT (deferred constraint, constraint trigger, a transaction the handler left aborted) | copy to the retry queue with `x-onceonly-attempts`, confirmed, then ack; once the policy is exhausted: dead letter (`handler_error`) |
 //! | permanent error                 | dead letter (`handler_error`)                  |
 //! | key reused with another payload | dead letter (`fingerprint_mismatch`)           |
 //! | no key, undecodable body (key not committed) | dead letter (`bad_key`, `decode_error`) |

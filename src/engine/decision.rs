@@ -5,8 +5,8 @@
 //! |---|---|
 //! | processed, duplicate | [`Ack`](Decision::Ack) |
 //! | failed on the infrastructure (any [`InfraFault`]: unreachable, read-only, missing table, permission, resources, shutdown, timeout, contention, corrupt store) | [`Wait`](Decision::Wait): no ack, no offset commit, no dead letter; process again after a jittered backoff, for as long as it lasts |
-//! | retryable handler error or panic (in the handler, a key function, a decoder), policy not exhausted | [`Retry`](Decision::Retry) after the policy's delay |
-//! | retryable handler error or panic, policy exhausted | [`DeadLetter`](Decision::DeadLetter) `handler_error` |
+//! | retryable handler error or panic (in the handler, a key function, a decoder), or the message's writes refused at COMMIT ([`Failure::Commit`](super::Failure::Commit)), policy not exhausted | [`Retry`](Decision::Retry) after the policy's delay |
+//! | the same, policy exhausted | [`DeadLetter`](Decision::DeadLetter) `handler_error` |
 //! | permanent handler error, unserializable result | [`DeadLetter`](Decision::DeadLetter) `handler_error` |
 //! | data exception on a value of the message in the dedup store | [`DeadLetter`](Decision::DeadLetter) `store_error` |
 //! | key reused with another payload | [`DeadLetter`](Decision::DeadLetter) `fingerprint_mismatch` |

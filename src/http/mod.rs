@@ -27,7 +27,8 @@
 //! with `type` `urn:onceonly:problem:<code>`: `missing-idempotency-key`,
 //! `invalid-idempotency-key` (400, also for a repeated `Idempotency-Key`
 //! header), `undecodable-form` (400, a form body that is not UTF-8),
-//! `bad-signature` (401), `request-in-flight` (409), `body-too-large` (413),
+//! `bad-signature` (401), `request-in-flight` (409), `commit-refused` (409),
+//! `body-too-large` (413),
 //! `unsupported-charset` (415), `idempotency-key-reused` (422),
 //! `store-unavailable` (503).
 //!
@@ -38,12 +39,17 @@
 //! | before the handler runs | answer |
 //! |---|---|
 //! | lock contention (the key is in flight, a deadlock, SQLite busy) | `409` with `Retry-After` (or wait and replay, see [`InFlight`]); never fail-open, since the request holding the key may still commit |
-//! | the database cannot be reached at all | `503`, or the handler without dedup with [`OnStoreError::FailOpen`] |
+//! | the database cannot be reached at all | `503`, or the handler without dedup with [`OnStoreError::FailOpen`] (never for a pool exhausted by the service's own in-flight requests: `503`) |
 //! | any other state of the database (read-only, missing table, no privilege, out of resources, shutting down, statement timeout) | `503` with `Retry-After` |
 //! | a value of the request does not fit the store | `400` |
 //!
 //! A failed commit after the handler ran is `503`: the outcome is unknown
-//! until the client retries with the same key.
+//! until the client retries with the same key. A commit the database
+//! refused because of the request's own writes (a deferred constraint, a
+//! constraint trigger, a transaction the handler left aborted: see
+//! [`is_write_fault`](crate::store::is_write_fault)) is `409`
+//! `commit-refused`: nothing was kept, and the same request would fail the
+//! same way.
 //!
 //! # Expiry policy
 //!

@@ -49,7 +49,7 @@
 //! | outcome                        | what happens                                         |
 //! |--------------------------------|------------------------------------------------------|
 //! | processed, duplicate           | offset committed                                     |
-//! | retryable handler error, panic (handler, key function, `FromDelivery`) | retried per [`retry`] (the lane waits: order is kept), then dead-lettered (`handler_error`) |
+//! | retryable handler error, panic (handler, key function, `FromDelivery`), the message's writes refused at COMMIT (deferred constraint, constraint trigger, a transaction the handler left aborted) | retried per [`retry`] (the lane waits: order is kept), then dead-lettered (`handler_error`) |
 //! | permanent handler error        | dead-lettered (`handler_error`)                      |
 //! | key reused, other payload      | dead-lettered (`fingerprint_mismatch`)               |
 //! | no key, undecodable payload (key not committed) | dead-lettered (`bad_key`, `decode_error`) |
