@@ -283,10 +283,10 @@ mod amqp {
         /// later one's.
         async fn discard(&self, generation: u64) {
             let mut link = self.link.lock().await;
-            if link.generation == generation {
-                if let Some((conn, _)) = link.open.take() {
-                    close(conn).await;
-                }
+            if link.generation == generation
+                && let Some((conn, _)) = link.open.take()
+            {
+                close(conn).await;
             }
         }
     }
