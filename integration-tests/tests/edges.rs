@@ -50,6 +50,31 @@ where
     );
 }
 
+/// Serves `app` on an ephemeral loopback port.
+async fn serve(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    addr
+}
+
+/// A store in a schema of its own with table `seats`, whose seat is
+/// unique, checked only at COMMIT (a deferred constraint).
+async fn seats_store(prefix: &str) -> onceonly::PgStore {
+    let url = onceonly_integration_tests::kafka::pg_schema(prefix).await;
+    let store = pg_store(&url, "onceonly_keys").await;
+    sqlx::query(
+        "CREATE TABLE seats (no text PRIMARY KEY, seat text NOT NULL, \
+         CONSTRAINT one_per_seat UNIQUE (seat) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("table");
+    store
+}
+
 /// Runs one relay until `done` says so (checked every 50 ms) or `within`
 /// passed, then stops it.
 async fn relay_until<DB: OutboxBackend>(
@@ -466,9 +491,7 @@ mod webhook_redirect {
                     }
                 }),
             );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let addr = serve(app).await;
         let store = pg_store(&pg_url(), &unique("edge_keys")).await;
         let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("edge_ob")).expect("table");
         outbox.migrate(store.pool()).await.expect("migrate");
@@ -514,7 +537,6 @@ mod commit_faults {
     use onceonly_integration_tests::amqp::{
         Msg, connect, declare_queue, depth, header, publish, take, url,
     };
-    use onceonly_integration_tests::kafka::pg_schema;
 
     /// Books a seat: the seat is unique, checked only at COMMIT (a
     /// deferred constraint). `SWALLOW` runs a failing statement, ignores
@@ -550,15 +572,7 @@ mod commit_faults {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn commit_time_faults_are_retried_then_dead_lettered() {
         let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-        let url_db = pg_schema("edgecommit").await;
-        let store = pg_store(&url_db, "onceonly_keys").await;
-        sqlx::query(
-            "CREATE TABLE seats (no text PRIMARY KEY, seat text NOT NULL, \
-             CONSTRAINT one_per_seat UNIQUE (seat) DEFERRABLE INITIALLY DEFERRED)",
-        )
-        .execute(store.pool())
-        .await
-        .expect("table");
+        let store = seats_store("edgecommit").await;
         let queue = unique("edge_commit");
         let (_conn, channel) = connect().await;
         declare_queue(&channel, &queue).await;
@@ -643,19 +657,10 @@ mod commit_faults_http {
     use axum::http::StatusCode;
     use axum::routing::post;
     use onceonly::http::IdempotencyLayer;
-    use onceonly_integration_tests::kafka::pg_schema;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_whose_writes_fail_at_commit_is_409() {
-        let url_db = pg_schema("edgehttp").await;
-        let store = pg_store(&url_db, "onceonly_keys").await;
-        sqlx::query(
-            "CREATE TABLE seats (no text PRIMARY KEY, seat text NOT NULL, \
-             CONSTRAINT one_per_seat UNIQUE (seat) DEFERRABLE INITIALLY DEFERRED)",
-        )
-        .execute(store.pool())
-        .await
-        .expect("table");
+        let store = seats_store("edgehttp").await;
         let book = |tx: onceonly::http::Tx<sqlx::Postgres>, body: String| async move {
             let Ok(mut conn) = tx.lock().await else {
                 return StatusCode::INTERNAL_SERVER_ERROR;
@@ -674,10 +679,7 @@ mod commit_faults_http {
         let layer = IdempotencyLayer::idempotency_key(store.clone(), "seats")
             .build()
             .expect("layer");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let app = Router::new().route("/book", post(book).layer(layer));
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let addr = serve(Router::new().route("/book", post(book).layer(layer))).await;
         let client = reqwest::Client::new();
         let send = |key: &'static str| {
             client
@@ -729,9 +731,7 @@ mod relay_no_tx {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let addr = serve(app).await;
         let dir = tempfile::tempdir().unwrap();
         let store: SqliteStore =
             onceonly_integration_tests::sqlite_store(&dir.path().join("relay.db"), "onceonly_keys")
@@ -865,10 +865,7 @@ mod smaller {
             .on_store_error(OnStoreError::FailOpen)
             .build()
             .expect("layer");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let app = Router::new().route("/pay", post(slow).layer(layer));
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let addr = serve(Router::new().route("/pay", post(slow).layer(layer))).await;
         let client = reqwest::Client::new();
         let send = || {
             client

@@ -51,8 +51,8 @@ impl Confirms {
     }
 
     /// Publishes on `channel` once no other publish of this `Confirms` is
-    /// in flight, and waits for the confirm for at most the timeout (the
-    /// wait for the turn included).
+    /// in flight (waiting at most the timeout for that), and waits for the
+    /// confirm for at most the timeout.
     pub(crate) async fn publish(
         &self,
         channel: &Channel,
@@ -61,12 +61,12 @@ impl Confirms {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), AmqpConsumerError> {
-        let sent = tokio::time::timeout(self.timeout, async {
-            let _turn = self.turn().await;
-            publish_confirmed(channel, exchange, routing_key, body, properties).await
-        })
-        .await;
-        sent.unwrap_or_else(|_| Err(self.timed_out(exchange, routing_key)))
+        let turn = tokio::time::timeout(self.timeout, self.turn())
+            .await
+            .map_err(|_| self.timed_out(exchange, routing_key))?;
+        self.publish_in_turn(&turn, channel, exchange, routing_key, body, properties)
+            .await
+            .map_err(|(e, _)| e)
     }
 
     /// Publishes while holding the turn (see [`Confirms::turn`]), waiting

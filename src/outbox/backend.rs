@@ -169,24 +169,15 @@ pub trait OutboxBackend: Database {
         limit: i64,
     ) -> Result<Vec<OutboxRow>, sqlx::Error>;
 
-    /// Leases rows (the heads a relay took) until `until_ms`: they are not
-    /// due again before, so no other relay takes them while this one
-    /// publishes outside any transaction.
+    /// Sets one column of pending rows `ids`: `prefix` (an `UPDATE ..
+    /// SET column = ` of [`OutboxSql`]: `lease_prefix` leases a relay's
+    /// heads until `value`, `sent_prefix` marks rows sent at `value`).
     #[doc(hidden)]
-    async fn lease(
+    async fn update_pending(
         conn: &mut Self::Connection,
-        sql: &OutboxSql,
+        prefix: &str,
+        value: i64,
         ids: &[i64],
-        until_ms: i64,
-    ) -> Result<(), sqlx::Error>;
-
-    /// Marks rows sent.
-    #[doc(hidden)]
-    async fn mark_sent(
-        conn: &mut Self::Connection,
-        sql: &OutboxSql,
-        ids: &[i64],
-        now_ms: i64,
     ) -> Result<(), sqlx::Error>;
 
     /// Records a failed attempt: parked if `dead`, otherwise due again at
@@ -433,38 +424,17 @@ macro_rules! outbox_backend {
                 rows.iter().map(read).collect()
             }
 
-            async fn lease(
+            async fn update_pending(
                 conn: &mut Self::Connection,
-                sql: &OutboxSql,
+                prefix: &str,
+                value: i64,
                 ids: &[i64],
-                until_ms: i64,
             ) -> Result<(), sqlx::Error> {
                 if ids.is_empty() {
                     return Ok(());
                 }
-                let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.lease_prefix);
-                qb.push_bind(until_ms);
-                qb.push(" WHERE status = 0 AND id IN (");
-                let mut list = qb.separated(", ");
-                for id in ids {
-                    list.push_bind(*id);
-                }
-                qb.push(")");
-                qb.build().execute(&mut *conn).await?;
-                Ok(())
-            }
-
-            async fn mark_sent(
-                conn: &mut Self::Connection,
-                sql: &OutboxSql,
-                ids: &[i64],
-                now_ms: i64,
-            ) -> Result<(), sqlx::Error> {
-                if ids.is_empty() {
-                    return Ok(());
-                }
-                let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.sent_prefix);
-                qb.push_bind(now_ms);
+                let mut qb = sqlx::QueryBuilder::<Self>::new(prefix);
+                qb.push_bind(value);
                 qb.push(" WHERE status = 0 AND id IN (");
                 let mut list = qb.separated(", ");
                 for id in ids {

@@ -198,7 +198,8 @@ impl<DB: OutboxBackend> Relay<DB> {
                     .filter(|r| first_of_key.insert(r.order_key.as_str()))
                     .map(|r| r.id)
                     .collect();
-                DB::lease(&mut tx, sql, &leased, now.saturating_add(lease_ms)).await?;
+                let until = now.saturating_add(lease_ms);
+                DB::update_pending(&mut tx, &sql.lease_prefix, until, &leased).await?;
             }
             tx.commit().await?;
             rows
@@ -227,7 +228,7 @@ impl<DB: OutboxBackend> Relay<DB> {
             failures.extend(failure);
         }
         let mut tx = self.pool.begin().await?;
-        DB::mark_sent(&mut tx, sql, &sent, SystemClock.now_ms()).await?;
+        DB::update_pending(&mut tx, &sql.sent_prefix, SystemClock.now_ms(), &sent).await?;
         let mut dead_now = Vec::new();
         for (row, error) in &failures {
             let dead = error.is_permanent()
