@@ -708,13 +708,15 @@ mod relay_no_tx {
     use axum::Router;
     use axum::http::StatusCode;
     use axum::routing::post;
-    use onceonly::SqliteStore;
+    use onceonly_integration_tests::{mysql_store, mysql_url};
 
-    /// SQLite has one writer. While the relay waits 10 s for a slow
-    /// webhook, a consumer's claim (and its outbox enqueue) commits: the
-    /// relay does not hold the write lock across the network.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn a_slow_webhook_does_not_block_claims_on_sqlite() {
+    /// While the relay waits 10 s for a slow webhook, claims and outbox
+    /// enqueues commit: the relay holds no lock across the network.
+    async fn a_slow_webhook_does_not_block_claims<S>(store: S, outbox: Outbox<S::Db>)
+    where
+        S: SqlStore,
+        S::Db: OutboxBackend,
+    {
         let _ = tracing_subscriber::fmt().with_test_writer().try_init();
         let arrived = Arc::new(tokio::sync::Notify::new());
         let answered = Arc::new(AtomicBool::new(false));
@@ -732,18 +734,11 @@ mod relay_no_tx {
             }),
         );
         let addr = serve(app).await;
-        let dir = tempfile::tempdir().unwrap();
-        let store: SqliteStore =
-            onceonly_integration_tests::sqlite_store(&dir.path().join("relay.db"), "onceonly_keys")
-                .await;
-        let outbox = Outbox::<sqlx::Sqlite>::new();
         outbox.migrate(store.pool()).await.expect("migrate");
         let hook = format!("http://{addr}/slow");
-        let h = hook.clone();
-        enqueue_for(&store, &outbox, "S-1", move |_| {
-            vec![OutboxMessage::webhook(&h, b"{}".to_vec())]
-        })
-        .await;
+        let to_hook =
+            |hook: String| move |_: &str| vec![OutboxMessage::webhook(&hook, b"{}".to_vec())];
+        enqueue_for(&store, &outbox, "S-1", to_hook(hook.clone())).await;
         let relay = Relay::builder(store.pool().clone(), outbox.clone())
             .publisher(WebhookPublisher::with_timeout(
                 b"k".to_vec(),
@@ -758,10 +753,12 @@ mod relay_no_tx {
             .expect("the relay never called the webhook");
         // The relay is now waiting on the network. Claims go on.
         for i in 0..3 {
-            let h = hook.clone();
-            enqueue_for(&store, &outbox, &format!("S-{}", i + 2), move |_| {
-                vec![OutboxMessage::webhook(&h, b"{}".to_vec())]
-            })
+            enqueue_for(
+                &store,
+                &outbox,
+                &format!("S-{}", i + 2),
+                to_hook(hook.clone()),
+            )
             .await;
         }
         assert!(
@@ -769,6 +766,26 @@ mod relay_no_tx {
             "the claims waited for the webhook's answer"
         );
         relay.stop().await;
+    }
+
+    /// SQLite has one writer: a relay holding it would make every claim
+    /// `BUSY`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_slow_webhook_does_not_block_claims_on_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            onceonly_integration_tests::sqlite_store(&dir.path().join("relay.db"), "onceonly_keys")
+                .await;
+        a_slow_webhook_does_not_block_claims(store, Outbox::new()).await;
+    }
+
+    /// MariaDB: the relay's `FOR UPDATE SKIP LOCKED` scan takes row and
+    /// gap locks under REPEATABLE READ.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_slow_webhook_does_not_block_claims_on_mariadb() {
+        let store = mysql_store(&mysql_url(), &unique("edge_keys")).await;
+        let outbox = Outbox::on_table(&unique("edge_ob")).expect("table");
+        a_slow_webhook_does_not_block_claims(store, outbox).await;
     }
 }
 
