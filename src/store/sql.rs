@@ -123,7 +123,7 @@ fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
                 "INSERT INTO {a} AS a (scope, idem_key, attempts, expires_at_ms) \
                  VALUES ($1, $2, 1, $3) ON CONFLICT (scope, idem_key) DO UPDATE SET \
                  attempts = CASE WHEN a.expires_at_ms <= $4 THEN 1 ELSE a.attempts + 1 END, \
-                 expires_at_ms = $5 RETURNING attempts"
+                 expires_at_ms = $5 RETURNING CAST(attempts AS BIGINT) AS attempts"
             ),
             bump_read: String::new(),
             undo: format!(
