@@ -18,6 +18,7 @@ pub struct Delivery {
     path: Option<String>,
     principal: Option<String>,
     message_key: Option<Vec<u8>>,
+    suspect: bool,
     json: OnceLock<Result<serde_json::Value, String>>,
 }
 
@@ -68,6 +69,26 @@ impl Delivery {
     pub fn with_message_key(mut self, key: impl Into<Vec<u8>>) -> Self {
         self.message_key = Some(key.into());
         self
+    }
+
+    /// Marks the delivery as a *suspect*: it may be a redelivery of a
+    /// message whose handler was running when its process died (an abort,
+    /// an out-of-memory kill, a segfault). The engine then counts the start
+    /// of its handler durably before running it, and dead-letters it with
+    /// reason `crashed` instead once it has crashed the process
+    /// [`max_crashes`](crate::EngineBuilder::max_crashes) times; see
+    /// [`ClaimSpec::suspect`](crate::engine::ClaimSpec::suspect). The
+    /// broker consumers set it themselves (AMQP: a redelivered message;
+    /// Kafka: the first records of a partition lane after an assignment).
+    #[must_use]
+    pub fn with_suspect(mut self, suspect: bool) -> Self {
+        self.suspect = suspect;
+        self
+    }
+
+    /// Whether the delivery is a suspect (see [`Delivery::with_suspect`]).
+    pub fn is_suspect(&self) -> bool {
+        self.suspect
     }
 
     /// The broker's message key, if the message has one.

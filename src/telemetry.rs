@@ -26,7 +26,7 @@
 //! [`EngineBuilder::transport`](crate::EngineBuilder::transport)). `reason`
 //! is a dead-letter reason code ([`Outcome::reason`](crate::Outcome::reason)):
 //! `fingerprint_mismatch`, `bad_key`, `decode_error`, `handler_error`,
-//! `store_error`.
+//! `store_error`, `crashed`.
 //!
 //! One scheme, one counter: a delivery retried twice and then processed
 //! counts `failed` twice and `processed` once, and `retried` twice.

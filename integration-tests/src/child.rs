@@ -1,6 +1,6 @@
 //! Running an example binary as a child process, for crash tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -41,18 +41,70 @@ impl Logged {
     /// Spawns example `name` with `args`, stderr appended to the log;
     /// killed if dropped.
     pub fn spawn(&self, name: &str, args: &[String]) -> Child {
+        self.spawn_program(&example_binary(name), args)
+    }
+
+    /// Spawns `program` (a binary of this package,
+    /// `env!("CARGO_BIN_EXE_<name>")`) with `args`, stderr appended to the
+    /// log; killed if dropped.
+    pub fn spawn_program(&self, program: &Path, args: &[String]) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log)
             .expect("log file");
-        Command::new(example_binary(name))
+        Command::new(program)
             .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .kill_on_drop(true)
             .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"))
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()))
+    }
+
+    /// A supervisor: runs `spawn()`, and again each time the child dies of
+    /// a signal, until a run exits 0 by itself. Returns the signal of each
+    /// death, in order. Fails if a run exits with an error code, if one run
+    /// takes longer than `run_timeout`, or on the `max_deaths + 1`-th death
+    /// (a crash loop that does not end).
+    pub async fn supervise(
+        &self,
+        spawn: impl Fn() -> Child,
+        max_deaths: usize,
+        run_timeout: Duration,
+    ) -> Vec<i32> {
+        use std::os::unix::process::ExitStatusExt;
+        let mut deaths = Vec::new();
+        loop {
+            let mut child = spawn();
+            let status = tokio::time::timeout(run_timeout, child.wait())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "run {} did not end within {run_timeout:?} (deaths so far: {deaths:?}); log:\n{}",
+                        deaths.len() + 1,
+                        self.tail()
+                    )
+                })
+                .expect("wait");
+            if status.success() {
+                return deaths;
+            }
+            let Some(signal) = status.signal() else {
+                panic!("the child failed ({status}); log:\n{}", self.tail());
+            };
+            deaths.push(signal);
+            eprintln!(
+                "supervisor: the child died of signal {signal} (death {})",
+                deaths.len()
+            );
+            assert!(
+                deaths.len() <= max_deaths,
+                "still crash-looping after {} deaths (signals {deaths:?}); log:\n{}",
+                deaths.len(),
+                self.tail()
+            );
+        }
     }
 
     /// Lets `child` work until `progressed()` (it committed something new),

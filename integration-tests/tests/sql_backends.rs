@@ -145,9 +145,25 @@ macro_rules! backend_suite {
                     self.scalar(&self.sql.count).await
                 }
 
+                /// The attempts counter of `key` (a constant of the test) in
+                /// `scope`, `None` without a row.
+                async fn attempts(&self, scope: &str, key: &str) -> Option<i64> {
+                    let sql = format!(
+                        "SELECT attempts FROM {} WHERE scope = '{scope}' AND idem_key = '{key}'",
+                        self.store.table().attempts()
+                    );
+                    sqlx::query_scalar::<_, i32>(&sql)
+                        .fetch_optional(self.store.pool())
+                        .await
+                        .expect("read the attempts table")
+                        .map(i64::from)
+                }
+
                 async fn drop_tables(self) {
                     let dedup = format!("DROP TABLE IF EXISTS {}", self.store.table());
                     sqlx::query(&dedup).execute(self.store.pool()).await.ok();
+                    let attempts = format!("DROP TABLE IF EXISTS {}", self.store.table().attempts());
+                    sqlx::query(&attempts).execute(self.store.pool()).await.ok();
                     sqlx::query(&self.sql.drop)
                         .execute(self.store.pool())
                         .await
@@ -599,6 +615,131 @@ macro_rules! backend_suite {
                 ctx.drop_tables().await;
             }
 
+            /// A message whose handler aborts the process: real process
+            /// deaths (SIGABRT) of the crash worker, whose engine parks a
+            /// suspect after 2 crashes.
+            #[tokio::test]
+            async fn a_suspect_that_aborts_the_process_is_parked_as_crashed() {
+                use std::os::unix::process::ExitStatusExt;
+                let ctx = ctx().await;
+                let backend = stringify!($name);
+                let table = ctx.store.table().to_string();
+                let worker = |key: &str, mode: &str| {
+                    Command::new(env!("CARGO_BIN_EXE_crash_worker"))
+                        .args([backend, ctx.url.as_str(), table.as_str(), ctx.business.as_str(), key, mode])
+                        .stderr(Stdio::null())
+                        .output()
+                        .expect("run crash_worker")
+                };
+                let said = |out: std::process::Output| {
+                    assert!(out.status.success(), "{out:?}");
+                    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+                };
+                for crash in 1..=2 {
+                    let out = worker("T-poison", "abort");
+                    assert_eq!(
+                        out.status.signal(),
+                        Some(6),
+                        "crash #{crash}: the handler aborts the process: {out:?}"
+                    );
+                    assert_eq!(ctx.rows().await, 0, "crash #{crash}: its write rolled back");
+                    assert_eq!(
+                        ctx.attempts("crash-test", "T-poison").await,
+                        Some(crash),
+                        "crash #{crash}: the start was counted before the handler ran"
+                    );
+                }
+                assert_eq!(
+                    said(worker("T-poison", "abort")),
+                    "failed crashed",
+                    "the third start is refused: dead-letter it as crashed"
+                );
+                assert_eq!(ctx.rows().await, 0, "the handler did not run again");
+                assert_eq!(ctx.store.get("crash-test", "T-poison").await.unwrap(), None);
+                assert_eq!(
+                    ctx.attempts("crash-test", "T-poison").await,
+                    None,
+                    "the counter starts over (a replay of the dead letter gets its own attempts)"
+                );
+                // One crash, then a start that succeeds: processed once, and
+                // the counter goes with the commit.
+                assert_eq!(worker("T-once", "abort").status.signal(), Some(6));
+                assert_eq!(said(worker("T-once", "suspect")), "processed");
+                assert_eq!(ctx.attempts("crash-test", "T-once").await, None);
+                assert_eq!(said(worker("T-once", "suspect")), "duplicate");
+                assert_eq!(ctx.attempts("crash-test", "T-once").await, None, "duplicates are not counted");
+                // Healthy deliveries are never counted.
+                assert_eq!(said(worker("T-fresh", "run")), "processed");
+                assert_eq!(ctx.attempts("crash-test", "T-fresh").await, None);
+                assert_eq!(ctx.rows().await, 2, "T-once and T-fresh, once each");
+                ctx.drop_tables().await;
+            }
+
+            /// Only starts the process did not survive count: a suspect
+            /// whose handler returns an error is retried as often as the
+            /// policy says and never parked as crashed; expired counters
+            /// are purged with the records.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn suspect_handler_errors_are_not_crashes_and_counters_are_purged() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().max_crashes(1).build().unwrap();
+                let probe = Probe { poison: Some("T-err"), ..Probe::default() };
+                let handler = ctx.handler(&probe);
+                let suspect = |key: &str| Delivery::new(pay(key, 3)).with_suspect(true);
+                for attempt in 1..=4 {
+                    let report = engine.process(&handler, &suspect("T-err")).await;
+                    assert!(
+                        matches!(report.outcome, Outcome::Failed(Failure::Handler(_))),
+                        "attempt {attempt}: {:?}",
+                        report.outcome
+                    );
+                    assert_eq!(ctx.attempts("payments", "T-err").await, Some(0));
+                }
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 4);
+                // A counter left by a start the process did not survive
+                // (max_crashes 1): the next suspect start is refused.
+                let times = ClaimTimes::new(onceonly::SystemClock.now_ms(), Duration::from_secs(60));
+                assert_eq!(ctx.store.bump_attempts("payments", "T-died", times).await.unwrap(), 1);
+                let report = engine.process(&handler, &suspect("T-died")).await;
+                assert!(
+                    matches!(report.outcome, Outcome::Failed(Failure::Crashed { crashes: 1 })),
+                    "{:?}",
+                    report.outcome
+                );
+                assert_eq!(report.outcome.reason(), Some("crashed"));
+                assert_eq!(probe.runs.load(Ordering::SeqCst), 4, "not run again");
+                // Whatever a counter says, a delivery that is not suspect runs.
+                assert_eq!(ctx.store.bump_attempts("payments", "T-died", times).await.unwrap(), 1);
+                assert_eq!(ctx.store.bump_attempts("payments", "T-died", times).await.unwrap(), 2);
+                let report = engine.process(&handler, &Delivery::new(pay("T-died", 3))).await;
+                assert!(matches!(report.outcome, Outcome::Processed { .. }), "{:?}", report.outcome);
+                // Expired counters go with the purge; live ones stay.
+                let old = ClaimTimes::new(1_000, Duration::from_secs(1));
+                ctx.store.bump_attempts("payments", "T-old", old).await.unwrap();
+                assert_eq!(
+                    ctx.store.bump_attempts("payments", "T-old", old).await.unwrap(),
+                    2
+                );
+                // An expired counter starts over at 1.
+                let later = ClaimTimes::new(5_000, Duration::from_secs(1));
+                assert_eq!(
+                    ctx.store.bump_attempts("payments", "T-old", later).await.unwrap(),
+                    1
+                );
+                let mut purged = 0;
+                loop {
+                    let n = ctx.store.purge_expired(None, 10_000, 100).await.unwrap();
+                    purged += n;
+                    if n < 100 {
+                        break;
+                    }
+                }
+                assert_eq!(purged, 1, "the expired counter only");
+                assert_eq!(ctx.attempts("payments", "T-old").await, None);
+                assert_eq!(ctx.attempts("payments", "T-died").await, Some(2));
+                ctx.drop_tables().await;
+            }
+
             #[tokio::test]
             async fn batches_commit_once_and_a_poison_message_neither_blocks_nor_doubles() {
                 let ctx = ctx().await;
@@ -963,4 +1104,78 @@ async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
         .unwrap();
     assert_eq!(n, 1, "one charge");
     assert!(store.get("deadlock", "DL-1").await.unwrap().is_some());
+}
+
+/// A suspect (a possible redelivery after a crash) runs alone: its handler
+/// starts only after the handlers already running ended, and no other
+/// handler of the engine starts until it ended, so a crash in it is never
+/// blamed on a bystander (and a bystander's crash never on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_suspect_runs_alone() {
+    let store = pg_store(&pg_url(), &unique("keys")).await;
+    let engine = Engine::builder(store.clone())
+        .scope("alone")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let events = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let handler = {
+        let events = events.clone();
+        Arc::new(handler_fn(
+            move |_tx: onceonly::Tx<sqlx::Postgres>, Json(p): Json<Pay>| {
+                let events = events.clone();
+                async move {
+                    events
+                        .lock()
+                        .unwrap()
+                        .push(format!("start {}", p.out_trade_no));
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                    events
+                        .lock()
+                        .unwrap()
+                        .push(format!("end {}", p.out_trade_no));
+                    Ok(p.amount)
+                }
+            },
+        ))
+    };
+    let run = |key: &str, suspect: bool| {
+        let (engine, handler) = (engine.clone(), handler.clone());
+        let delivery = Delivery::new(pay(key, 1)).with_suspect(suspect);
+        tokio::spawn(async move { engine.process(&*handler, &delivery).await.outcome.kind() })
+    };
+    let first = run("H-1", false);
+    while !events.lock().unwrap().contains(&"start H-1".to_owned()) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut tasks = vec![first, run("S-1", true)];
+    for i in 2..6 {
+        tasks.push(run(&format!("H-{i}"), false));
+    }
+    for task in tasks {
+        assert_eq!(task.await.unwrap(), onceonly::OutcomeKind::Processed);
+    }
+    let events = events.lock().unwrap().clone();
+    let at = |e: &str| events.iter().position(|x| x == e).unwrap();
+    let (start, end) = (at("start S-1"), at("end S-1"));
+    assert!(
+        start > at("end H-1"),
+        "the suspect waits for H-1: {events:?}"
+    );
+    assert_eq!(
+        end,
+        start + 1,
+        "nothing runs beside the suspect: {events:?}"
+    );
+    sqlx::query(&format!("DROP TABLE IF EXISTS {}", store.table()))
+        .execute(store.pool())
+        .await
+        .ok();
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {}",
+        store.table().attempts()
+    ))
+    .execute(store.pool())
+    .await
+    .ok();
 }

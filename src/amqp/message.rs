@@ -7,14 +7,22 @@ use crate::delivery::Delivery;
 
 /// The engine's view of a message: body, headers with text or binary
 /// values as metadata, `message_id` as the message key, and
-/// `queue/exchange/routing-key` as the source stored with the claim.
+/// `queue/exchange/routing-key` as the source stored with the claim. A
+/// message the broker delivered before (`redelivered`, or a quorum queue's
+/// `x-delivery-count` above 0) is a [suspect](Delivery::with_suspect): the
+/// consumer that had it may have died in its handler.
 pub(crate) fn to_delivery(queue: &str, message: &lapin::message::Delivery) -> Delivery {
     let props = &message.properties;
-    let mut d = Delivery::new(message.data.clone()).with_source(format!(
-        "{queue}/{}/{}",
-        message.exchange.as_str(),
-        message.routing_key.as_str()
-    ));
+    let delivered_before = header_text(props.headers().as_ref(), "x-delivery-count")
+        .and_then(|n| n.parse::<u64>().ok())
+        .is_some_and(|n| n > 0);
+    let mut d = Delivery::new(message.data.clone())
+        .with_source(format!(
+            "{queue}/{}/{}",
+            message.exchange.as_str(),
+            message.routing_key.as_str()
+        ))
+        .with_suspect(message.redelivered || delivered_before);
     if let Some(id) = props.message_id() {
         d = d.with_message_key(id.as_str().as_bytes());
     }

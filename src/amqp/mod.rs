@@ -41,7 +41,17 @@
 //! | infrastructure fault: unreachable, read-only, missing table or column, permission, out of resources, shutdown, statement timeout, contention, corrupt dedup store (see [`InfraFault`](crate::store::InfraFault)) | waits in place with jittered backoff until the database takes writes again; never dead-lettered, never acked meanwhile |
 //! | data exception on a value of the message in the dedup store | dead letter (`store_error`) |
 //! | a panic in onceonly's own code | the message is nacked with requeue, never left holding a prefetch slot |
+//! | the handler kills the process (abort, out of memory, segfault) on a message, every time | after [`max_crashes`] counted crashes (default 3), the next consumer dead-letters it (`crashed`) without running it, then acks it |
 //!
+//! A message the broker delivered before (`redelivered`, or a quorum
+//! queue's `x-delivery-count` above 0) may be one whose handler killed the
+//! previous consumer: it is a [suspect](crate::Delivery::with_suspect). If
+//! its key is new, the engine counts the start of its handler durably and
+//! runs it alone (no other message of this consumer is handled meanwhile,
+//! so a crash is never blamed on a bystander); once it crashed the process
+//! [`max_crashes`] times it is dead-lettered (`crashed`). Its first
+//! delivery is not `redelivered`, so its first crash is not counted: it
+//! kills the process at most `max_crashes + 1` times.//!
 //! Dead letters keep body and properties and add the [`headers`]:
 //! `x-onceonly-reason`, `-error`, `-attempts`, `-original-exchange`,
 //! `-original-routing-key`, `-queue`, `-scope`, `-first-seen` and
@@ -64,6 +74,7 @@
 //! [`dead_letter_queue`]: AmqpConsumerBuilder::dead_letter_queue
 //! [`dead_letter_exchange`]: AmqpConsumerBuilder::dead_letter_exchange
 //! [`reconnect_backoff`]: AmqpConsumerBuilder::reconnect_backoff
+//! [`max_crashes`]: AmqpConsumerBuilder::max_crashes
 
 mod builder;
 mod connect;

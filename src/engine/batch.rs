@@ -56,7 +56,8 @@ impl<S: SqlStore> Engine<S> {
     }
 
     /// The single-transaction part of [`Engine::process_batch`], without the
-    /// fallback: `Some` with one report per delivery, in order, when the
+    /// fallback (`None` at once if a delivery is a
+    /// [suspect](Delivery::with_suspect): those are processed one by one): `Some` with one report per delivery, in order, when the
     /// batch transaction committed (deliveries without a valid key or input
     /// are `Rejected` and took no part in it); `None` when it rolled back, so
     /// that nothing of the batch took effect and the caller can process the
@@ -93,6 +94,10 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        // Suspects are counted and run alone, one by one.
+        if deliveries.iter().any(Delivery::is_suspect) {
+            return None;
+        }
         let mut reports: Vec<Option<Report<H::Output>>> = deliveries.iter().map(|_| None).collect();
         let spans: Vec<Span> = deliveries.iter().map(|d| self.delivery_span(d)).collect();
         let mut ready = Vec::with_capacity(deliveries.len());
@@ -160,6 +165,8 @@ impl<S: SqlStore> Engine<S> {
         H: Handler<S::Db>,
     {
         let inner = &*self.inner;
+        // Held until the batch ends: no suspect runs beside it.
+        let _gate = self.shared_gate().await;
         let mut tx = inner.store.begin().await.ok()?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claims = {

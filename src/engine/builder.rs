@@ -38,6 +38,9 @@ pub enum BuildError {
     /// [`EngineBuilder::hash_keys_in_traces`]).
     #[error(transparent)]
     KeyRedaction(#[from] KeyRedactionError),
+    /// [`EngineBuilder::max_crashes`] is zero.
+    #[error("max_crashes must be at least 1")]
+    ZeroMaxCrashes,
 }
 
 /// Builds an [`Engine`]: `Engine::builder(store).scope(..).key(..).build()`.
@@ -52,6 +55,7 @@ pub struct EngineBuilder<S> {
     clock: Arc<dyn Clock>,
     transport: &'static str,
     redaction: Result<KeyRedaction, KeyRedactionError>,
+    max_crashes: u32,
 }
 
 impl<S: SqlStore> EngineBuilder<S> {
@@ -67,6 +71,7 @@ impl<S: SqlStore> EngineBuilder<S> {
             clock: Arc::new(SystemClock),
             transport: crate::telemetry::TRANSPORT_ENGINE,
             redaction: Ok(KeyRedaction::plain()),
+            max_crashes: super::DEFAULT_MAX_CRASHES,
         }
     }
 
@@ -122,6 +127,31 @@ impl<S: SqlStore> EngineBuilder<S> {
     #[must_use]
     pub fn transient_retries(mut self, retries: u32) -> Self {
         self.transient_retries = retries;
+        self
+    }
+
+    /// How many times a message may kill the process before it is parked
+    /// (default [`DEFAULT_MAX_CRASHES`](super::DEFAULT_MAX_CRASHES), 3; at
+    /// least 1).
+    ///
+    /// A handler that aborts, is killed for memory or segfaults on one
+    /// particular message would get it redelivered after every restart,
+    /// and its partition or queue would crash-loop forever. For a
+    /// delivery that may be such a redelivery (a
+    /// [suspect](crate::Delivery::with_suspect): AMQP's `redelivered`,
+    /// Kafka's first records of a lane after an assignment), the engine
+    /// counts the start of its handler durably before running it, alone;
+    /// once the process died under it `max_crashes` times it is not run
+    /// again but dead-lettered with reason `crashed`
+    /// ([`Failure::Crashed`](super::Failure::Crashed)), and the partition
+    /// or queue moves on. Healthy messages pay nothing for it.
+    ///
+    /// A message's first crash usually happens before it is suspect (it
+    /// was a fresh delivery then), and is not counted: such a message kills
+    /// the process up to `max_crashes + 1` times.
+    #[must_use]
+    pub fn max_crashes(mut self, crashes: u32) -> Self {
+        self.max_crashes = crashes;
         self
     }
 
@@ -181,6 +211,9 @@ impl<S: SqlStore> EngineBuilder<S> {
         if self.retention.is_zero() {
             return Err(BuildError::ZeroRetention);
         }
+        if self.max_crashes == 0 {
+            return Err(BuildError::ZeroMaxCrashes);
+        }
         let telemetry = Telemetry::new(&scope, self.transport, self.redaction?);
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -193,6 +226,8 @@ impl<S: SqlStore> EngineBuilder<S> {
                 retry: self.retry,
                 transient_retries: self.transient_retries,
                 clock: self.clock,
+                max_crashes: self.max_crashes,
+                crashes: super::crash::Crashes::default(),
             }),
         })
     }
@@ -254,6 +289,15 @@ macro_rules! forward_engine_settings {
         #[must_use]
         pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
             self.engine = self.engine.hash_keys_in_traces(hash);
+            self
+        }
+
+        /// How many times a message may kill the process (abort, out of
+        /// memory, segfault) before it is dead-lettered with reason
+        /// `crashed` (default 3); see [`EngineBuilder::max_crashes`].
+        #[must_use]
+        pub fn max_crashes(mut self, crashes: u32) -> Self {
+            self.engine = self.engine.max_crashes(crashes);
             self
         }
 

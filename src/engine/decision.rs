@@ -10,6 +10,7 @@
 //! | permanent handler error, unserializable result | [`DeadLetter`](Decision::DeadLetter) `handler_error` |
 //! | data exception on a value of the message in the dedup store | [`DeadLetter`](Decision::DeadLetter) `store_error` |
 //! | key reused with another payload | [`DeadLetter`](Decision::DeadLetter) `fingerprint_mismatch` |
+//! | a [suspect](crate::Delivery::with_suspect) that crashed the process [`max_crashes`](crate::EngineBuilder::max_crashes) times ([`Failure::Crashed`](super::Failure::Crashed)) | [`DeadLetter`](Decision::DeadLetter) `crashed`, without running the handler again |
 //! | no key, undecodable payload | [`DeadLetter`](Decision::DeadLetter) `bad_key`, `decode_error` |
 //!
 //! The Kafka and AMQP consumers translate a decision to their wire (commit
@@ -44,7 +45,7 @@ pub enum Decision {
     /// letter with the reason, and acknowledge only once it is confirmed.
     DeadLetter {
         /// The reason code (`fingerprint_mismatch`, `bad_key`,
-        /// `decode_error`, `handler_error`, `store_error`).
+        /// `decode_error`, `handler_error`, `store_error`, `crashed`).
         reason: &'static str,
         /// What went wrong, for the dead letter's error text.
         error: String,
@@ -153,5 +154,18 @@ mod tests {
         ));
         let processed = Outcome::Processed { result: () };
         assert_eq!(decide(&processed, 1, &policy), Decision::Ack);
+    }
+
+    #[test]
+    fn a_message_that_keeps_killing_the_process_is_dead_lettered_crashed() {
+        // Whatever the retry policy: the handler is not run again.
+        let crashed = failed(Failure::Crashed { crashes: 3 });
+        match decide(&crashed, 1, &RetryPolicy::default().max_attempts(10)) {
+            Decision::DeadLetter { reason, error, .. } => {
+                assert_eq!(reason, "crashed");
+                assert!(error.contains("3 times"), "{error}");
+            }
+            other => panic!("expected a dead letter, got {other:?}"),
+        }
     }
 }

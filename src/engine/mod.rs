@@ -8,6 +8,7 @@
 
 mod batch;
 mod builder;
+mod crash;
 mod decision;
 mod handler;
 mod outcome;
@@ -32,6 +33,7 @@ use crate::telemetry::Telemetry;
 #[cfg(any(feature = "kafka", feature = "amqp"))]
 pub(crate) use builder::forward_engine_settings;
 pub use builder::{BuildError, EngineBuilder};
+pub use crash::DEFAULT_MAX_CRASHES;
 pub use decision::{Decision, decide};
 pub use handler::{
     BoxError, DecodeError, FnHandler, FromDelivery, Handler, HandlerError, Json, handler_fn,
@@ -66,6 +68,9 @@ struct Inner<S> {
     retry: RetryPolicy,
     transient_retries: u32,
     clock: Arc<dyn Clock>,
+    /// Suspects that crashed the process this often are dead-lettered.
+    max_crashes: u32,
+    crashes: crash::Crashes,
 }
 
 impl<S: SqlStore> Engine<S> {
@@ -97,6 +102,13 @@ impl<S: SqlStore> Engine<S> {
     /// How long records are kept.
     pub fn retention(&self) -> Duration {
         self.inner.retention
+    }
+
+    /// How many times a suspect delivery may crash the process before it
+    /// is dead-lettered with reason `crashed` (see
+    /// [`EngineBuilder::max_crashes`]).
+    pub fn max_crashes(&self) -> u32 {
+        self.inner.max_crashes
     }
 
     /// How this engine shows keys in spans and logs (see
@@ -322,7 +334,8 @@ impl<S: SqlStore> Engine<S> {
         let spec = ClaimSpec::new(key)
             .fingerprint(fingerprint.copied())
             .source(delivery.source())
-            .traceparent(session::traceparent_of(delivery));
+            .traceparent(session::traceparent_of(delivery))
+            .suspect(delivery.is_suspect());
         let session = match self.claim_with(spec).await {
             Ok(Claimed::New(session)) => session,
             Ok(Claimed::Duplicate { result }) => {
@@ -332,6 +345,9 @@ impl<S: SqlStore> Engine<S> {
             }
             Ok(Claimed::Conflict { stored, received }) => {
                 return Outcome::Conflict { stored, received };
+            }
+            Ok(Claimed::Crashed { crashes }) => {
+                return Outcome::Failed(Failure::Crashed { crashes });
             }
             Err(e) => return Outcome::Failed(Failure::Store(e)),
         };

@@ -63,8 +63,8 @@ impl<T> Outcome<T> {
     }
 
     /// The dead-letter reason code: `fingerprint_mismatch`, `bad_key`,
-    /// `decode_error`, `handler_error` or `store_error`; `None` for
-    /// processed and duplicate deliveries.
+    /// `decode_error`, `handler_error`, `store_error` or `crashed`; `None`
+    /// for processed and duplicate deliveries.
     pub fn reason(&self) -> Option<&'static str> {
         match self {
             Self::Processed { .. } | Self::Duplicate { .. } => None,
@@ -183,6 +183,20 @@ pub enum Failure {
     /// on as if the database were down.
     #[error("the database refused the message's writes at commit: {0}")]
     Commit(#[source] sqlx::Error),
+    /// The delivery is a [suspect](crate::Delivery::with_suspect) whose
+    /// handler was started `crashes` times already without ever finishing:
+    /// each time, the process died under it (an abort, an out-of-memory
+    /// kill, a segfault). The handler is not run again; the delivery is
+    /// dead-lettered with reason `crashed` so that its partition or queue
+    /// moves on (see [`EngineBuilder::max_crashes`](crate::EngineBuilder::max_crashes)).
+    /// Never retried.
+    #[error(
+        "the process died {crashes} times while handling this delivery; parked instead of running it again"
+    )]
+    Crashed {
+        /// How many started handler runs never finished.
+        crashes: u32,
+    },
 }
 
 impl Failure {
@@ -193,7 +207,7 @@ impl Failure {
             Self::Handler(e) => e.is_retryable() || e.is_infrastructure(),
             Self::Store(e) => e.is_infrastructure(),
             Self::Panic(_) | Self::Commit(_) => true,
-            Self::Encode(_) | Self::TxHeld => false,
+            Self::Encode(_) | Self::TxHeld | Self::Crashed { .. } => false,
         }
     }
 
@@ -205,7 +219,11 @@ impl Failure {
         match self {
             Self::Store(e) => e.infra_fault(),
             Self::Handler(e) => e.infra_fault(),
-            Self::Panic(_) | Self::Encode(_) | Self::TxHeld | Self::Commit(_) => None,
+            Self::Panic(_)
+            | Self::Encode(_)
+            | Self::TxHeld
+            | Self::Commit(_)
+            | Self::Crashed { .. } => None,
         }
     }
 
@@ -215,10 +233,12 @@ impl Failure {
         self.infra_fault().is_some()
     }
 
-    /// `store_error` for store failures, `handler_error` otherwise.
+    /// `store_error` for store failures, `crashed` for a delivery that
+    /// crashed the process too often, `handler_error` otherwise.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Store(_) => "store_error",
+            Self::Crashed { .. } => "crashed",
             _ => "handler_error",
         }
     }

@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::crash::{Counted, Gate, Start};
 use super::tx::{Origin, Tx};
 use super::{Engine, Failure};
 use crate::delivery::Delivery;
@@ -26,6 +27,7 @@ pub struct ClaimSpec<'a> {
     source: Option<&'a str>,
     lock_wait: Option<Duration>,
     traceparent: Option<&'a str>,
+    suspect: bool,
 }
 
 impl<'a> ClaimSpec<'a> {
@@ -38,7 +40,23 @@ impl<'a> ClaimSpec<'a> {
             source: None,
             lock_wait: None,
             traceparent: None,
+            suspect: false,
         }
+    }
+
+    /// Claims a *suspect*: a delivery that may be a redelivery of a message
+    /// whose handler was running when its process died (see
+    /// [`Delivery::with_suspect`](crate::Delivery::with_suspect)). If its
+    /// key is new, the start of its handler is counted durably before the
+    /// claim returns, and the session runs alone among this engine's
+    /// claims; once the process died under it
+    /// [`max_crashes`](crate::EngineBuilder::max_crashes) times, the claim
+    /// returns [`Claimed::Crashed`] instead. Healthy deliveries must not be
+    /// suspects: each costs round trips and runs alone.
+    #[must_use]
+    pub fn suspect(mut self, suspect: bool) -> Self {
+        self.suspect = suspect;
+        self
     }
 
     /// The inbound message's W3C `traceparent`, passed on to the messages
@@ -101,6 +119,13 @@ pub enum Claimed<S: SqlStore> {
         /// The fingerprint of this delivery.
         received: Option<Fingerprint>,
     },
+    /// A [suspect](ClaimSpec::suspect) whose handler was started `crashes`
+    /// times already, the process dying each time: do not run it again,
+    /// dead-letter it (reason `crashed`). Nothing was claimed.
+    Crashed {
+        /// Starts of its handler that the process did not survive.
+        crashes: u32,
+    },
 }
 
 impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
@@ -120,6 +145,9 @@ impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
                 .field("stored", stored)
                 .field("received", received)
                 .finish(),
+            Self::Crashed { crashes } => {
+                f.debug_struct("Crashed").field("crashes", crashes).finish()
+            }
         }
     }
 }
@@ -157,7 +185,14 @@ pub struct Session<S: SqlStore> {
     tx: Tx<S::Db>,
     fingerprint: Option<Fingerprint>,
     times: ClaimTimes,
+    /// The counted start of a suspect's handler.
+    counted: Option<Counted<S>>,
+    /// Held until the session ends: exclusive for a suspect.
+    _gate: Gate,
 }
+
+/// A key claimed in a new transaction, or what the claim found instead.
+type Opened<DB> = Result<(sqlx::Transaction<'static, DB>, ClaimTimes), Claim>;
 
 impl<S: SqlStore> Engine<S> {
     /// Claims the key of `delivery` (derived and fingerprinted as this
@@ -179,7 +214,7 @@ impl<S: SqlStore> Engine<S> {
     ///         session.finish(b"\"ok\"").await?;
     ///     }
     ///     Claimed::Duplicate { .. } => { /* acknowledge */ }
-    ///     _ => { /* a conflict: dead-letter */ }
+    ///     _ => { /* a conflict, or a suspect that crashed too often: dead-letter */ }
     /// }
     /// # Ok(()) }
     /// ```
@@ -189,13 +224,16 @@ impl<S: SqlStore> Engine<S> {
         let spec = ClaimSpec::new(&key)
             .fingerprint(fingerprint)
             .source(delivery.source())
-            .traceparent(traceparent_of(delivery));
+            .traceparent(traceparent_of(delivery))
+            .suspect(delivery.is_suspect());
         Ok(self.claim_with(spec).await?)
     }
 
     /// Claims `spec`'s key: answered by the cache tier if it knows the key,
     /// otherwise claimed in a new transaction that stays open in the
-    /// returned [`Session`] when the key is new.
+    /// returned [`Session`] when the key is new. A
+    /// [suspect](ClaimSpec::suspect) with a new key is counted first (see
+    /// [`Claimed::Crashed`]).
     pub async fn claim_with(&self, spec: ClaimSpec<'_>) -> Result<Claimed<S>, StoreError> {
         let inner = &*self.inner;
         let scope = spec.scope.unwrap_or(&inner.scope);
@@ -209,9 +247,49 @@ impl<S: SqlStore> Engine<S> {
             tracing::debug!("answered from the cache tier");
             return Claimed::settled(hit, spec.fingerprint);
         }
+        let gate = self.shared_gate().await;
+        let (tx, times) = match self.open_claim(scope, &req).await? {
+            Ok(claimed) => claimed,
+            Err(claim) => return Claimed::settled(claim, spec.fingerprint),
+        };
+        if !spec.suspect {
+            return Ok(self.session(tx, scope, &spec, times, None, gate));
+        }
+        // A suspect with a new key: count its start alone, with no claim
+        // open (see the `crash` module), then claim again.
+        drop(tx.rollback().await);
+        drop(gate);
+        let gate = self.exclusive_gate().await;
+        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
+        let counted = match self.count_start(scope, spec.key, times).await? {
+            Start::Counted(counted) => counted,
+            Start::Crashed(crashes) => return Ok(Claimed::Crashed { crashes }),
+        };
+        match self.open_claim(scope, &req).await {
+            Ok(Ok((tx, times))) => Ok(self.session(tx, scope, &spec, times, Some(counted), gate)),
+            // Taken meanwhile: this start never ran.
+            Ok(Err(claim)) => {
+                counted.undo().await;
+                Claimed::settled(claim, spec.fingerprint)
+            }
+            Err(e) => {
+                counted.undo().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Claims `req` in a new transaction: the open transaction when the key
+    /// is new, what the claim found otherwise (the transaction ended).
+    async fn open_claim(
+        &self,
+        scope: &str,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Opened<S::Db>, StoreError> {
+        let inner = &*self.inner;
         let mut tx = inner.store.begin().await?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
-        let claim = match inner.store.claim(&mut tx, scope, times, &req).await {
+        let claim = match inner.store.claim(&mut tx, scope, times, req).await {
             Ok(claim) => claim,
             Err(e) => {
                 drop(tx.rollback().await);
@@ -222,9 +300,21 @@ impl<S: SqlStore> Engine<S> {
             // Nothing was written: end the transaction, report what the
             // claim found.
             drop(tx.rollback().await);
-            return Claimed::settled(claim, spec.fingerprint);
+            return Ok(Err(claim));
         }
-        Ok(Claimed::New(Session {
+        Ok(Ok((tx, times)))
+    }
+
+    fn session(
+        &self,
+        tx: sqlx::Transaction<'static, S::Db>,
+        scope: &str,
+        spec: &ClaimSpec<'_>,
+        times: ClaimTimes,
+        counted: Option<Counted<S>>,
+        gate: Gate,
+    ) -> Claimed<S> {
+        Claimed::New(Session {
             engine: self.clone(),
             tx: Tx::new(
                 tx,
@@ -232,7 +322,9 @@ impl<S: SqlStore> Engine<S> {
             ),
             fingerprint: spec.fingerprint,
             times,
-        }))
+            counted,
+            _gate: gate,
+        })
     }
 
     /// What the cache tier in front of the store knows of `req.key`: a
@@ -277,18 +369,33 @@ impl<S: SqlStore> Session<S> {
     /// failed commit is ambiguous (it may have reached the database):
     /// report it as a failure, and a redelivery's claim tells whether it
     /// had committed.
-    pub async fn finish(self, result: &[u8]) -> Result<(), Failure> {
+    pub async fn finish(mut self, result: &[u8]) -> Result<(), Failure> {
+        let counted = self.counted.take();
+        let finished = self.commit_result(result, counted.is_some()).await;
+        if let Some(counted) = counted {
+            match finished {
+                Ok(()) => counted.finished(),
+                // The handler returned: not a crash.
+                Err(_) => counted.undo().await,
+            }
+        }
+        finished
+    }
+
+    /// Records the result, deletes a suspect's attempts counter, commits.
+    async fn commit_result(&self, result: &[u8], counted: bool) -> Result<(), Failure> {
         let engine = &self.engine;
         let Some(mut tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await else {
             return Err(Failure::TxHeld);
         };
         let origin = self.tx.origin();
         let (scope, key) = (origin.scope(), origin.key());
-        let recorded = engine
-            .inner
-            .store
-            .complete(&mut tx, scope, key, result)
-            .await;
+        let store = &engine.inner.store;
+        let mut recorded = store.complete(&mut tx, scope, key, result).await;
+        if counted && recorded.is_ok() {
+            // Committed with the effect, or not at all.
+            recorded = store.clear_attempts(&mut tx, scope, key).await;
+        }
         if let Err(e) = recorded {
             drop(tx.rollback().await);
             return Err(match e {
@@ -319,9 +426,12 @@ impl<S: SqlStore> Session<S> {
 
     /// Rolls the claim and everything written through
     /// [`tx`](Session::tx) back: the key stays free for a redelivery.
-    pub async fn abandon(self) {
+    pub async fn abandon(mut self) {
         if let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
             drop(tx.rollback().await);
+        }
+        if let Some(counted) = self.counted.take() {
+            counted.undo().await;
         }
     }
 }

@@ -250,6 +250,16 @@ where
             tracing::debug!("key reused with another request");
             return answer::conflict(cfg);
         }
+        // Only for suspects, which HTTP requests never are (a client
+        // retries on its own; no broker redelivers).
+        Ok(Claimed::Crashed { .. }) => {
+            return answer::failed(
+                cfg,
+                "crashed",
+                "Request parked",
+                "this request crashed the server too often",
+            );
+        }
         // Deadlock, serialization failure, lock or busy timeout (SQLite's
         // `BEGIN IMMEDIATE` waits for the write lock the holder may have):
         // another request holds the key (or the table) right now. Never a

@@ -57,10 +57,27 @@
 //! | data exception on a value of the message in the dedup store | dead-lettered (`store_error`) |
 //! | dead-letter publish fails      | retried; the offset is not committed meanwhile        |
 //! | revoke or shutdown while a record runs longer than [`drain_timeout`] | the record is abandoned: its transaction rolls back, its offset stays uncommitted, the next owner processes it |
+//! | the handler kills the process (abort, out of memory, segfault) on a record, every time | after [`max_crashes`] counted crashes (default 3), the next owner dead-letters it (`crashed`) without running it, and the partition moves on (see below) |
 //!
 //! Dead letters go to `<topic>.dlt` (or [`dead_letter_topic`]) with the
 //! original payload, record key and headers, plus the headers in
 //! [`headers`].
+//!
+//! # A record that kills the process
+//!
+//! A lane processes its records in order, so after an assignment the record
+//! that was running when the former owner died comes first among the
+//! records whose key is not committed yet (the ones before it are
+//! duplicates). Each lane's records are therefore
+//! [suspects](crate::Delivery::with_suspect) from the assignment until one
+//! of them is processed: they go one by one (no batch), and for the first
+//! whose key is new the engine counts the start of its handler durably and
+//! runs it alone (see [`max_crashes`]). Once a record has crashed the
+//! process `max_crashes` times it is dead-lettered with reason `crashed`.
+//! Its first crash, when it was not a suspect yet, is not counted: it kills
+//! the process at most `max_crashes + 1` times. Records that were
+//! dead-lettered do not end a lane's suspicion (a dead letter is not in the
+//! database, and its offset may not have been committed before a crash).
 //!
 //! # Rebalances and shutdown
 //!
@@ -87,6 +104,7 @@
 //! [`retry`]: KafkaConsumerBuilder::retry
 //! [`dead_letter_topic`]: KafkaConsumerBuilder::dead_letter_topic
 //! [`drain_timeout`]: KafkaConsumerBuilder::drain_timeout
+//! [`max_crashes`]: KafkaConsumerBuilder::max_crashes
 
 mod builder;
 mod consumer;

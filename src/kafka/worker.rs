@@ -19,7 +19,7 @@ use super::partition::{Partition, lock};
 use crate::clock::{Clock, SystemClock};
 use crate::consumer_stats::{Counters, bump};
 use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
-use crate::engine::{Decision, Engine, Handler, Report, decide};
+use crate::engine::{Decision, Engine, Handler, OutcomeKind, Report, decide};
 use crate::store::SqlStore;
 use crate::telemetry::Telemetry;
 
@@ -47,6 +47,18 @@ impl<S: SqlStore, H> Env<S, H> {
 }
 
 /// Runs one lane until its queue closes or its partition stops.
+///
+/// A lane starts with an assignment, and its first records are
+/// [suspects](crate::Delivery::with_suspect): the lane processes its
+/// records in order, so the record that was running when a former owner
+/// died comes first among the records whose key is not committed yet
+/// (those before it are duplicates now). Until a record of the lane is
+/// processed (committed), every record is marked suspect and processed on
+/// its own, never in a batch; the engine counts the start of the first one
+/// whose key is new and parks it once it crashed the process too often.
+/// Records that were dead-lettered do not end suspicion: a dead letter is
+/// not recorded in the database, and its offset may not have been committed
+/// before the next crash, so it may come first again.
 pub(crate) async fn run_lane<S, H>(
     env: Arc<Env<S, H>>,
     partition: Arc<Partition>,
@@ -55,6 +67,7 @@ pub(crate) async fn run_lane<S, H>(
     S: SqlStore,
     H: Handler<S::Db>,
 {
+    let mut suspect = true;
     loop {
         let first = tokio::select! {
             biased;
@@ -91,7 +104,7 @@ pub(crate) async fn run_lane<S, H>(
         // Handler panics are caught by the engine; anything else panicking
         // here (a user `FromDelivery`, a key function) would leave records
         // in flight forever. Fail the whole consumer loudly instead.
-        let work = AssertUnwindSafe(process(&env, &partition, batch)).catch_unwind();
+        let work = AssertUnwindSafe(process(&env, &partition, batch, &mut suspect)).catch_unwind();
         if let Err(panic) = work.await {
             let what = panic_text(panic.as_ref());
             tracing::error!(topic = %partition.topic, partition = partition.partition, panic = %what, "partition worker panicked; stopping the consumer");
@@ -112,8 +125,14 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".to_owned())
 }
 
-async fn process<S, H>(env: &Env<S, H>, partition: &Partition, batch: Vec<Envelope>)
-where
+/// Processes `batch` in order; `suspect`: whether the lane still waits for
+/// its first processed record since the assignment (see [`run_lane`]).
+async fn process<S, H>(
+    env: &Env<S, H>,
+    partition: &Partition,
+    batch: Vec<Envelope>,
+    suspect: &mut bool,
+) where
     S: SqlStore,
     H: Handler<S::Db>,
 {
@@ -130,8 +149,9 @@ where
             return;
         }
     }
-    let deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
-    let batched = if deliveries.len() > 1 {
+    let mut deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
+    // A suspect lane goes record by record (marked as they come, below).
+    let batched = if deliveries.len() > 1 && !*suspect {
         env.engine
             .try_process_batch(&env.handler, &deliveries)
             .await
@@ -141,14 +161,18 @@ where
     let mut reports = batched.map(Vec::into_iter);
     let mut stopped = false;
     let telemetry = env.engine.telemetry();
-    for (envelope, delivery) in batch.iter().zip(&deliveries) {
+    for (envelope, delivery) in batch.iter().zip(deliveries.iter_mut()) {
+        if *suspect {
+            *delivery = std::mem::take(delivery).with_suspect(true);
+        }
+        let delivery = &*delivery;
         let batched = reports.as_mut().and_then(Iterator::next);
-        let done = match batched {
+        let settled = match batched {
             // Committed in the batch, which counted it and traced it in
             // its own span: nothing left to do.
             Some(report) if report.outcome.is_done() => {
                 env.counters.settled(report.outcome.kind());
-                true
+                Some(report.outcome.kind())
             }
             None if stopped => return,
             batched => {
@@ -175,7 +199,8 @@ where
                     // this batch are still final; the others are abandoned,
                     // stay uncommitted and are redelivered to the next owner.
                     if stopped {
-                        report.outcome.is_done()
+                        let kind = report.outcome.kind();
+                        report.outcome.is_done().then_some(kind)
                     } else {
                         settle(env, partition, envelope, delivery, report).await
                     }
@@ -184,26 +209,30 @@ where
                 .await
             }
         };
-        if done {
-            bump(&env.counters.acked);
-            partition.finish(envelope.offset());
-        } else {
-            stopped = true;
+        match settled {
+            Some(kind) => {
+                if kind == OutcomeKind::Processed {
+                    *suspect = false;
+                }
+                bump(&env.counters.acked);
+                partition.finish(envelope.offset());
+            }
+            None => stopped = true,
         }
     }
 }
 
 /// Drives one record to a final outcome, doing what
-/// [`decide`](crate::engine::decide) says. `true` once it is final
-/// (processed, duplicate, or dead-letter acknowledged); `false` if the
-/// partition stopped first.
+/// [`decide`](crate::engine::decide) says. The kind of its last outcome
+/// once it is final (processed, duplicate, or dead-letter or retry copy
+/// acknowledged); `None` if the partition stopped first.
 async fn settle<S, H>(
     env: &Env<S, H>,
     partition: &Partition,
     envelope: &Envelope,
     delivery: &crate::Delivery,
     mut report: Report<H::Output>,
-) -> bool
+) -> Option<OutcomeKind>
 where
     S: SqlStore,
     H: Handler<S::Db>,
@@ -222,13 +251,13 @@ where
         match decide(&report.outcome, attempts, env.engine.retry_policy()) {
             Decision::Ack => {
                 env.counters.settled(report.outcome.kind());
-                return true;
+                return Some(report.outcome.kind());
             }
             Decision::Wait(fault) => {
                 let error = report.outcome.error_text().unwrap_or_default();
                 tracing::debug!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), %fault, %error, "waiting for the database");
                 if !outage.wait(&partition.stop, fault, &error).await {
-                    return false;
+                    return None;
                 }
             }
             Decision::Retry { delay, reason } if env.dead_letters.retry_topic().is_some() => {
@@ -246,14 +275,14 @@ where
                     env.engine.telemetry().retried(reason);
                     tracing::debug!(attempts, ?delay, reason, "retry copy published");
                 }
-                return sent;
+                return sent.then_some(report.outcome.kind());
             }
             Decision::Retry { delay, reason } => {
                 bump(&env.counters.retried);
                 env.engine.telemetry().retried(reason);
                 tracing::debug!(attempts, ?delay, reason, "retrying the record");
                 if !sleep_unless(&partition.stop, delay).await {
-                    return false;
+                    return None;
                 }
                 attempts += 1;
             }
@@ -268,7 +297,8 @@ where
                     attempts,
                     key: report.key.as_ref().map(|k| k.as_str()),
                 };
-                return publish(env, partition, envelope, &letter).await;
+                let sent = publish(env, partition, envelope, &letter).await;
+                return sent.then_some(report.outcome.kind());
             }
         }
         report = env.engine.process_in_span(&env.handler, delivery).await;

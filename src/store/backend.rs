@@ -35,6 +35,17 @@ pub(crate) trait Backend: Database {
     /// one. `None`: the delete runs on its own.
     const PURGE_BEGIN: Option<&'static str> = None;
 
+    /// Whether the backend has `INSERT ... RETURNING`. Without it (MySQL,
+    /// MariaDB before 10.5) the attempts bump reports its new count as
+    /// [`last_insert_id`](Self::last_insert_id).
+    const RETURNING: bool = true;
+
+    /// The `LAST_INSERT_ID` a statement set, on backends without
+    /// [`RETURNING`](Self::RETURNING).
+    fn last_insert_id(_done: &Self::QueryResult) -> Option<u64> {
+        None
+    }
+
     /// Every statement of a store on `table`.
     fn sql(table: &TableName) -> Sql;
 

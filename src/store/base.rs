@@ -270,16 +270,48 @@ where
         row.as_ref().map(StoreRow::record).transpose()
     }
 
-    /// Deletes at most `limit` records expired at `now_ms`.
+    /// Deletes at most `limit` records expired at `now_ms`: dedup records
+    /// first, then, with what is left of `limit`, expired rows of the
+    /// attempts table.
     pub async fn purge_expired(
         &self,
         scope: Option<&str>,
         now_ms: i64,
         limit: u32,
     ) -> Result<u64, StoreError> {
+        let sql = &self.sql;
+        let deleted = self
+            .purge_from(&sql.purge, &sql.purge_scope, scope, now_ms, limit)
+            .await?;
+        let left = u64::from(limit).saturating_sub(deleted);
+        if left == 0 {
+            return Ok(deleted);
+        }
+        let left = u32::try_from(left).unwrap_or(limit);
+        let counters = self
+            .purge_from(
+                &sql.attempts.purge,
+                &sql.attempts.purge_scope,
+                scope,
+                now_ms,
+                left,
+            )
+            .await?;
+        Ok(deleted + counters)
+    }
+
+    /// One bounded delete of expired rows, with `purge` or `purge_scope`.
+    async fn purge_from(
+        &self,
+        purge: &str,
+        purge_scope: &str,
+        scope: Option<&str>,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
         let query = match scope {
-            Some(scope) => sqlx::query(&self.sql.purge_scope).bind(scope),
-            None => sqlx::query(&self.sql.purge),
+            Some(scope) => sqlx::query(purge_scope).bind(scope),
+            None => sqlx::query(purge),
         };
         let done = query
             .bind(now_ms)
@@ -287,5 +319,66 @@ where
             .execute(&self.pool)
             .await?;
         Ok(DB::rows_affected(&done))
+    }
+
+    /// Counts one more start of `key`'s handler, in its own statement on
+    /// the pool (committed when it returns); the new count.
+    pub async fn bump_attempts(
+        &self,
+        scope: &str,
+        key: &str,
+        times: ClaimTimes,
+    ) -> Result<u32, StoreError> {
+        let query = sqlx::query(&self.sql.attempts.bump)
+            .bind(scope)
+            .bind(key)
+            .bind(times.expires_at_ms)
+            .bind(times.now_ms)
+            .bind(times.expires_at_ms);
+        let count = if DB::RETURNING {
+            let row = query.fetch_one(&self.pool).await?;
+            u64::try_from(row.int("attempts")?).ok()
+        } else {
+            let mut conn = self.pool.acquire().await?;
+            let done = query.execute(&mut *conn).await?;
+            match DB::last_insert_id(&done).filter(|n| *n > 0) {
+                Some(n) => Some(n),
+                None => {
+                    let row = sqlx::query(&self.sql.attempts.bump_read)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    u64::try_from(row.int("attempts")?).ok()
+                }
+            }
+        };
+        count
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n > 0)
+            .ok_or_else(|| StoreError::Corrupt("the attempts counter did not read back".into()))
+    }
+
+    /// One start of `key`'s handler fewer, in its own statement.
+    pub async fn undo_attempt(&self, scope: &str, key: &str) -> Result<(), StoreError> {
+        sqlx::query(&self.sql.attempts.undo)
+            .bind(scope)
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes `key`'s attempts counter on `conn`.
+    pub async fn clear_attempts(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(&self.sql.attempts.clear)
+            .bind(scope)
+            .bind(key)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
     }
 }

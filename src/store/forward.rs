@@ -84,6 +84,32 @@ macro_rules! forward_sql_store {
                 self.$to.get(scope, key).await
             }
 
+            async fn bump_attempts(
+                &self,
+                scope: &str,
+                key: &str,
+                times: $crate::store::ClaimTimes,
+            ) -> Result<u32, $crate::store::StoreError> {
+                self.$to.bump_attempts(scope, key, times).await
+            }
+
+            async fn undo_attempt(
+                &self,
+                scope: &str,
+                key: &str,
+            ) -> Result<(), $crate::store::StoreError> {
+                self.$to.undo_attempt(scope, key).await
+            }
+
+            async fn clear_attempts(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                key: &str,
+            ) -> Result<(), $crate::store::StoreError> {
+                self.$to.clear_attempts(conn, scope, key).await
+            }
+
             async fn purge_expired(
                 &self,
                 scope: Option<&str>,

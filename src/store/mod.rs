@@ -184,8 +184,9 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// The dedup table.
     fn table(&self) -> &TableName;
 
-    /// Creates the dedup table and its indexes if they do not exist. Safe to
-    /// run concurrently from several processes.
+    /// Creates the dedup table, its attempts table
+    /// ([`TableName::attempts`]) and their indexes if they do not exist.
+    /// Safe to run concurrently from several processes.
     async fn migrate(&self) -> Result<(), StoreError>;
 
     /// Begins a transaction with the isolation this backend's claim relies on.
@@ -249,9 +250,42 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// Reads one committed record (expired or not).
     async fn get(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError>;
 
+    /// Counts one more start of the handler of `key` in `scope` for a
+    /// delivery that may be a redelivery after a crash (a *suspect*), and
+    /// returns the count: 1 for a first start, or for a counter that had
+    /// expired at `times.now_ms`. The counter lives in the attempts table
+    /// next to the dedup table ([`TableName::attempts`]); the statement
+    /// runs on its own pool connection and is committed when this returns,
+    /// so that a crash in the handler that follows cannot undo it. One
+    /// statement, one round trip, on every backend. The row expires at
+    /// `times.expires_at_ms`.
+    async fn bump_attempts(
+        &self,
+        scope: &str,
+        key: &str,
+        times: ClaimTimes,
+    ) -> Result<u32, StoreError>;
+
+    /// Takes one start off `key`'s counter (never below 0), in its own
+    /// statement: the handler that was counted returned, so that start did
+    /// not crash the process.
+    async fn undo_attempt(&self, scope: &str, key: &str) -> Result<(), StoreError>;
+
+    /// Deletes `key`'s counter on `conn`: inside the claim's transaction
+    /// when the handler succeeded (the counter goes with the commit), on a
+    /// connection of its own otherwise.
+    async fn clear_attempts(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        key: &str,
+    ) -> Result<(), StoreError>;
+
     /// Deletes at most `limit` records that expired at or before `now_ms`
     /// (in `scope` only, if given), in one short transaction; returns how many
     /// were deleted. Call it in a loop until it returns less than `limit`.
+    /// Expired attempts counters ([`SqlStore::bump_attempts`]) are deleted
+    /// too, within the same `limit`, once no expired record is left.
     async fn purge_expired(
         &self,
         scope: Option<&str>,
@@ -273,7 +307,8 @@ pub enum BackendKind {
 }
 
 /// The DDL [`SqlStore::migrate`] runs for dedup table `table` on
-/// `backend` (the table and its indexes, `IF NOT EXISTS`), for your own
+/// `backend` (the table, its attempts table [`TableName::attempts`] and
+/// their indexes, `IF NOT EXISTS`), for your own
 /// migration tool; `None` if the backend is not compiled in. PostgreSQL's
 /// migration lock is left out: run the statements in one migration.
 // Without any backend compiled in every arm returns `None`.

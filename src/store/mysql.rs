@@ -95,6 +95,12 @@ impl Backend for MySql {
     /// deletes, not the gaps of the range, so consumers inserting new keys
     /// into it do not wait for the purge.
     const PURGE_BEGIN: Option<&'static str> = Some(BEGIN);
+    /// MySQL has no `RETURNING`, MariaDB only from 10.5.
+    const RETURNING: bool = false;
+
+    fn last_insert_id(done: &MySqlQueryResult) -> Option<u64> {
+        Some(done.last_insert_id())
+    }
 
     fn sql(table: &TableName) -> Sql {
         Sql::mysql(table)

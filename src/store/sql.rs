@@ -38,6 +38,34 @@ pub(crate) struct Sql {
     pub purge: String,
     /// scope, now, limit.
     pub purge_scope: String,
+    /// The crash counter of suspect deliveries (see
+    /// [`SqlStore::bump_attempts`](super::SqlStore::bump_attempts)), in the
+    /// attempts table next to the dedup table.
+    pub attempts: AttemptsSql,
+}
+
+/// The statements on the attempts table: one row per suspect key whose
+/// handler was started and has not finished, `(scope, idem_key)` →
+/// `attempts`, `expires_at_ms`.
+#[derive(Debug)]
+pub(crate) struct AttemptsSql {
+    /// scope, key, expires, now, expires: inserts the row with 1 attempt,
+    /// or adds one to it (starting over at 1 if it had expired at now).
+    /// Returns the new count in column `attempts` where the backend has
+    /// `RETURNING`; MySQL sets it as `LAST_INSERT_ID` instead.
+    pub bump: String,
+    /// Reads back the count `bump` set as `LAST_INSERT_ID`, on the same
+    /// connection, should the statement's OK packet not carry it (MySQL;
+    /// empty elsewhere).
+    pub bump_read: String,
+    /// scope, key: one attempt fewer (never below 0).
+    pub undo: String,
+    /// scope, key: deletes the row.
+    pub clear: String,
+    /// now, limit.
+    pub purge: String,
+    /// scope, now, limit.
+    pub purge_scope: String,
 }
 
 const COLS: &str = "scope, idem_key, fingerprint, source, created_at_ms, expires_at_ms";
@@ -47,14 +75,15 @@ const INSERT_COLS: &str = "fingerprint, source, created_at_ms, expires_at_ms, sc
 
 /// Statements shared by the `$n`-placeholder dialects (Postgres and SQLite).
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
-    let purge = |scope: &str, n: usize| {
+fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
+    let purge_of = |t: &str, scope: &str, n: usize| {
         format!(
             "DELETE FROM {t} WHERE (scope, idem_key) IN (SELECT scope, idem_key FROM {t} \
              WHERE {scope}expires_at_ms <= ${n} ORDER BY expires_at_ms LIMIT ${}{purge_tail})",
             n + 1
         )
     };
+    let purge = |scope: &str, n: usize| purge_of(t, scope, n);
     Sql {
         ddl,
         insert: format!(
@@ -87,14 +116,52 @@ fn numbered(t: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
         get: format!("SELECT {COLS}, result FROM {t} WHERE scope = $1 AND idem_key = $2"),
         purge: purge("", 1),
         purge_scope: purge("scope = $1 AND ", 2),
+        attempts: AttemptsSql {
+            // The alias: PostgreSQL's `DO UPDATE` sees both the row and
+            // `excluded`, so bare column names would be ambiguous.
+            bump: format!(
+                "INSERT INTO {a} AS a (scope, idem_key, attempts, expires_at_ms) \
+                 VALUES ($1, $2, 1, $3) ON CONFLICT (scope, idem_key) DO UPDATE SET \
+                 attempts = CASE WHEN a.expires_at_ms <= $4 THEN 1 ELSE a.attempts + 1 END, \
+                 expires_at_ms = $5 RETURNING CAST(attempts AS BIGINT) AS attempts"
+            ),
+            bump_read: String::new(),
+            undo: format!(
+                "UPDATE {a} SET attempts = attempts - 1 \
+                 WHERE scope = $1 AND idem_key = $2 AND attempts > 0"
+            ),
+            clear: format!("DELETE FROM {a} WHERE scope = $1 AND idem_key = $2"),
+            purge: purge_of(a, "", 1),
+            purge_scope: purge_of(a, "scope = $1 AND ", 2),
+        },
     }
+}
+
+/// The DDL of the attempts table `a` of dedup table `table`, with the
+/// column types of a backend (`text`, `bigint`, `integer`) and a table
+/// suffix (SQLite's `WITHOUT ROWID`).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+fn attempts_ddl(table: &TableName, a: &str, types: (&str, &str, &str), tail: &str) -> [String; 2] {
+    let (text, bigint, int) = types;
+    [
+        format!(
+            "CREATE TABLE IF NOT EXISTS {a} (\
+             scope {text} NOT NULL, idem_key {text} NOT NULL, attempts {int} NOT NULL, \
+             expires_at_ms {bigint} NOT NULL, PRIMARY KEY (scope, idem_key)){tail}"
+        ),
+        format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {a} (expires_at_ms)",
+            table.index("attempts_exp", '"')
+        ),
+    ]
 }
 
 impl Sql {
     #[cfg(feature = "postgres")]
     pub fn postgres(table: &TableName) -> Self {
         let t = table.quoted('"');
-        let ddl = vec![
+        let a = table.attempts().quoted('"');
+        let mut ddl = vec![
             // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in
             // the catalog; serialize migrations of this table with an
             // advisory lock, held until the DDL's transaction ends. The
@@ -111,8 +178,9 @@ impl Sql {
                 table.index("expires_at", '"')
             ),
         ];
+        ddl.extend(attempts_ddl(table, &a, ("text", "bigint", "integer"), ""));
         // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
-        let mut sql = numbered(&t, ddl, " FOR UPDATE SKIP LOCKED");
+        let mut sql = numbered(&t, &a, ddl, " FOR UPDATE SKIP LOCKED");
         // The bound is set before the write runs (the write reads its row
         // from `w`) and the saved value restored after it ended (the outer
         // select needs the count of its rows): no extra round trips.
@@ -147,7 +215,8 @@ impl Sql {
     #[cfg(feature = "sqlite")]
     pub fn sqlite(table: &TableName) -> Self {
         let t = table.quoted('"');
-        let ddl = vec![
+        let a = table.attempts().quoted('"');
+        let mut ddl = vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (\
                  scope TEXT NOT NULL, idem_key TEXT NOT NULL, fingerprint BLOB, result BLOB, \
@@ -159,29 +228,47 @@ impl Sql {
                 table.index("expires_at", '"')
             ),
         ];
-        numbered(&t, ddl, "")
+        ddl.extend(attempts_ddl(
+            table,
+            &a,
+            ("TEXT", "INTEGER", "INTEGER"),
+            " WITHOUT ROWID",
+        ));
+        numbered(&t, &a, ddl, "")
     }
 
     #[cfg(feature = "mysql")]
     pub fn mysql(table: &TableName) -> Self {
         let t = table.quoted('`');
+        let a = table.attempts().quoted('`');
         // VARBINARY keys: byte-exact comparison. The default collations of
         // MySQL/MariaDB are case-insensitive and ignore trailing spaces, which
         // would make `abc`, `ABC` and `abc ` one key.
-        let ddl = vec![format!(
-            "CREATE TABLE IF NOT EXISTS {t} (\
-             scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
-             fingerprint VARBINARY(32) NULL, result LONGBLOB NULL, source VARBINARY(512) NULL, \
-             created_at_ms BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, \
-             PRIMARY KEY (scope, idem_key), KEY {} (expires_at_ms)\
-             ) ENGINE=InnoDB",
-            table.index("expires_at", '`')
-        )];
-        let purge = |scope: &str| {
+        let ddl = vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\
+                 scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
+                 fingerprint VARBINARY(32) NULL, result LONGBLOB NULL, source VARBINARY(512) NULL, \
+                 created_at_ms BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, \
+                 PRIMARY KEY (scope, idem_key), KEY {} (expires_at_ms)\
+                 ) ENGINE=InnoDB",
+                table.index("expires_at", '`')
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {a} (\
+                 scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
+                 attempts INT NOT NULL, expires_at_ms BIGINT NOT NULL, \
+                 PRIMARY KEY (scope, idem_key), KEY {} (expires_at_ms)\
+                 ) ENGINE=InnoDB",
+                table.index("attempts_exp", '`')
+            ),
+        ];
+        let purge_of = |t: &str, scope: &str| {
             format!(
                 "DELETE FROM {t} WHERE {scope}expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
             )
         };
+        let purge = |scope: &str| purge_of(&t, scope);
         Sql {
             ddl,
             insert: format!("INSERT INTO {t} ({INSERT_COLS}) VALUES (?, ?, ?, ?, ?, ?)"),
@@ -201,6 +288,26 @@ impl Sql {
             get: format!("SELECT {COLS}, result FROM {t} WHERE scope = ? AND idem_key = ?"),
             purge: purge(""),
             purge_scope: purge("scope = ? AND "),
+            attempts: AttemptsSql {
+                // No `RETURNING` before MariaDB 10.5, none in MySQL: the new
+                // count is set as `LAST_INSERT_ID`, which the statement's OK
+                // packet carries (no second round trip). The count is
+                // assigned before the expiry, so it reads the old expiry.
+                bump: format!(
+                    "INSERT INTO {a} (scope, idem_key, attempts, expires_at_ms) \
+                     VALUES (?, ?, LAST_INSERT_ID(1), ?) ON DUPLICATE KEY UPDATE \
+                     attempts = LAST_INSERT_ID(IF(expires_at_ms <= ?, 1, attempts + 1)), \
+                     expires_at_ms = ?"
+                ),
+                bump_read: "SELECT CAST(LAST_INSERT_ID() AS SIGNED) AS attempts".to_owned(),
+                undo: format!(
+                    "UPDATE {a} SET attempts = attempts - 1 \
+                     WHERE scope = ? AND idem_key = ? AND attempts > 0"
+                ),
+                clear: format!("DELETE FROM {a} WHERE scope = ? AND idem_key = ?"),
+                purge: purge_of(&a, ""),
+                purge_scope: purge_of(&a, "scope = ? AND "),
+            },
         }
     }
 }

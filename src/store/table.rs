@@ -60,6 +60,17 @@ impl TableName {
         }
     }
 
+    /// The attempts table of this dedup table: `<table>_attempts`, in the
+    /// same schema (the crash counter of suspect deliveries, see
+    /// [`SqlStore::bump_attempts`](super::SqlStore::bump_attempts)). At most
+    /// 57 bytes, within every backend's identifier limit.
+    pub fn attempts(&self) -> TableName {
+        Self {
+            schema: self.schema.clone(),
+            table: format!("{}_attempts", self.table),
+        }
+    }
+
     /// An index name derived from the table name, quoted, unqualified.
     pub fn index(&self, suffix: &str, quote: char) -> String {
         format!("{quote}{}_{suffix}{quote}", self.table)
@@ -107,6 +118,10 @@ mod tests {
         assert_eq!(
             TableName::new("order").unwrap().index("expires", '"'),
             "\"order_expires\""
+        );
+        assert_eq!(
+            TableName::new("ops.keys").unwrap().attempts().quoted('"'),
+            "\"ops\".\"keys_attempts\""
         );
     }
 

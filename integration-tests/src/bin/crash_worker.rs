@@ -3,7 +3,10 @@
 //! `crash_worker BACKEND URL_OR_PATH DEDUP_TABLE BUSINESS_TABLE KEY MODE`
 //! with BACKEND `postgres|mysql|sqlite` and MODE `hang` (after claiming and
 //! writing the business row, print `CLAIMED` and sleep so the test can
-//! SIGKILL it before the commit) or `run` (process and print the outcome).
+//! SIGKILL it before the commit), `run` (process and print the outcome, and
+//! for a failure its reason), `abort` (a suspect delivery whose handler
+//! aborts the process after writing the business row) or `suspect` (a
+//! suspect delivery, processed like `run`).
 
 use std::io::Write;
 use std::time::Duration;
@@ -12,14 +15,17 @@ use onceonly::{Delivery, Engine, Json, handler_fn};
 use onceonly_integration_tests::{BusinessSql, Pay, mysql_store, pay, pg_store, sqlite_store};
 
 macro_rules! run {
-    ($store:expr, $conn:ty, $sql:expr, $key:expr, $hang:expr) => {{
+    ($store:expr, $conn:ty, $sql:expr, $key:expr, $mode:expr) => {{
         let engine = Engine::builder($store)
             .scope("crash-test")
             .key_expr("json:/out_trade_no")
+            .max_crashes(2)
             .build()
             .expect("engine");
         let insert = $sql.insert;
-        let hang = $hang;
+        let mode: &str = $mode;
+        let (hang, abort) = (mode == "hang", mode == "abort");
+        let suspect = abort || mode == "suspect";
         let handler = handler_fn(
             move |tx: onceonly::Tx<<$conn as sqlx::Connection>::Database>, Json(p): Json<Pay>| {
                 let insert = insert.clone();
@@ -35,13 +41,21 @@ macro_rules! run {
                         std::io::stdout().flush().ok();
                         tokio::time::sleep(Duration::from_secs(120)).await;
                     }
+                    if abort {
+                        std::process::abort();
+                    }
                     Ok(p.amount)
                 }
             },
         );
-        let delivery = Delivery::new(pay(&$key, 7)).with_source("crash/0@1");
+        let delivery = Delivery::new(pay(&$key, 7))
+            .with_source("crash/0@1")
+            .with_suspect(suspect);
         let report = engine.process(&handler, &delivery).await;
-        println!("{}", report.outcome.kind().as_str());
+        match report.outcome.reason() {
+            Some(reason) => println!("{} {reason}", report.outcome.kind().as_str()),
+            None => println!("{}", report.outcome.kind().as_str()),
+        }
     }};
 }
 
@@ -49,10 +63,12 @@ macro_rules! run {
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [backend, url, table, business, key, mode] = args.as_slice() else {
-        eprintln!("usage: crash_worker BACKEND URL DEDUP_TABLE BUSINESS_TABLE KEY hang|run");
+        eprintln!(
+            "usage: crash_worker BACKEND URL DEDUP_TABLE BUSINESS_TABLE KEY hang|run|abort|suspect"
+        );
         std::process::exit(2);
     };
-    let hang = mode == "hang";
+    let mode = mode.as_str();
     match backend.as_str() {
         "postgres" => {
             let store = pg_store(url, table).await;
@@ -61,7 +77,7 @@ async fn main() {
                 sqlx::PgConnection,
                 BusinessSql::postgres(business),
                 key,
-                hang
+                mode
             )
         }
         "mysql" => {
@@ -71,7 +87,7 @@ async fn main() {
                 sqlx::MySqlConnection,
                 BusinessSql::mysql(business),
                 key,
-                hang
+                mode
             )
         }
         "sqlite" => {
@@ -81,7 +97,7 @@ async fn main() {
                 sqlx::SqliteConnection,
                 BusinessSql::sqlite(business),
                 key,
-                hang
+                mode
             )
         }
         other => {

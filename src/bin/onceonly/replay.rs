@@ -78,7 +78,7 @@ Examples:
 #[derive(clap::Args, Debug)]
 struct Selection {
     /// Only dead letters with this x-onceonly-reason (repeatable): handler_error,
-    /// fingerprint_mismatch, bad_key, decode_error.
+    /// fingerprint_mismatch, bad_key, decode_error, store_error, crashed.
     #[arg(long, value_name = "REASON")]
     reason: Vec<String>,
     /// Only dead letters first seen since: a UTC time

@@ -151,8 +151,9 @@ pub struct PurgeStep {
 /// [`SqlStore`].
 #[async_trait]
 pub trait AdminStore: SqlStore {
-    /// Checks that the dedup table has every column this version reads,
-    /// without reading a row.
+    /// Checks that the dedup table and its attempts table
+    /// ([`TableName::attempts`](super::TableName::attempts)) have every
+    /// column this version reads, without reading a row.
     async fn check_columns(&self) -> Result<(), StoreError>;
 
     /// Per-scope statistics (only `scope`, if given), ordered by scope.

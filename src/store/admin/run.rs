@@ -22,6 +22,13 @@ where
     pub async fn check_columns(&self) -> Result<(), StoreError> {
         let mut q = AdminQuery::<DB>::check(&self.quoted_table());
         DB::build(&mut q.qb).fetch_all(&self.pool).await?;
+        // The attempts table next to it (crash counting of suspects).
+        let attempts = self.table.attempts().quoted(DB::QUOTE);
+        sqlx::query(&format!(
+            "SELECT scope, idem_key, attempts, expires_at_ms FROM {attempts} WHERE 1 = 0"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
         Ok(())
     }
 
