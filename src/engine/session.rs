@@ -209,27 +209,27 @@ impl<S: SqlStore> Engine<S> {
             tracing::debug!("answered from the cache tier");
             return Claimed::settled(hit, spec.fingerprint);
         }
+        let began = Instant::now();
+        let deadlines = inner.store.deadlines();
         let mut tx = inner.store.begin().await?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claim = match inner.store.claim(&mut tx, scope, times, &req).await {
             Ok(claim) => claim,
             Err(e) => {
-                drop(tx.rollback().await);
+                self.rollback(tx, began).await;
                 return Err(e);
             }
         };
         if claim != Claim::Claimed {
             // Nothing was written: end the transaction, report what the
             // claim found.
-            drop(tx.rollback().await);
+            self.rollback(tx, began).await;
             return Claimed::settled(claim, spec.fingerprint);
         }
+        let origin = Origin::new(scope, spec.key, spec.traceparent, times.now_ms);
         Ok(Claimed::New(Session {
             engine: self.clone(),
-            tx: Tx::new(
-                tx,
-                Origin::new(scope, spec.key, spec.traceparent, times.now_ms),
-            ),
+            tx: Tx::new(tx, origin, began, deadlines.transaction_deadline()),
             fingerprint: spec.fingerprint,
             times,
         }))
@@ -242,15 +242,23 @@ impl<S: SqlStore> Engine<S> {
         Some(tier.cached(scope, req.key).await?.classify(req))
     }
 
-    /// Commits `tx`, timing it.
+    /// Commits `tx`, timing it; bounded by the statement deadline.
     pub(super) async fn commit(
         &self,
         tx: sqlx::Transaction<'static, S::Db>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), StoreError> {
         let started = Instant::now();
-        let committed = tx.commit().await;
+        let bound = self.inner.store.deadlines().statement_deadline();
+        let committed = crate::store::deadline::within(bound, "commit", tx.commit()).await;
         self.inner.telemetry.commit_time(started.elapsed());
         committed
+    }
+
+    /// Rolls back `tx`, begun at `began`, within the statement deadline
+    /// (or just drops it when its connection is being discarded).
+    pub(super) async fn rollback(&self, tx: sqlx::Transaction<'static, S::Db>, began: Instant) {
+        let bound = self.inner.store.deadlines().statement_deadline();
+        crate::store::deadline::rollback(tx, began, bound).await;
     }
 
     /// Tells the cache tier, if any, of a committed key.
@@ -290,19 +298,17 @@ impl<S: SqlStore> Session<S> {
             .complete(&mut tx, scope, key, result)
             .await;
         if let Err(e) = recorded {
-            drop(tx.rollback().await);
+            engine.rollback(tx, self.tx.began()).await;
             return Err(match e {
                 // The handler left the transaction aborted.
                 StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
                 e => Failure::Store(e),
             });
         }
-        engine.commit(tx).await.map_err(|e| {
-            if is_write_fault(&e) {
-                Failure::Commit(e)
-            } else {
-                Failure::Store(e.into())
-            }
+        engine.commit(tx).await.map_err(|e| match e {
+            // A deferred constraint or trigger refused the handler's writes.
+            StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
+            e => Failure::Store(e),
         })?;
         engine
             .tell_tier(&Completed {
@@ -321,7 +327,7 @@ impl<S: SqlStore> Session<S> {
     /// [`tx`](Session::tx) back: the key stays free for a redelivery.
     pub async fn abandon(self) {
         if let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
-            drop(tx.rollback().await);
+            self.engine.rollback(tx, self.tx.began()).await;
         }
     }
 }
