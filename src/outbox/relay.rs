@@ -150,21 +150,13 @@ impl<DB: OutboxBackend> Relay<DB> {
         #[cfg(feature = "postgres")]
         {
             let pool = (&self.pool as &dyn std::any::Any).downcast_ref::<sqlx::PgPool>()?;
-            let pool = pool.clone();
+            let options = pool.connect_options();
             let channel = self.outbox.channel().to_owned();
             let wake = Arc::clone(&self.wake);
+            let deadlines = self.deadlines;
             Some(tokio::spawn(async move {
                 loop {
-                    match sqlx::postgres::PgListener::connect_with(&pool).await {
-                        Ok(mut listener) => {
-                            if listener.listen(&channel).await.is_ok() {
-                                while listener.recv().await.is_ok() {
-                                    wake.notify_one();
-                                }
-                            }
-                        }
-                        Err(e) => tracing::debug!(error = %e, "outbox listener cannot connect"),
-                    }
+                    listen_until_lost(&options, &channel, &wake, &deadlines).await;
                     // Reconnected or not, poll meanwhile.
                     wake.notify_one();
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -376,6 +368,59 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// How long the outbox listener waits for a notification before it checks
+/// that its connection still answers.
+#[cfg(feature = "postgres")]
+const LISTENER_QUIET: Duration = Duration::from_secs(30);
+
+/// Wakes the relay on each notification of `channel` until the listener's
+/// connection fails, or does not answer a check (bounded by the statement
+/// deadline) after [`LISTENER_QUIET`] without notifications: a network
+/// gone silent. The listener has a pool of its own, so that a silent
+/// connection it leaves behind never holds a slot of the relay's pool.
+#[cfg(feature = "postgres")]
+async fn listen_until_lost(
+    options: &sqlx::postgres::PgConnectOptions,
+    channel: &str,
+    wake: &Notify,
+    deadlines: &Deadlines,
+) {
+    let pool = crate::store::pool_options_for::<sqlx::Postgres>(deadlines)
+        .max_connections(1)
+        .connect_lazy_with(options.clone());
+    let bound = deadlines.acquire_timeout() + deadlines.statement_deadline();
+    let listening = within(bound, "outbox listener", async {
+        let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+        listener.listen(channel).await?;
+        Ok::<_, sqlx::Error>(listener)
+    });
+    let mut listener = match listening.await {
+        Ok(listener) => listener,
+        Err(e) => {
+            tracing::debug!(error = %e, "outbox listener cannot connect");
+            return;
+        }
+    };
+    loop {
+        match tokio::time::timeout(LISTENER_QUIET, listener.recv()).await {
+            Ok(Ok(_)) => wake.notify_one(),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "outbox listener lost its connection");
+                return;
+            }
+            Err(_quiet) => {
+                let check = sqlx::query("SELECT 1").execute(&mut listener);
+                if let Err(e) =
+                    within(deadlines.statement_deadline(), "outbox listener", check).await
+                {
+                    tracing::debug!(error = %e, "outbox listener does not answer");
+                    return;
+                }
+            }
+        }
     }
 }
 
