@@ -21,7 +21,10 @@
 //! used again: every connection that was open when a deadline was missed
 //! is closed instead of being returned to, or handed out by, a pool built
 //! on [`pool_options`](super::pool_options) (the stores' `connect`
-//! constructors use it). The silent connections are discarded without a
+//! constructors use it). Which connection missed is not known to the
+//! pool, so this applies to every such pool of the process (SQLite's
+//! excepted): a rare miss costs some reconnections, never a reuse of a
+//! connection with a statement still in flight. The silent connections are discarded without a
 //! byte sent, the healthy ones are replaced by fresh connections, and
 //! processing resumes by itself once the network heals.
 //!
