@@ -38,10 +38,16 @@ pub(crate) fn outage_backoff() -> impl Iterator<Item = Duration> + Send {
     crate::engine::backoff(Duration::from_millis(100), Duration::from_secs(10))
 }
 
+/// The longest pause between two attempts of a delivery waiting for the
+/// infrastructure, before jitter (which adds up to as much again): short
+/// enough that a delivery notices a healed network within seconds.
+const INFRA_WAIT_MAX: Duration = Duration::from_secs(4);
+
 /// One delivery waiting in place for the infrastructure (see
 /// [`Decision::Wait`](crate::engine::Decision::Wait)): jittered exponential
-/// backoff, the `onceonly_waiting_on_infrastructure` gauge, and a log line
-/// per change of state rather than per attempt. Dropping it ends the wait.
+/// backoff (100 ms doubling up to [`INFRA_WAIT_MAX`]), the
+/// `onceonly_waiting_on_infrastructure` gauge, and a log line per change
+/// of state rather than per attempt. Dropping it ends the wait.
 pub(crate) struct InfraWait<'t> {
     telemetry: &'t Telemetry,
     delays: Box<dyn Iterator<Item = Duration> + Send + 't>,
@@ -52,7 +58,10 @@ impl<'t> InfraWait<'t> {
     pub(crate) fn new(telemetry: &'t Telemetry) -> Self {
         Self {
             telemetry,
-            delays: Box::new(outage_backoff()),
+            delays: Box::new(crate::engine::backoff(
+                Duration::from_millis(100),
+                INFRA_WAIT_MAX,
+            )),
             waiting: false,
         }
     }
@@ -71,7 +80,7 @@ impl<'t> InfraWait<'t> {
             self.waiting = true;
             self.telemetry.wait_started(fault, &error);
         }
-        let delay = self.delays.next().unwrap_or(Duration::from_secs(10));
+        let delay = self.delays.next().unwrap_or(INFRA_WAIT_MAX);
         sleep_unless(stop, delay).await
     }
 }

@@ -257,7 +257,6 @@ async fn outlive(silence: Duration) {
     tokio::time::sleep(silence.saturating_sub(silenced.elapsed())).await;
     let at_heal = booked(&direct, &table).await;
     proxy.heal();
-    let healed = Instant::now();
     assert!(
         (at_heal as usize) + 100 < PAYMENTS,
         "the silence must hit mid-stream ({at_heal} of {PAYMENTS} booked at the heal)"

@@ -167,6 +167,7 @@ impl<S: SqlStore> Engine<S> {
         let inner = &*self.inner;
         // Held until the batch ends: no suspect runs beside it.
         let _gate = self.shared_gate().await;
+        let began = std::time::Instant::now();
         let mut tx = inner.store.begin().await.ok()?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claims = {
@@ -187,12 +188,14 @@ impl<S: SqlStore> Engine<S> {
                 Ok(claims) => claims,
                 Err(e) => {
                     tracing::debug!(error = %e, "batch claim failed, processing one by one");
-                    drop(tx.rollback().await);
+                    self.rollback(tx, began).await;
                     return None;
                 }
             }
         };
-        let tx = Tx::new(tx, Origin::new(&inner.scope, "", None, times.now_ms));
+        let bound = inner.store.deadlines().transaction_deadline();
+        let origin = Origin::new(&inner.scope, "", None, times.now_ms);
+        let tx = Tx::new(tx, origin, began, bound);
         let mut outcomes = Vec::with_capacity(ready.len());
         let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
         for (i, (item, claim)) in ready.iter_mut().zip(claims).enumerate() {
@@ -228,7 +231,7 @@ impl<S: SqlStore> Engine<S> {
                         Err(failure) => {
                             tracing::debug!(parent: &item.span, error = %failure, "failure inside a batch, processing one by one");
                             if let Some(tx) = tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
-                                drop(tx.rollback().await);
+                                self.rollback(tx, began).await;
                             }
                             return None;
                         }
@@ -277,7 +280,7 @@ impl<S: SqlStore> Engine<S> {
             .await
         {
             tracing::debug!(error = %e, "recording a batch's results failed, processing one by one");
-            drop(tx.rollback().await);
+            self.rollback(tx, began).await;
             return None;
         }
         // A failed commit is ambiguous; processing one by one settles it:

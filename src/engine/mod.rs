@@ -379,11 +379,15 @@ impl<S: SqlStore> Engine<S> {
         H: Handler<S::Db>,
     {
         let started = Instant::now();
-        let output = AssertUnwindSafe(handler.handle(tx, input, delivery))
-            .catch_unwind()
-            .await;
+        // Bounded by the transaction deadline: a statement of the handler
+        // that never answers (a silent network) gives the attempt up.
+        let bound = tx.remaining();
+        let handled = AssertUnwindSafe(handler.handle(tx, input, delivery)).catch_unwind();
+        let output = crate::store::deadline::bounded(bound, "the handler's transaction", handled)
+            .await
+            .map_err(|missed| Failure::Store(missed.into()));
         self.inner.telemetry.handler_time(started.elapsed());
-        let output = output
+        let output = output?
             .map_err(|panic| Failure::Panic(panic_message(panic.as_ref())))?
             .map_err(Failure::Handler)?;
         let bytes = serde_json::to_vec(&output).map_err(Failure::Encode)?;

@@ -192,7 +192,7 @@ pub struct Session<S: SqlStore> {
 }
 
 /// A key claimed in a new transaction, or what the claim found instead.
-type Opened<DB> = Result<(sqlx::Transaction<'static, DB>, ClaimTimes), Claim>;
+type Opened<DB> = Result<(sqlx::Transaction<'static, DB>, ClaimTimes, Instant), Claim>;
 
 impl<S: SqlStore> Engine<S> {
     /// Claims the key of `delivery` (derived and fingerprinted as this
@@ -248,16 +248,16 @@ impl<S: SqlStore> Engine<S> {
             return Claimed::settled(hit, spec.fingerprint);
         }
         let gate = self.shared_gate().await;
-        let (tx, times) = match self.open_claim(scope, &req).await? {
+        let (tx, times, began) = match self.open_claim(scope, &req).await? {
             Ok(claimed) => claimed,
             Err(claim) => return Claimed::settled(claim, spec.fingerprint),
         };
         if !spec.suspect {
-            return Ok(self.session(tx, scope, &spec, times, None, gate));
+            return Ok(self.session(tx, scope, &spec, (times, began), None, gate));
         }
         // A suspect with a new key: count its start alone, with no claim
         // open (see the `crash` module), then claim again.
-        drop(tx.rollback().await);
+        self.rollback(tx, began).await;
         drop(gate);
         let gate = self.exclusive_gate().await;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
@@ -266,7 +266,14 @@ impl<S: SqlStore> Engine<S> {
             Start::Crashed(crashes) => return Ok(Claimed::Crashed { crashes }),
         };
         match self.open_claim(scope, &req).await {
-            Ok(Ok((tx, times))) => Ok(self.session(tx, scope, &spec, times, Some(counted), gate)),
+            Ok(Ok((tx, times, began))) => Ok(self.session(
+                tx,
+                scope,
+                &spec,
+                (times, began),
+                Some(counted),
+                gate,
+            )),
             // Taken meanwhile: this start never ran.
             Ok(Err(claim)) => {
                 counted.undo().await;
@@ -279,30 +286,32 @@ impl<S: SqlStore> Engine<S> {
         }
     }
 
-    /// Claims `req` in a new transaction: the open transaction when the key
-    /// is new, what the claim found otherwise (the transaction ended).
+    /// Claims `req` in a new transaction: the open transaction (with its
+    /// claim times and when it began) when the key is new, what the claim
+    /// found otherwise (the transaction ended).
     async fn open_claim(
         &self,
         scope: &str,
         req: &ClaimRequest<'_>,
     ) -> Result<Opened<S::Db>, StoreError> {
         let inner = &*self.inner;
+        let began = Instant::now();
         let mut tx = inner.store.begin().await?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claim = match inner.store.claim(&mut tx, scope, times, req).await {
             Ok(claim) => claim,
             Err(e) => {
-                drop(tx.rollback().await);
+                self.rollback(tx, began).await;
                 return Err(e);
             }
         };
         if claim != Claim::Claimed {
             // Nothing was written: end the transaction, report what the
             // claim found.
-            drop(tx.rollback().await);
+            self.rollback(tx, began).await;
             return Ok(Err(claim));
         }
-        Ok(Ok((tx, times)))
+        Ok(Ok((tx, times, began)))
     }
 
     fn session(
@@ -310,16 +319,15 @@ impl<S: SqlStore> Engine<S> {
         tx: sqlx::Transaction<'static, S::Db>,
         scope: &str,
         spec: &ClaimSpec<'_>,
-        times: ClaimTimes,
+        (times, began): (ClaimTimes, Instant),
         counted: Option<Counted<S>>,
         gate: Gate,
     ) -> Claimed<S> {
+        let deadline = self.inner.store.deadlines().transaction_deadline();
+        let origin = Origin::new(scope, spec.key, spec.traceparent, times.now_ms);
         Claimed::New(Session {
             engine: self.clone(),
-            tx: Tx::new(
-                tx,
-                Origin::new(scope, spec.key, spec.traceparent, times.now_ms),
-            ),
+            tx: Tx::new(tx, origin, began, deadline),
             fingerprint: spec.fingerprint,
             times,
             counted,
@@ -334,15 +342,23 @@ impl<S: SqlStore> Engine<S> {
         Some(tier.cached(scope, req.key).await?.classify(req))
     }
 
-    /// Commits `tx`, timing it.
+    /// Commits `tx`, timing it; bounded by the statement deadline.
     pub(super) async fn commit(
         &self,
         tx: sqlx::Transaction<'static, S::Db>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), StoreError> {
         let started = Instant::now();
-        let committed = tx.commit().await;
+        let bound = self.inner.store.deadlines().statement_deadline();
+        let committed = crate::store::deadline::within(bound, "commit", tx.commit()).await;
         self.inner.telemetry.commit_time(started.elapsed());
         committed
+    }
+
+    /// Rolls back `tx`, begun at `began`, within the statement deadline
+    /// (or just drops it when its connection is being discarded).
+    pub(super) async fn rollback(&self, tx: sqlx::Transaction<'static, S::Db>, began: Instant) {
+        let bound = self.inner.store.deadlines().statement_deadline();
+        crate::store::deadline::rollback(tx, began, bound).await;
     }
 
     /// Tells the cache tier, if any, of a committed key.
@@ -397,19 +413,17 @@ impl<S: SqlStore> Session<S> {
             recorded = store.clear_attempts(&mut tx, scope, key).await;
         }
         if let Err(e) = recorded {
-            drop(tx.rollback().await);
+            engine.rollback(tx, self.tx.began()).await;
             return Err(match e {
                 // The handler left the transaction aborted.
                 StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
                 e => Failure::Store(e),
             });
         }
-        engine.commit(tx).await.map_err(|e| {
-            if is_write_fault(&e) {
-                Failure::Commit(e)
-            } else {
-                Failure::Store(e.into())
-            }
+        engine.commit(tx).await.map_err(|e| match e {
+            // A deferred constraint or trigger refused the handler's writes.
+            StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
+            e => Failure::Store(e),
         })?;
         engine
             .tell_tier(&Completed {
@@ -428,7 +442,7 @@ impl<S: SqlStore> Session<S> {
     /// [`tx`](Session::tx) back: the key stays free for a redelivery.
     pub async fn abandon(mut self) {
         if let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
-            drop(tx.rollback().await);
+            self.engine.rollback(tx, self.tx.began()).await;
         }
         if let Some(counted) = self.counted.take() {
             counted.undo().await;

@@ -3,7 +3,7 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::{Database, Transaction};
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
@@ -32,9 +32,18 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 /// the result and commit (a lock still held after
 /// [`RETURN_TIMEOUT`](Tx::RETURN_TIMEOUT) fails the delivery, and the
 /// transaction rolls back when the lock is finally dropped).
+///
+/// The handler has until [`deadline`](Tx::deadline) (the store's
+/// [transaction deadline](crate::store::Deadlines::transaction) after
+/// `BEGIN`): a handler still running then, e.g. on a statement that never
+/// answers because the network went silent, is dropped, the transaction
+/// is given up and its connection discarded, and the delivery waits in
+/// place like on any database outage.
 pub struct Tx<DB: Database> {
     slot: Arc<Mutex<Option<Transaction<'static, DB>>>>,
     origin: Arc<Origin>,
+    began: Instant,
+    deadline: Instant,
 }
 
 impl<DB: Database> Clone for Tx<DB> {
@@ -42,6 +51,8 @@ impl<DB: Database> Clone for Tx<DB> {
         Self {
             slot: Arc::clone(&self.slot),
             origin: Arc::clone(&self.origin),
+            began: self.began,
+            deadline: self.deadline,
         }
     }
 }
@@ -151,11 +162,36 @@ impl<DB: Database> Tx<DB> {
     /// go of the transaction.
     pub const RETURN_TIMEOUT: Duration = Duration::from_secs(30);
 
-    pub(crate) fn new(tx: Transaction<'static, DB>, origin: Origin) -> Self {
+    /// The transaction `tx`, begun at `began`, whose handler has `bound`.
+    pub(crate) fn new(
+        tx: Transaction<'static, DB>,
+        origin: Origin,
+        began: Instant,
+        bound: Duration,
+    ) -> Self {
         Self {
             slot: Arc::new(Mutex::new(Some(tx))),
             origin: Arc::new(origin),
+            began,
+            deadline: began + bound,
         }
+    }
+
+    /// When the transaction began.
+    pub(crate) fn began(&self) -> Instant {
+        self.began
+    }
+
+    /// When the handler must be done: the store's
+    /// [transaction deadline](crate::store::Deadlines::transaction) after
+    /// `BEGIN`.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// What is left until [`deadline`](Tx::deadline).
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
     }
 
     /// The same transaction, opened for another key (a batch runs several
@@ -164,6 +200,8 @@ impl<DB: Database> Tx<DB> {
         Self {
             slot: Arc::clone(&self.slot),
             origin: Arc::new(origin),
+            began: self.began,
+            deadline: self.deadline,
         }
     }
 

@@ -277,8 +277,25 @@ where
     let mut req = Request::from_parts(parts, Body::from(bytes));
     req.extensions_mut().insert(session.tx());
     let started = Instant::now();
-    let handled = AssertUnwindSafe(inner.oneshot(req)).catch_unwind().await;
+    // Bounded by the transaction deadline (a statement that never
+    // answers: a silent network).
+    let bound = session.tx().remaining();
+    let handled = AssertUnwindSafe(inner.oneshot(req)).catch_unwind();
+    let handled =
+        crate::store::deadline::bounded(bound, "the handler's transaction", handled).await;
     cfg.engine.telemetry().handler_time(started.elapsed());
+    let handled = match handled {
+        Ok(handled) => handled,
+        Err(missed) => {
+            session.abandon().await;
+            tracing::error!(error = %missed, "handler missed the transaction deadline; rolled back: 503");
+            return answer::unavailable(
+                cfg,
+                "Idempotency store unavailable",
+                "the request was not processed; retry later with the same key",
+            );
+        }
+    };
     match handled {
         Ok(Ok(response)) => finish(cfg, session, response).await,
         Ok(Err(never)) => match never {},

@@ -1,12 +1,21 @@
 //! Operations on an outbox table: what the CLI's `onceonly outbox`
-//! subcommands and the relay's metrics run.
+//! subcommands and the relay's metrics run. Each statement is bounded by
+//! the default [statement deadline](crate::store::Deadlines::statement)
+//! (plus taking a connection).
 
 use sqlx::Pool;
 
 use super::Outbox;
 use super::backend::{OutboxBackend, OutboxRecord, RecordsFilter, Status, StatusCount};
 use crate::clock::{Clock, SystemClock};
-use crate::store::StoreError;
+use crate::store::deadline::within;
+use crate::store::{Deadlines, StoreError};
+
+/// The bound of one statement on the pool: a connection, then the statement.
+fn bound() -> std::time::Duration {
+    let d = Deadlines::default();
+    d.acquire_timeout() + d.statement_deadline()
+}
 
 /// What an outbox table holds, per status and kind.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -39,7 +48,7 @@ impl<DB: OutboxBackend> Outbox<DB> {
     /// Rows per status and kind.
     pub async fn stats(&self, pool: &Pool<DB>) -> Result<OutboxStats, StoreError> {
         Ok(OutboxStats {
-            counts: DB::stats(pool, self.sql()).await?,
+            counts: within(bound(), "outbox stats", DB::stats(pool, self.sql())).await?,
         })
     }
 
@@ -51,7 +60,12 @@ impl<DB: OutboxBackend> Outbox<DB> {
         limit: u32,
     ) -> Result<Vec<OutboxRecord>, StoreError> {
         let filter = RecordsFilter::Status(status, i64::from(limit));
-        Ok(DB::records(pool, self.sql(), filter).await?)
+        within(
+            bound(),
+            "outbox list",
+            DB::records(pool, self.sql(), filter),
+        )
+        .await
     }
 
     /// The row of message `message_id`, if it is still there.
@@ -61,7 +75,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
         message_id: &str,
     ) -> Result<Option<OutboxRecord>, StoreError> {
         let filter = RecordsFilter::MessageId(message_id);
-        Ok(DB::records(pool, self.sql(), filter)
+        let records = DB::records(pool, self.sql(), filter);
+        Ok(within(bound(), "outbox find", records)
             .await?
             .into_iter()
             .next())
@@ -74,7 +89,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
         pool: &Pool<DB>,
         message_id: Option<&str>,
     ) -> Result<u64, StoreError> {
-        Ok(DB::retry_dead(pool, self.sql(), message_id, SystemClock.now_ms()).await?)
+        let retried = DB::retry_dead(pool, self.sql(), message_id, SystemClock.now_ms());
+        within(bound(), "outbox retry", retried).await
     }
 
     /// Deletes rows sent before `before_ms`, at most `batch` per statement
@@ -89,7 +105,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
         let batch = i64::from(batch.max(1));
         let mut total = 0;
         loop {
-            let deleted = DB::purge_sent(pool, self.sql(), before_ms, batch).await?;
+            let purged = DB::purge_sent(pool, self.sql(), before_ms, batch);
+            let deleted = within(bound(), "outbox purge", purged).await?;
             total += deleted;
             if deleted < batch as u64 {
                 return Ok(total);

@@ -350,6 +350,17 @@ macro_rules! outbox_backend {
                 // One transaction: PostgreSQL's advisory lock (the first
                 // statement) holds until the DDL commits.
                 let mut tx = pool.begin().await?;
+                // PostgreSQL: lock waits bounded, so that a migration
+                // behind a stuck transaction fails instead of blocking
+                // forever (the caller bounds the whole migration).
+                if matches!($dialect, Dialect::Postgres) {
+                    let timeout = crate::store::Deadlines::default().migration_lock_timeout();
+                    let set = format!(
+                        "SET LOCAL lock_timeout = '{}ms'",
+                        timeout.as_millis().max(1)
+                    );
+                    sqlx::query(&set).execute(&mut *tx).await?;
+                }
                 for ddl in &sql.ddl {
                     sqlx::query(ddl).execute(&mut *tx).await?;
                 }

@@ -142,10 +142,13 @@ impl<DB: OutboxBackend> Outbox<DB> {
         }
     }
 
-    /// Creates the outbox table and its indexes if they do not exist.
+    /// Creates the outbox table and its indexes if they do not exist,
+    /// bounded by the default [`Deadlines`](crate::store::Deadlines)
+    /// (taking a connection, lock waits, a statement).
     pub async fn migrate(&self, pool: &sqlx::Pool<DB>) -> Result<(), StoreError> {
-        DB::create(pool, &self.sql).await?;
-        Ok(())
+        let d = crate::store::Deadlines::default();
+        let bound = d.acquire_timeout() + d.migration_lock_timeout() + d.statement_deadline();
+        crate::store::deadline::within(bound, "outbox migration", DB::create(pool, &self.sql)).await
     }
 
     /// The DDL of the table, for your own migration tool: run it in one

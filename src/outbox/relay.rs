@@ -15,7 +15,8 @@ use super::backend::{Failed, OutboxBackend, OutboxRow, Status};
 use super::message::Kind;
 use super::publish::{Outgoing, PublishError, Publisher};
 use crate::clock::{Clock, SystemClock};
-use crate::store::StoreError;
+use crate::store::deadline::within;
+use crate::store::{Deadlines, StoreError};
 
 /// How long a relay holds the keys it took in a round by default (see
 /// [`RelayBuilder::lease`]).
@@ -46,6 +47,7 @@ pub struct Relay<DB: OutboxBackend> {
     purge_every: Duration,
     lease: Duration,
     wake: Arc<Notify>,
+    deadlines: Deadlines,
 }
 
 /// What a relay did.
@@ -79,6 +81,7 @@ impl<DB: OutboxBackend> Relay<DB> {
                 purge_every: Duration::from_secs(60),
                 lease: DEFAULT_LEASE,
                 wake: Arc::new(Notify::new()),
+                deadlines: Deadlines::default(),
             },
         }
     }
@@ -147,21 +150,13 @@ impl<DB: OutboxBackend> Relay<DB> {
         #[cfg(feature = "postgres")]
         {
             let pool = (&self.pool as &dyn std::any::Any).downcast_ref::<sqlx::PgPool>()?;
-            let pool = pool.clone();
+            let options = pool.connect_options();
             let channel = self.outbox.channel().to_owned();
             let wake = Arc::clone(&self.wake);
+            let deadlines = self.deadlines;
             Some(tokio::spawn(async move {
                 loop {
-                    match sqlx::postgres::PgListener::connect_with(&pool).await {
-                        Ok(mut listener) => {
-                            if listener.listen(&channel).await.is_ok() {
-                                while listener.recv().await.is_ok() {
-                                    wake.notify_one();
-                                }
-                            }
-                        }
-                        Err(e) => tracing::debug!(error = %e, "outbox listener cannot connect"),
-                    }
+                    listen_until_lost(&options, &channel, &wake, &deadlines).await;
                     // Reconnected or not, poll meanwhile.
                     wake.notify_one();
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -187,9 +182,11 @@ impl<DB: OutboxBackend> Relay<DB> {
     async fn round(&self, heads: &str, stats: &mut RelayStats) -> Result<usize, StoreError> {
         let sql = self.outbox.sql();
         let now = SystemClock.now_ms();
+        let (statement, on_pool) = (self.statement(), self.on_pool());
         let rows = {
-            let mut tx = DB::begin(&self.pool).await?;
-            let rows = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch)).await?;
+            let mut tx = within(on_pool, "begin", DB::begin(&self.pool)).await?;
+            let claim = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch));
+            let rows = within(statement, "outbox claim", claim).await?;
             if !rows.is_empty() {
                 let lease_ms = i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX);
                 let mut first_of_key = std::collections::HashSet::new();
@@ -199,9 +196,10 @@ impl<DB: OutboxBackend> Relay<DB> {
                     .map(|r| r.id)
                     .collect();
                 let until = now.saturating_add(lease_ms);
-                DB::update_pending(&mut tx, &sql.lease_prefix, until, &leased).await?;
+                let lease = DB::update_pending(&mut tx, &sql.lease_prefix, until, &leased);
+                within(statement, "outbox lease", lease).await?;
             }
-            tx.commit().await?;
+            within(statement, "commit", tx.commit()).await?;
             rows
         };
         if rows.is_empty() {
@@ -227,8 +225,9 @@ impl<DB: OutboxBackend> Relay<DB> {
             sent.extend(ids);
             failures.extend(failure);
         }
-        let mut tx = self.pool.begin().await?;
-        DB::update_pending(&mut tx, &sql.sent_prefix, SystemClock.now_ms(), &sent).await?;
+        let mut tx = within(on_pool, "begin", self.pool.begin()).await?;
+        let marked = DB::update_pending(&mut tx, &sql.sent_prefix, SystemClock.now_ms(), &sent);
+        within(statement, "outbox mark sent", marked).await?;
         let mut dead_now = Vec::new();
         for (row, error) in &failures {
             let dead = error.is_permanent()
@@ -242,12 +241,13 @@ impl<DB: OutboxBackend> Relay<DB> {
                     .saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)),
                 error: &error.to_string(),
             };
-            DB::mark_failed(&mut tx, sql, &failure).await?;
+            let marked = DB::mark_failed(&mut tx, sql, &failure);
+            within(statement, "outbox mark failed", marked).await?;
             dead_now.push((row, error, dead, delay));
         }
         // A failed commit leaves the rows pending: they are published
         // again, with the same message ids, once their lease ends.
-        tx.commit().await?;
+        within(statement, "commit", tx.commit()).await?;
         stats.published += sent.len() as u64;
         for (row, error, dead, delay) in dead_now {
             stats.failed += 1;
@@ -305,6 +305,16 @@ impl<DB: OutboxBackend> Relay<DB> {
         (sent, None)
     }
 
+    /// The bound of one statement in a round's transaction.
+    fn statement(&self) -> Duration {
+        self.deadlines.statement_deadline()
+    }
+
+    /// The bound of one call on the pool: a connection, then a statement.
+    fn on_pool(&self) -> Duration {
+        self.deadlines.statement_deadline() + self.deadlines.acquire_timeout()
+    }
+
     /// The delay before attempt `attempts + 2`: doubling from the minimum,
     /// capped.
     fn retry_delay(&self, attempts: i32) -> Duration {
@@ -315,7 +325,13 @@ impl<DB: OutboxBackend> Relay<DB> {
     }
 
     async fn backlog_metrics(&self, table: &str) {
-        match self.outbox.stats(&self.pool).await {
+        match within(
+            self.on_pool(),
+            "outbox stats",
+            self.outbox.stats(&self.pool),
+        )
+        .await
+        {
             Ok(stats) => {
                 let backlog = stats.rows(Status::Pending);
                 gauge!("onceonly_outbox_backlog", "table" => table.to_owned()).set(backlog as f64);
@@ -335,7 +351,8 @@ impl<DB: OutboxBackend> Relay<DB> {
         let before = SystemClock
             .now_ms()
             .saturating_sub(i64::try_from(keep.as_millis()).unwrap_or(i64::MAX));
-        match self.outbox.purge_sent(&self.pool, before, 1000).await {
+        let purged = self.outbox.purge_sent(&self.pool, before, 1000);
+        match within(self.on_pool(), "outbox purge", purged).await {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(error = %e, "purging sent outbox rows failed");
@@ -351,6 +368,59 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// How long the outbox listener waits for a notification before it checks
+/// that its connection still answers.
+#[cfg(feature = "postgres")]
+const LISTENER_QUIET: Duration = Duration::from_secs(30);
+
+/// Wakes the relay on each notification of `channel` until the listener's
+/// connection fails, or does not answer a check (bounded by the statement
+/// deadline) after [`LISTENER_QUIET`] without notifications: a network
+/// gone silent. The listener has a pool of its own, so that a silent
+/// connection it leaves behind never holds a slot of the relay's pool.
+#[cfg(feature = "postgres")]
+async fn listen_until_lost(
+    options: &sqlx::postgres::PgConnectOptions,
+    channel: &str,
+    wake: &Notify,
+    deadlines: &Deadlines,
+) {
+    let pool = crate::store::pool_options_for::<sqlx::Postgres>(deadlines)
+        .max_connections(1)
+        .connect_lazy_with(options.clone());
+    let bound = deadlines.acquire_timeout() + deadlines.statement_deadline();
+    let listening = within(bound, "outbox listener", async {
+        let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+        listener.listen(channel).await?;
+        Ok::<_, sqlx::Error>(listener)
+    });
+    let mut listener = match listening.await {
+        Ok(listener) => listener,
+        Err(e) => {
+            tracing::debug!(error = %e, "outbox listener cannot connect");
+            return;
+        }
+    };
+    loop {
+        match tokio::time::timeout(LISTENER_QUIET, listener.recv()).await {
+            Ok(Ok(_)) => wake.notify_one(),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "outbox listener lost its connection");
+                return;
+            }
+            Err(_quiet) => {
+                let check = sqlx::query("SELECT 1").execute(&mut listener);
+                if let Err(e) =
+                    within(deadlines.statement_deadline(), "outbox listener", check).await
+                {
+                    tracing::debug!(error = %e, "outbox listener does not answer");
+                    return;
+                }
+            }
+        }
     }
 }
 
@@ -416,6 +486,18 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     #[must_use]
     pub fn keep_sent(mut self, keep: Option<Duration>) -> Self {
         self.relay.keep_sent = keep;
+        self
+    }
+
+    /// The bounds of the relay's database calls (default
+    /// [`Deadlines::default`]): each statement, and taking a connection,
+    /// so that a silent network fails a round (retried with backoff)
+    /// instead of stalling the relay. Build the pool on
+    /// [`pool_options_for`](crate::store::pool_options_for) so that the
+    /// connections of a missed deadline are discarded, not reused.
+    #[must_use]
+    pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.relay.deadlines = deadlines;
         self
     }
 

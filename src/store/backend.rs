@@ -46,6 +46,13 @@ pub(crate) trait Backend: Database {
         None
     }
 
+    /// The statement that bounds a migration's lock waits to `timeout`, run
+    /// first in its transaction (or session, when DDL is not
+    /// transactional); `None`: the backend's own bound.
+    fn migration_lock_sql(_timeout: std::time::Duration) -> Option<String> {
+        None
+    }
+
     /// Every statement of a store on `table`.
     fn sql(table: &TableName) -> Sql;
 

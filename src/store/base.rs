@@ -13,6 +13,7 @@ use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Transaction, Type};
 
 use super::backend::Backend;
 use super::claim::Existing;
+use super::deadline::{Deadlines, within};
 use super::rows::StoreRow;
 use super::sql::{Sql, lock_timeout_value};
 use super::{
@@ -28,6 +29,8 @@ pub(crate) struct SqlBase<DB: Database> {
     pub sql: Arc<Sql>,
     /// The `BEGIN` of claim transactions.
     pub begin: Cow<'static, str>,
+    /// The bounds of every call.
+    pub deadlines: Deadlines,
 }
 
 impl<DB: Database> Clone for SqlBase<DB> {
@@ -37,6 +40,7 @@ impl<DB: Database> Clone for SqlBase<DB> {
             table: self.table.clone(),
             sql: Arc::clone(&self.sql),
             begin: self.begin.clone(),
+            deadlines: self.deadlines,
         }
     }
 }
@@ -49,6 +53,7 @@ impl<DB: Backend> SqlBase<DB> {
             pool,
             table,
             begin: Cow::Borrowed(DB::BEGIN),
+            deadlines: Deadlines::default(),
         }
     }
 
@@ -76,9 +81,27 @@ impl<DB: Backend> SqlBase<DB> {
         self.table.quoted(DB::QUOTE)
     }
 
-    /// Begins a claim transaction.
+    /// The bounds of every call.
+    pub fn deadlines(&self) -> Deadlines {
+        self.deadlines
+    }
+
+    /// The bound of one statement.
+    fn statement(&self) -> std::time::Duration {
+        self.deadlines.statement_deadline()
+    }
+
+    /// The bound of one statement on the pool: taking a connection, then
+    /// the statement.
+    pub fn pool_bound(&self) -> std::time::Duration {
+        self.statement() + self.deadlines.acquire_timeout()
+    }
+
+    /// Begins a claim transaction: taking a connection (bounded by the
+    /// pool's acquire timeout) and `BEGIN`, bounded by both deadlines.
     pub async fn begin(&self) -> Result<Transaction<'static, DB>, StoreError> {
-        Ok(self.pool.begin_with(self.begin.clone()).await?)
+        let bound = self.deadlines.acquire_timeout() + self.statement();
+        within(bound, "begin", self.pool.begin_with(self.begin.clone())).await
     }
 }
 
@@ -105,15 +128,33 @@ where
     for<'q> String: Encode<'q, DB> + Type<DB>,
 {
     /// Creates the table and its indexes if they do not exist, in one
-    /// transaction where the backend's DDL is transactional.
+    /// transaction where the backend's DDL is transactional. Locks are
+    /// waited for at most [`Deadlines::migration_lock`], and the whole
+    /// migration is bounded.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        let d = &self.deadlines;
+        let bound = d.acquire_timeout() + d.migration_lock_timeout() + self.statement();
+        within(bound, "migration", self.migrate_unbounded()).await
+    }
+
+    async fn migrate_unbounded(&self) -> Result<(), StoreError> {
+        let lock_timeout = DB::migration_lock_sql(self.deadlines.migration_lock_timeout());
         let Some(begin) = DB::MIGRATE_BEGIN else {
+            // One connection for the session's lock timeout, closed after.
+            let mut conn = self.pool.acquire().await?;
+            conn.close_on_drop();
+            if let Some(set) = &lock_timeout {
+                sqlx::query(set).execute(&mut *conn).await?;
+            }
             for ddl in &self.sql.ddl {
-                sqlx::query(ddl).execute(&self.pool).await?;
+                sqlx::query(ddl).execute(&mut *conn).await?;
             }
             return Ok(());
         };
         let mut tx = self.pool.begin_with(begin).await?;
+        if let Some(set) = &lock_timeout {
+            sqlx::query(set).execute(&mut *tx).await?;
+        }
         for ddl in &self.sql.ddl {
             sqlx::query(ddl).execute(&mut *tx).await?;
         }
@@ -122,7 +163,19 @@ where
     }
 
     /// Claims `req.key`: see [`claim`](super::claim) for the algorithm.
+    /// Bounded by the statement deadline plus the request's lock wait.
     pub async fn claim(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
+        let bound = self.statement() + req.lock_wait.unwrap_or_default();
+        within(bound, "claim", self.claim_rounds(conn, scope, times, req)).await
+    }
+
+    async fn claim_rounds(
         &self,
         conn: &mut DB::Connection,
         scope: &str,
@@ -149,6 +202,17 @@ where
 
     /// Claims many keys: the backend's own batch claim, or one claim per key.
     pub async fn claim_batch(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let claims = self.claim_batch_unbounded(conn, scope, times, reqs);
+        within(self.statement(), "batch claim", claims).await
+    }
+
+    async fn claim_batch_unbounded(
         &self,
         conn: &mut DB::Connection,
         scope: &str,
@@ -239,13 +303,23 @@ where
             .bind(result)
             .bind(scope)
             .bind(key)
-            .execute(&mut *conn)
-            .await?;
+            .execute(&mut *conn);
+        let done = within(self.statement(), "recording the result", done).await?;
         expect_one(DB::rows_affected(&done))
     }
 
     /// Records many results: the backend's own statement, or one per key.
     pub async fn complete_many(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        results: &[(&str, &[u8])],
+    ) -> Result<(), StoreError> {
+        let done = self.complete_many_unbounded(conn, scope, results);
+        within(self.statement(), "recording the results", done).await
+    }
+
+    async fn complete_many_unbounded(
         &self,
         conn: &mut DB::Connection,
         scope: &str,
@@ -265,8 +339,8 @@ where
         let row = sqlx::query(&self.sql.get)
             .bind(scope)
             .bind(key)
-            .fetch_optional(&self.pool)
-            .await?;
+            .fetch_optional(&self.pool);
+        let row = within(self.pool_bound(), "read", row).await?;
         row.as_ref().map(StoreRow::record).transpose()
     }
 
@@ -316,8 +390,8 @@ where
         let done = query
             .bind(now_ms)
             .bind(i64::from(limit))
-            .execute(&self.pool)
-            .await?;
+            .execute(&self.pool);
+        let done = within(self.pool_bound(), "purge", done).await?;
         Ok(DB::rows_affected(&done))
     }
 

@@ -53,6 +53,12 @@ pub enum StoreError {
     /// A stored record could not be read back (the text names no key).
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// A database call did not answer within its deadline (see
+    /// [`Deadlines`](super::Deadlines)): a silent network or an overloaded
+    /// database. Its connection is discarded; an
+    /// [`InfraFault::Timeout`].
+    #[error(transparent)]
+    Deadline(#[from] super::deadline::DeadlineMissed),
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -75,7 +81,7 @@ impl From<sqlx::Error> for StoreError {
 /// | [`Permission`](InfraFault::Permission) | `42501`, `28xxx` | 1044, 1045, 1142, 1143, 1227, 1370 | `PERM` (3), `AUTH` (23) | |
 /// | [`Resources`](InfraFault::Resources) | `53xxx`, `58xxx`, `XX001`, `XX002` | 1021, 1030, 1037, 1038, 1041, 1114, 1135, 1637 | `NOMEM` (7), `IOERR` (10), `CORRUPT` (11), `FULL` (13), `NOTADB` (26) | |
 /// | [`Shutdown`](InfraFault::Shutdown) | `57P01`, `57P02`, `57P04`, `57P05` | 1053, 1927 | | |
-/// | [`Timeout`](InfraFault::Timeout) | `57014` | 1317, 1969, 3024 | `INTERRUPT` (9) | |
+/// | [`Timeout`](InfraFault::Timeout) | `57014` | 1317, 1969, 3024 | `INTERRUPT` (9) | a call that missed its [deadline](super::Deadlines) ([`StoreError::Deadline`]) |
 /// | [`Contention`](InfraFault::Contention) | `40001`, `40P01`, `55P03`, `55006` | 1205, 1213, 1412, 1615 | `BUSY` (5), `LOCKED` (6), `SCHEMA` (17) | |
 /// | [`Corrupt`](InfraFault::Corrupt) | | | | a dedup record that does not read back |
 ///
@@ -107,7 +113,8 @@ pub enum InfraFault {
     Resources,
     /// The server is shutting down or killed the session.
     Shutdown,
-    /// A statement timeout cancelled the statement.
+    /// A statement timeout cancelled the statement, or a call missed its
+    /// client-side [deadline](super::Deadlines) (a silent network).
     Timeout,
     /// Lock contention: deadlock, lock wait timeout, serialization failure,
     /// busy database, or a transaction the database rolled back under the
@@ -152,6 +159,7 @@ impl StoreError {
             // of the database, never the message's doing.
             Self::Database(e) => Some(infra_fault(e).unwrap_or(InfraFault::Corrupt)),
             Self::Contention | Self::ClaimLost => Some(InfraFault::Contention),
+            Self::Deadline(_) => Some(InfraFault::Timeout),
             Self::Corrupt(_) => Some(InfraFault::Corrupt),
             // Rejected when an engine or layer is built; never at run time.
             Self::InvalidTableName(_) | Self::InvalidScope(_) => Some(InfraFault::MissingSchema),
@@ -356,12 +364,12 @@ fn db_code(db: &dyn sqlx::error::DatabaseError) -> DbCode<'_> {
 /// 0 if none.
 static READ_ONLY_SEEN: AtomicU64 = AtomicU64::new(0);
 
-fn epoch() -> Instant {
+pub(crate) fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn since_epoch_ms(at: Instant) -> u64 {
+pub(crate) fn since_epoch_ms(at: Instant) -> u64 {
     u64::try_from(at.saturating_duration_since(epoch()).as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -386,7 +394,11 @@ pub fn is_stale_connection(age: std::time::Duration) -> bool {
     since_epoch_ms(opened) < seen
 }
 
-/// sqlx pool options with onceonly's connection hygiene: an idle connection
+/// sqlx pool options with onceonly's connection hygiene and default
+/// [`Deadlines`](super::Deadlines) (see [`pool_options_for`](super::pool_options_for)):
+/// a bounded acquire (5 s) and liveness check of idle connections;
+/// connections that were open when a database call missed its deadline
+/// (a silent network) are closed instead of reused; an idle connection
 /// that was already open when a read-only error was seen (see
 /// [`InfraFault::ReadOnly`]) is closed instead of handed out, so consumers
 /// recover by themselves once the database is writable again. The stores'
@@ -398,20 +410,11 @@ pub fn is_stale_connection(age: std::time::Duration) -> bool {
 /// # let _ = options; }
 /// ```
 ///
-/// The check costs an atomic load per acquire, no round trip.
+/// A pool built otherwise pings a connection whose call missed its
+/// deadline before reusing it, and on a silent network that ping never
+/// ends (and holds a pool slot).
 pub fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> {
-    sqlx::pool::PoolOptions::new().before_acquire(|_conn, meta| {
-        let stale = is_stale_connection(meta.age);
-        Box::pin(async move {
-            if stale {
-                tracing::info!(
-                    age = ?meta.age,
-                    "closing a pooled connection opened before the database turned read-only"
-                );
-            }
-            Ok(!stale)
-        })
-    })
+    super::deadline::pool_options_for(&super::Deadlines::default())
 }
 
 #[cfg(test)]

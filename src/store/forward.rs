@@ -37,6 +37,10 @@ macro_rules! forward_sql_store {
                 self.$to.begin().await
             }
 
+            fn deadlines(&self) -> $crate::store::Deadlines {
+                self.$to.deadlines()
+            }
+
             async fn claim(
                 &self,
                 conn: &mut <$db as sqlx::Database>::Connection,

@@ -21,6 +21,7 @@ mod backend;
 mod base;
 mod batch;
 mod claim;
+pub(crate) mod deadline;
 pub(crate) mod error;
 pub(crate) mod forward;
 mod rows;
@@ -42,6 +43,11 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::fingerprint::Fingerprint;
 
+pub use deadline::{
+    DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
+    DEFAULT_STATEMENT_DEADLINE, DEFAULT_TCP_KEEPALIVE, DEFAULT_TRANSACTION_DEADLINE,
+    DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for,
+};
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
 };
@@ -191,6 +197,13 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
 
     /// Begins a transaction with the isolation this backend's claim relies on.
     async fn begin(&self) -> Result<Transaction<'static, Self::Db>, StoreError>;
+
+    /// The bounds of this store's calls, and of the transactions the
+    /// engine runs on it (see [`Deadlines`]; default
+    /// [`Deadlines::default`]).
+    fn deadlines(&self) -> Deadlines {
+        Deadlines::default()
+    }
 
     /// The cache tier in front of this store, if any (see
     /// [`CacheTier`]); plain SQL stores have none.

@@ -27,15 +27,30 @@
 //! case-insensitively and ignore trailing spaces, which would merge distinct
 //! keys. A batch claim runs one `INSERT` per key in the same transaction
 //! (MySQL has no `INSERT ... RETURNING` to report which rows were new).
+//!
+//! # A silent network
+//!
+//! Every call is bounded on the client side ([`Deadlines`]). On the server
+//! side, MariaDB (10.3 and later) ends a session idle inside a transaction
+//! after `idle_transaction_timeout`: the sessions of
+//! [`MySqlStore::connect`] set it to [`Deadlines::idle_in_transaction`]
+//! (15 s). MySQL has no such setting: a silent client's transaction
+//! keeps its locks until the server's `wait_timeout` (8 hours by default)
+//! or TCP keepalive ends the session, while waiters give up after
+//! `innodb_lock_wait_timeout` (50 s); lower `wait_timeout` on the server
+//! if that matters to you. Migrations wait for metadata locks at most
+//! [`Deadlines::migration_lock`] (`lock_wait_timeout`, 10 s).
+
+use std::time::Duration;
 
 use sqlx::QueryBuilder;
-use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions, MySqlQueryResult};
+use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlQueryResult};
 use sqlx::query::Query;
 
 use super::backend::Backend;
 use super::base::SqlBase;
 use super::sql::Sql;
-use super::{StoreError, TableName};
+use super::{Deadlines, StoreError, TableName};
 
 /// Claim transactions (and purges by age) run at READ COMMITTED.
 const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
@@ -55,21 +70,47 @@ impl MySqlStore {
     }
 
     /// Connects to `url` with a default pool (10 connections, built on
-    /// [`pool_options`](crate::store::pool_options)).
+    /// [`pool_options`](crate::store::pool_options)) and the default
+    /// [`Deadlines`] (on MariaDB, `idle_transaction_timeout` too).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let options: MySqlPoolOptions = super::pool_options();
-        Ok(Self::new(options.max_connections(10).connect(url).await?))
+        Self::connect_with(url.parse()?).await
     }
 
     /// Connects with `options` (TLS settings, a password from a secret
     /// store, ...) with the same pool as [`MySqlStore::connect`].
-    pub async fn connect_with(
-        options: sqlx::mysql::MySqlConnectOptions,
+    pub async fn connect_with(options: MySqlConnectOptions) -> Result<Self, StoreError> {
+        Self::connect_with_deadlines(options, Deadlines::default()).await
+    }
+
+    /// Connects with `options` like [`MySqlStore::connect_with`], under
+    /// `deadlines` instead of the defaults.
+    pub async fn connect_with_deadlines(
+        options: MySqlConnectOptions,
+        deadlines: Deadlines,
     ) -> Result<Self, StoreError> {
-        let pool: MySqlPoolOptions = super::pool_options();
-        Ok(Self::new(
-            pool.max_connections(10).connect_with(options).await?,
-        ))
+        let session = session_sql(&deadlines);
+        let pool = crate::store::pool_options_for(&deadlines)
+            .max_connections(10)
+            .after_connect(move |conn, _| {
+                let session = session.clone();
+                Box::pin(async move {
+                    if let Some(sql) = session {
+                        sqlx::Executor::execute(conn, sql.as_str()).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await?;
+        Ok(Self::new(pool).deadlines(deadlines))
+    }
+
+    /// Bounds every call of this store, and the transactions an engine
+    /// runs on it, by `deadlines` (default [`Deadlines::default`]).
+    #[must_use]
+    pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.base.deadlines = deadlines;
+        self
     }
 
     /// Uses table `name` (`table` or `database.table`), validated as an identifier.
@@ -78,6 +119,17 @@ impl MySqlStore {
             base: self.base.on_table(TableName::new(name)?),
         })
     }
+}
+
+/// The statement each new session runs: MariaDB 10.3+ ends a session idle
+/// inside a transaction after `idle_transaction_timeout` (an executable
+/// comment: MySQL, which has no such setting, sets only a user variable).
+fn session_sql(deadlines: &Deadlines) -> Option<String> {
+    let idle = deadlines.idle_in_transaction_timeout()?;
+    Some(format!(
+        "SET @onceonly_session = 1 /*M!100300 , SESSION idle_transaction_timeout = {} */",
+        idle.as_secs().max(1)
+    ))
 }
 
 super::forward::forward_sql_store!(impl[] for MySqlStore => base, Db = MySql);
@@ -100,6 +152,15 @@ impl Backend for MySql {
 
     fn last_insert_id(done: &MySqlQueryResult) -> Option<u64> {
         Some(done.last_insert_id())
+    }
+
+    /// Metadata locks of the DDL: the session's `lock_wait_timeout`, in
+    /// whole seconds (the migration's connection is closed afterwards).
+    fn migration_lock_sql(timeout: Duration) -> Option<String> {
+        Some(format!(
+            "SET SESSION lock_wait_timeout = {}",
+            timeout.as_secs().max(1)
+        ))
     }
 
     fn sql(table: &TableName) -> Sql {

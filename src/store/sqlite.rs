@@ -24,7 +24,7 @@ use sqlx::sqlite::{
 use super::backend::Backend;
 use super::base::SqlBase;
 use super::sql::Sql;
-use super::{StoreError, TableName};
+use super::{Deadlines, StoreError, TableName};
 
 /// A dedup store in an SQLite database file.
 #[derive(Clone, Debug)]
@@ -72,13 +72,24 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        let pool: SqlitePoolOptions = super::pool_options();
+        // No network in between: waiting for one of few connections while
+        // writers queue on the write lock is normal, so sqlx's 30 s.
+        let deadlines = Deadlines::default().acquire(Duration::from_secs(30));
+        let pool: SqlitePoolOptions = super::pool_options_for(&deadlines);
         let connections = if in_memory { 1 } else { 8 };
         let pool = pool
             .max_connections(connections)
             .connect_with(options)
             .await?;
-        Ok(Self::new(pool))
+        Ok(Self::new(pool).deadlines(deadlines))
+    }
+
+    /// Bounds every call of this store, and the transactions an engine
+    /// runs on it, by `deadlines` (default [`Deadlines::default`]).
+    #[must_use]
+    pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.base.deadlines = deadlines;
+        self
     }
 
     /// Uses table `name`, validated as an identifier.

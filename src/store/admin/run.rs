@@ -6,6 +6,7 @@ use super::query::AdminQuery;
 use super::{CountFilter, PurgeCursor, PurgeStep, RecordFilter, ScopeStats, count_of, purge_step};
 use crate::store::backend::Backend;
 use crate::store::base::SqlBase;
+use crate::store::deadline::within;
 use crate::store::rows::StoreRow;
 use crate::store::{Record, StoreError};
 
@@ -21,14 +22,15 @@ where
     /// [`AdminStore::check_columns`](super::AdminStore::check_columns).
     pub async fn check_columns(&self) -> Result<(), StoreError> {
         let mut q = AdminQuery::<DB>::check(&self.quoted_table());
-        DB::build(&mut q.qb).fetch_all(&self.pool).await?;
+        let rows = DB::build(&mut q.qb).fetch_all(&self.pool);
+        within(self.pool_bound(), "column check", rows).await?;
         // The attempts table next to it (crash counting of suspects).
         let attempts = self.table.attempts().quoted(DB::QUOTE);
-        sqlx::query(&format!(
+        let sql = format!(
             "SELECT scope, idem_key, attempts, expires_at_ms FROM {attempts} WHERE 1 = 0"
-        ))
-        .fetch_all(&self.pool)
-        .await?;
+        );
+        let rows = sqlx::query(&sql).fetch_all(&self.pool);
+        within(self.pool_bound(), "attempts table check", rows).await?;
         Ok(())
     }
 
@@ -39,21 +41,24 @@ where
         now_ms: i64,
     ) -> Result<Vec<ScopeStats>, StoreError> {
         let mut q = AdminQuery::<DB>::stats(&self.quoted_table(), scope, now_ms);
-        let rows = DB::build(&mut q.qb).fetch_all(&self.pool).await?;
+        let rows = DB::build(&mut q.qb).fetch_all(&self.pool);
+        let rows = within(self.pool_bound(), "stats", rows).await?;
         rows.iter().map(StoreRow::scope_stats).collect()
     }
 
     /// [`AdminStore::find`](super::AdminStore::find).
     pub async fn find(&self, filter: &RecordFilter) -> Result<Vec<Record>, StoreError> {
         let mut q = AdminQuery::<DB>::find(&self.quoted_table(), filter);
-        let rows = DB::build(&mut q.qb).fetch_all(&self.pool).await?;
+        let rows = DB::build(&mut q.qb).fetch_all(&self.pool);
+        let rows = within(self.pool_bound(), "find", rows).await?;
         rows.iter().map(StoreRow::record).collect()
     }
 
     /// [`AdminStore::count`](super::AdminStore::count).
     pub async fn count(&self, scope: Option<&str>, which: CountFilter) -> Result<u64, StoreError> {
         let mut q = AdminQuery::<DB>::count(&self.quoted_table(), scope, which);
-        let row = DB::build(&mut q.qb).fetch_one(&self.pool).await?;
+        let row = DB::build(&mut q.qb).fetch_one(&self.pool);
+        let row = within(self.pool_bound(), "count", row).await?;
         Ok(count_of(row.int("n")?))
     }
 
@@ -67,7 +72,8 @@ where
     ) -> Result<PurgeStep, StoreError> {
         let t = self.quoted_table();
         let mut chunk = AdminQuery::<DB>::purge_chunk(&t, scope, after, batch);
-        let rows = DB::build(&mut chunk.qb).fetch_all(&self.pool).await?;
+        let rows = DB::build(&mut chunk.qb).fetch_all(&self.pool);
+        let rows = within(self.pool_bound(), "purge", rows).await?;
         let Some(last) = rows.last() else {
             return Ok(purge_step(0, 0, None, batch));
         };
@@ -91,15 +97,18 @@ where
         let t = self.quoted_table();
         let mut delete = AdminQuery::<DB>::purge_delete(&t, scope, cutoff_ms, after, upto);
         let delete = DB::build(&mut delete.qb);
-        let done = match DB::PURGE_BEGIN {
-            Some(begin) => {
-                let mut tx = self.pool.begin_with(begin).await?;
-                let done = delete.execute(&mut *tx).await?;
-                tx.commit().await?;
-                done
+        let done = within(self.pool_bound(), "purge", async {
+            match DB::PURGE_BEGIN {
+                Some(begin) => {
+                    let mut tx = self.pool.begin_with(begin).await?;
+                    let done = delete.execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(done)
+                }
+                None => delete.execute(&self.pool).await,
             }
-            None => delete.execute(&self.pool).await?,
-        };
+        })
+        .await?;
         Ok(DB::rows_affected(&done))
     }
 }

@@ -8,6 +8,23 @@
 //! READ COMMITTED; under REPEATABLE READ or SERIALIZABLE a losing claim gets a
 //! serialization failure, which is transient and retried by the engine.
 //! Batch claims insert all keys in one `UNNEST` statement.
+//!
+//! # A silent network
+//!
+//! Every call is bounded on the client side ([`Deadlines`]). On the server
+//! side, the sessions of [`PgStore::connect`] and
+//! [`PgStore::connect_with`] set `idle_in_transaction_session_timeout`
+//! (15 s) and `tcp_keepalives_idle`/`interval`/`count` (10 s, 5 s, 3) in
+//! their startup options ([`PgStore::session_options`]), so that a client
+//! whose network went silent does not keep its transaction, and the claim
+//! locks in it, for hours; and [`migrate`](crate::SqlStore::migrate)
+//! waits for locks at most 10 s (`SET LOCAL lock_timeout`). For a pool of
+//! your own, pass your connect options through
+//! [`PgStore::session_options`] and build the pool on
+//! [`pool_options_for`](crate::store::pool_options_for). Behind PgBouncer,
+//! add `options` to its `ignore_startup_parameters`, or set the two
+//! settings on the role (`ALTER ROLE ... SET
+//! idle_in_transaction_session_timeout = '15s'`).
 
 mod unnest;
 
@@ -15,13 +32,13 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use sqlx::QueryBuilder;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgQueryResult, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgQueryResult, Postgres};
 use sqlx::query::Query;
 
 use super::backend::Backend;
 use super::base::SqlBase;
 use super::sql::{Sql, lock_timeout_value};
-use super::{Claim, ClaimRequest, ClaimTimes, StoreError, TableName};
+use super::{Claim, ClaimRequest, ClaimTimes, Deadlines, StoreError, TableName};
 
 /// A dedup store in PostgreSQL.
 #[derive(Clone, Debug)]
@@ -45,6 +62,10 @@ fn begin_sql(lock_timeout: Option<Duration>) -> Cow<'static, str> {
 
 impl PgStore {
     /// A store over `pool`, using the default table `onceonly_keys`.
+    /// Build the pool on [`pool_options_for`](crate::store::pool_options_for)
+    /// and its connect options with [`PgStore::session_options`], as
+    /// [`PgStore::connect_with`] does, so that connections of a silent
+    /// network are discarded and the server bounds a silent session.
     pub fn new(pool: PgPool) -> Self {
         let mut base = SqlBase::new(pool, TableName::default());
         base.begin = begin_sql(Some(DEFAULT_LOCK_TIMEOUT));
@@ -53,21 +74,78 @@ impl PgStore {
 
     /// Connects to `url` with a default pool (10 connections, built on
     /// [`pool_options`](crate::store::pool_options), so connections stuck
-    /// read-only after a failover are recycled).
+    /// read-only after a failover or silent on a dead network are
+    /// recycled) and the default [`Deadlines`], set on the server too
+    /// ([`PgStore::session_options`]).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let options: PgPoolOptions = super::pool_options();
-        Ok(Self::new(options.max_connections(10).connect(url).await?))
+        Self::connect_with(url.parse()?).await
     }
 
     /// Connects with `options` (TLS settings, a password from a secret
     /// store, ...) with the same pool as [`PgStore::connect`].
-    pub async fn connect_with(
-        options: sqlx::postgres::PgConnectOptions,
+    pub async fn connect_with(options: PgConnectOptions) -> Result<Self, StoreError> {
+        Self::connect_with_deadlines(options, Deadlines::default()).await
+    }
+
+    /// Connects with `options` like [`PgStore::connect_with`], under
+    /// `deadlines` instead of the defaults: the pool's acquire timeout,
+    /// the server-side settings of its sessions and the bounds of every
+    /// call.
+    pub async fn connect_with_deadlines(
+        options: PgConnectOptions,
+        deadlines: Deadlines,
     ) -> Result<Self, StoreError> {
-        let pool: PgPoolOptions = super::pool_options();
-        Ok(Self::new(
-            pool.max_connections(10).connect_with(options).await?,
-        ))
+        let pool = crate::store::pool_options_for(&deadlines)
+            .max_connections(10)
+            .connect_with(Self::session_options(options, &deadlines))
+            .await?;
+        Ok(Self::new(pool).deadlines(deadlines))
+    }
+
+    /// `options` with the server-side bounds of `deadlines` in its startup
+    /// options: `idle_in_transaction_session_timeout` (a session idle
+    /// inside a transaction, e.g. of a client whose network went silent,
+    /// is ended and its locks released) and `tcp_keepalives_idle`,
+    /// `tcp_keepalives_interval`, `tcp_keepalives_count`. For pools of your
+    /// own:
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), sqlx::Error> {
+    /// use onceonly::PgStore;
+    /// use onceonly::store::{Deadlines, pool_options_for};
+    ///
+    /// let deadlines = Deadlines::default();
+    /// let options = PgStore::session_options("postgres://app@db/app".parse()?, &deadlines);
+    /// let pool = pool_options_for(&deadlines).max_connections(20).connect_with(options).await?;
+    /// let store = PgStore::new(pool).deadlines(deadlines);
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn session_options(options: PgConnectOptions, deadlines: &Deadlines) -> PgConnectOptions {
+        let mut settings: Vec<(&str, String)> = Vec::new();
+        if let Some(idle) = deadlines.idle_in_transaction_timeout() {
+            let ms = idle.as_millis().clamp(1, i32::MAX as u128);
+            settings.push(("idle_in_transaction_session_timeout", ms.to_string()));
+        }
+        if let Some(k) = deadlines.tcp_keepalive_settings() {
+            let secs = |d: Duration| d.as_secs().clamp(1, i32::MAX as u64).to_string();
+            settings.push(("tcp_keepalives_idle", secs(k.idle)));
+            settings.push(("tcp_keepalives_interval", secs(k.interval)));
+            settings.push(("tcp_keepalives_count", k.count.max(1).to_string()));
+        }
+        if settings.is_empty() {
+            return options;
+        }
+        options.options(settings)
+    }
+
+    /// Bounds every call of this store, and the transactions an engine
+    /// runs on it, by `deadlines` (default [`Deadlines::default`]). The
+    /// pool and server settings are those it was connected with (see
+    /// [`PgStore::connect_with_deadlines`]).
+    #[must_use]
+    pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.base.deadlines = deadlines;
+        self
     }
 
     /// How long a statement of a claim transaction (the claim, and the
@@ -100,6 +178,13 @@ impl Backend for Postgres {
     const ROW_VALUES: bool = true;
     const BEGIN: &'static str = "BEGIN";
     const MIGRATE_BEGIN: Option<&'static str> = Some("BEGIN");
+
+    fn migration_lock_sql(timeout: Duration) -> Option<String> {
+        Some(format!(
+            "SET LOCAL lock_timeout = '{}'",
+            lock_timeout_value(timeout)
+        ))
+    }
 
     fn sql(table: &TableName) -> Sql {
         Sql::postgres(table)
