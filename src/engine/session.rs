@@ -266,14 +266,9 @@ impl<S: SqlStore> Engine<S> {
             Start::Crashed(crashes) => return Ok(Claimed::Crashed { crashes }),
         };
         match self.open_claim(scope, &req).await {
-            Ok(Ok((tx, times, began))) => Ok(self.session(
-                tx,
-                scope,
-                &spec,
-                (times, began),
-                Some(counted),
-                gate,
-            )),
+            Ok(Ok((tx, times, began))) => {
+                Ok(self.session(tx, scope, &spec, (times, began), Some(counted), gate))
+            }
             // Taken meanwhile: this start never ran.
             Ok(Err(claim)) => {
                 counted.undo().await;
