@@ -13,7 +13,7 @@
 //! | [`Adyen`] | HMAC-SHA256 (hex key) over the notification item's fields, base64 in `additionalData.hmacSignature` | `pspReference` + `eventCode` | `200 [accepted]` |
 //!
 //! A callback that fails verification gets `401` with a problem document
-//! naming the reason ([`VerifyError`](super::VerifyError)), and nothing is
+//! naming the reason ([`VerifyError`]), and nothing is
 //! claimed. A duplicate gets the same success answer as the first
 //! delivery. A handler's non-2xx answer is rolled back and keeps its status
 //! (every provider retries a non-2xx answer); Alipay's body becomes `fail`,
