@@ -131,13 +131,19 @@ impl Provider {
     }
 
     /// The handler's response in the provider's format: a 2xx becomes the
-    /// [success](Self::success) answer; any other keeps its status (which
-    /// the provider retries) with the provider's failure body, if it has
-    /// one.
-    pub(crate) fn answer(&self, response: Response<Body>) -> Response<Body> {
+    /// [success](Self::success) answer; a 4xx or 5xx keeps its status
+    /// (which the provider retries) with the provider's failure body, if it
+    /// has one; anything else (a redirect) is a `500` failure.
+    pub(crate) fn answer(&self, mut response: Response<Body>) -> Response<Body> {
         let status = response.status();
         if status.is_success() {
             return self.success().response();
+        }
+        if !status.is_client_error() && !status.is_server_error() {
+            // A redirect or an informational status tells a provider
+            // nothing: a failure, rolled back, retried.
+            *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            return self.answer(response);
         }
         let failure = match &self.kind {
             Kind::Alipay(_) => ("text/plain; charset=utf-8", "fail".to_owned()),

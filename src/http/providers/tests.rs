@@ -460,4 +460,8 @@ fn answers_are_in_the_providers_formats() {
         StatusCode::SERVICE_UNAVAILABLE
     );
     assert_eq!(Provider::from(GitHub::new("s")).name(), "github");
+    let mut redirect = ok();
+    *redirect.status_mut() = StatusCode::SEE_OTHER;
+    let failure = alipay.answer(redirect);
+    assert_eq!(failure.status(), StatusCode::INTERNAL_SERVER_ERROR);
 }
