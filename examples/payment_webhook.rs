@@ -13,6 +13,22 @@
 //!   order as JSON); a retry with the same key replays that response byte
 //!   for byte with `Idempotent-Replayed: true`.
 //!
+//! With the `providers` feature, `--provider alipay|wechatpay|stripe|github|adyen`
+//! verifies the callbacks as that provider signs them instead (see
+//! `onceonly::http::providers`), keys them on the provider's business
+//! field and answers in its format. Keys come from flags or the
+//! environment: `--provider-secret` (`PROVIDER_SECRET`: Stripe's or
+//! GitHub's signing secret, Adyen's hex HMAC key, WeChat Pay's APIv3 key)
+//! and `--provider-key FILE` (`PROVIDER_KEYS`, comma-separated: Alipay's
+//! public key, PEM or bare base64; WeChat Pay platform certificates, PEM,
+//! or `SERIAL=FILE` for a WeChat Pay public key; repeat for rotation).
+//!
+//! ```text
+//! cargo run --example payment_webhook --features http,sqlite,providers -- \
+//!     --provider wechatpay --provider-secret "$APIV3_KEY" \
+//!     --provider-key wechatpay_cert_old.pem --provider-key wechatpay_cert_new.pem
+//! ```
+//!
 //! With the `webhook` feature, `--notify-url URL` (or `NOTIFY_URL`) also
 //! notifies the merchant of each processed payment: the callback's
 //! transaction enqueues a JSON body `{"out_trade_no", "account", "amount",
@@ -71,6 +87,22 @@ struct Args {
     /// Shared secret: enables HMAC signature checks on the callback route.
     #[arg(long, env = "WEBHOOK_SECRET")]
     secret: Option<String>,
+    /// Verify, key and answer callbacks as this payment provider does
+    /// (instead of `--secret`).
+    #[cfg(feature = "providers")]
+    #[arg(long, env = "PROVIDER", value_parser = ["alipay", "wechatpay", "stripe", "github", "adyen"])]
+    provider: Option<String>,
+    /// The provider's secret: Stripe's or GitHub's signing secret, Adyen's
+    /// HMAC key (hex), WeChat Pay's APIv3 key.
+    #[cfg(feature = "providers")]
+    #[arg(long, env = "PROVIDER_SECRET")]
+    provider_secret: Option<String>,
+    /// A file with a provider key: Alipay's public key (PEM or bare
+    /// base64), a WeChat Pay platform certificate (PEM), or `SERIAL=FILE`
+    /// for a WeChat Pay public key. Repeatable.
+    #[cfg(feature = "providers")]
+    #[arg(long = "provider-key", env = "PROVIDER_KEYS", value_delimiter = ',')]
+    provider_keys: Vec<String>,
     /// Notify the merchant of each processed payment at this URL, through the
     /// transactional outbox and an in-process relay (off when not given).
     #[cfg(feature = "webhook")]
@@ -93,6 +125,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let args = Args::parse();
     args.metrics.install()?;
+    #[cfg(feature = "providers")]
+    if let Some(provider) = provider_of(&args)? {
+        if args.database_url.starts_with("postgres") {
+            #[cfg(feature = "postgres")]
+            {
+                let store = onceonly::PgStore::connect(&args.database_url).await?;
+                webhook_app::postgres::migrate(&store).await?;
+                let app = webhook_app::postgres::provider_router(store, provider)?;
+                return serve(&args, app, None).await;
+            }
+            #[cfg(not(feature = "postgres"))]
+            return Err("this build has no postgres feature".into());
+        }
+        let store = onceonly::SqliteStore::connect(&args.database_url).await?;
+        webhook_app::sqlite::migrate(&store).await?;
+        let app = webhook_app::sqlite::provider_router(store, provider)?;
+        return serve(&args, app, None).await;
+    }
     let (app, relay) = if args.database_url.starts_with("postgres") {
         #[cfg(feature = "postgres")]
         {
@@ -100,7 +150,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let store = onceonly::PgStore::connect(&args.database_url).await?;
             webhook_app::postgres::migrate(&store).await?;
             let (notify, relay) = notify(&args, store.pool()).await?;
-            let app = webhook_app::postgres::router_notifying(store, args.secret, notify, |b| b)?;
+            let app =
+                webhook_app::postgres::router_notifying(store, args.secret.clone(), notify, |b| b)?;
             (app, relay)
         }
         #[cfg(not(feature = "postgres"))]
@@ -109,9 +160,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let store = onceonly::SqliteStore::connect(&args.database_url).await?;
         webhook_app::sqlite::migrate(&store).await?;
         let (notify, relay) = notify(&args, onceonly::SqlStore::pool(&store)).await?;
-        let app = webhook_app::sqlite::router_notifying(store, args.secret, notify, |b| b)?;
+        let app = webhook_app::sqlite::router_notifying(store, args.secret.clone(), notify, |b| b)?;
         (app, relay)
     };
+    serve(&args, app, relay).await
+}
+
+/// Serves `app` until Ctrl-C, then stops the relay.
+async fn serve(
+    args: &Args,
+    app: axum::Router,
+    relay: Option<Relay>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     eprintln!("listening on http://{}", listener.local_addr()?);
     axum::serve(listener, app)
@@ -127,6 +187,49 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     #[cfg(not(feature = "webhook"))]
     let _ = relay;
     Ok(())
+}
+
+/// The provider of `--provider`, with its keys.
+#[cfg(feature = "providers")]
+fn provider_of(
+    args: &Args,
+) -> Result<Option<onceonly::http::providers::Provider>, Box<dyn std::error::Error>> {
+    use onceonly::http::providers::{Adyen, Alipay, GitHub, Stripe, WeChatPay};
+    let Some(name) = args.provider.as_deref() else {
+        return Ok(None);
+    };
+    let secret = || {
+        args.provider_secret
+            .clone()
+            .ok_or_else(|| format!("--provider {name} needs --provider-secret"))
+    };
+    let read = |path: &str| {
+        std::fs::read_to_string(path).map_err(|e| format!("--provider-key {path}: {e}"))
+    };
+    Ok(Some(match name {
+        "alipay" => {
+            let [path] = args.provider_keys.as_slice() else {
+                return Err(
+                    "--provider alipay needs one --provider-key (Alipay's public key)".into(),
+                );
+            };
+            Alipay::new(&read(path)?)?.into()
+        }
+        "wechatpay" => {
+            let mut wechat = WeChatPay::new(secret()?)?;
+            for key in &args.provider_keys {
+                wechat = match key.split_once('=') {
+                    Some((serial, path)) => wechat.platform_public_key(serial, &read(path)?)?,
+                    None => wechat.platform_certificate(&read(key)?)?,
+                };
+            }
+            wechat.into()
+        }
+        "stripe" => Stripe::new(secret()?).into(),
+        "github" => GitHub::new(secret()?).into(),
+        "adyen" => Adyen::new(&secret()?)?.into(),
+        other => return Err(format!("unknown provider {other}").into()),
+    }))
 }
 
 /// With `--notify-url`: migrates the outbox table and starts the relay

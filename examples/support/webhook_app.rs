@@ -104,6 +104,90 @@ pub fn parse_payment(headers: &HeaderMap, body: &Bytes) -> Result<Payment, AppEr
     Ok(payment)
 }
 
+/// The payment in a verified provider callback (the payload the layer
+/// hands on: Alipay's fields as JSON, WeChat Pay's decrypted transaction,
+/// Stripe's event, Adyen's notification, or a GitHub-style signed
+/// `{"out_trade_no","account","amount"}`), or `None` for a notification
+/// that settles nothing (a failed or pending payment): acknowledged, not
+/// booked.
+#[cfg(feature = "providers")]
+pub fn provider_payment(provider: &str, body: &[u8]) -> Result<Option<Payment>, AppError> {
+    use serde_json::Value;
+    let v: Value = serde_json::from_slice(body).map_err(|e| AppError::BadInput(e.to_string()))?;
+    let text = |v: &Value, p: &str| v.pointer(p).and_then(Value::as_str).map(str::to_owned);
+    let int = |v: &Value, p: &str| v.pointer(p).and_then(Value::as_i64);
+    let missing = |what: &str| AppError::BadInput(format!("{provider} callback without {what}"));
+    let (settled, out_trade_no, account, amount) = match provider {
+        "alipay" => (
+            matches!(
+                text(&v, "/trade_status").as_deref(),
+                Some("TRADE_SUCCESS" | "TRADE_FINISHED")
+            ),
+            text(&v, "/out_trade_no"),
+            text(&v, "/buyer_id"),
+            text(&v, "/total_amount").and_then(|yuan| yuan_to_fen(&yuan)),
+        ),
+        "wechatpay" => (
+            text(&v, "/trade_state").as_deref() == Some("SUCCESS"),
+            text(&v, "/out_trade_no"),
+            text(&v, "/payer/openid"),
+            int(&v, "/amount/total"),
+        ),
+        "stripe" => (
+            text(&v, "/type").as_deref() == Some("payment_intent.succeeded"),
+            text(&v, "/data/object/metadata/out_trade_no").or_else(|| text(&v, "/data/object/id")),
+            text(&v, "/data/object/customer"),
+            int(&v, "/data/object/amount"),
+        ),
+        "adyen" => {
+            let item = v
+                .pointer("/notificationItems/0/NotificationRequestItem")
+                .ok_or_else(|| missing("NotificationRequestItem"))?;
+            (
+                text(item, "/eventCode").as_deref() == Some("AUTHORISATION")
+                    && text(item, "/success").as_deref() == Some("true"),
+                text(item, "/merchantReference"),
+                text(item, "/additionalData/shopperReference")
+                    .or_else(|| text(item, "/merchantAccountCode")),
+                int(item, "/amount/value"),
+            )
+        }
+        _ => (
+            true,
+            text(&v, "/out_trade_no"),
+            text(&v, "/account"),
+            int(&v, "/amount"),
+        ),
+    };
+    if !settled {
+        return Ok(None);
+    }
+    let payment = Payment {
+        out_trade_no: out_trade_no.ok_or_else(|| missing("out_trade_no"))?,
+        account: account.ok_or_else(|| missing("account"))?,
+        amount: amount.ok_or_else(|| missing("amount"))?,
+    };
+    if payment.amount <= 0 {
+        return Err(AppError::BadInput("amount must be positive".into()));
+    }
+    Ok(Some(payment))
+}
+
+/// `"88.88"` yuan as 8888 fen; `None` for anything but up to two decimals.
+#[cfg(feature = "providers")]
+fn yuan_to_fen(yuan: &str) -> Option<i64> {
+    let (whole, frac) = yuan.split_once('.').unwrap_or((yuan, ""));
+    if frac.len() > 2 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let frac: i64 = format!("{frac:0<2}").parse().ok()?;
+    whole
+        .parse::<i64>()
+        .ok()?
+        .checked_mul(100)?
+        .checked_add(frac)
+}
+
 /// Generates `router(store, secret, orders_layer_config)` and
 /// `router_notifying(store, secret, notify, orders_layer_config)` for one
 /// backend.
@@ -162,6 +246,40 @@ macro_rules! webhook_app {
                 let mut tx = tx.lock().await?;
                 let order = ledger::insert_order(&mut *tx, &new).await?;
                 Ok((StatusCode::CREATED, Json(order)))
+            }
+
+            /// The callback of a payment provider: books a settled payment
+            /// once; the layer answers in the provider's format.
+            #[cfg(feature = "providers")]
+            async fn provider_callback(
+                tx: Tx<$db>,
+                provider: &'static str,
+                body: Bytes,
+            ) -> Result<StatusCode, AppError> {
+                let Some(payment) = super::provider_payment(provider, &body)? else {
+                    return Ok(StatusCode::OK);
+                };
+                let mut tx = tx.lock().await?;
+                ledger::record(&mut *tx, &payment).await?;
+                Ok(StatusCode::OK)
+            }
+
+            /// `POST /webhooks/payments` verified, keyed and answered as
+            /// `provider` does ([`IdempotencyLayer::provider`]), and
+            /// `POST /orders` (`Idempotency-Key`).
+            #[cfg(feature = "providers")]
+            pub fn provider_router(
+                store: $store,
+                provider: onceonly::http::providers::Provider,
+            ) -> Result<Router, HttpBuildError> {
+                let name = provider.name();
+                let callback = move |tx: Tx<$db>, body: Bytes| provider_callback(tx, name, body);
+                let callbacks =
+                    IdempotencyLayer::provider(store.clone(), "payment-callbacks", provider).build()?;
+                let orders = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+                Ok(Router::new()
+                    .route("/webhooks/payments", post(callback).layer(callbacks))
+                    .route("/orders", post(order).layer(orders)))
             }
 
             /// Creates the tables (dedup, ledger, accounts, orders).

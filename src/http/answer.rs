@@ -2,7 +2,7 @@
 //! problem documents of refused requests, each counted once.
 
 use axum::body::Body;
-use axum::http::{HeaderValue, Response, StatusCode, header};
+use axum::http::{HeaderValue, Response, StatusCode};
 use tracing::Span;
 
 use super::config::{Ack, Config, InFlight, Mode};
@@ -208,11 +208,7 @@ pub(super) fn store_down<S: SqlStore>(cfg: &Config<S>, error: &StoreError) -> St
 }
 
 fn ack_response(ack: &Ack) -> Response<Body> {
-    let mut response = Response::new(Body::from(ack.body.clone()));
-    *response.status_mut() = ack.status;
-    if let Ok(v) = HeaderValue::from_str(&ack.content_type) {
-        response.headers_mut().insert(header::CONTENT_TYPE, v);
-    }
+    let mut response = ack.response();
     response
         .headers_mut()
         .insert("idempotent-replayed", HeaderValue::from_static("true"));

@@ -62,6 +62,20 @@ impl Ack {
     pub fn plain_success() -> Self {
         Self::new(StatusCode::OK, "text/plain; charset=utf-8", "success")
     }
+
+    /// The response (an empty `content_type`: no `Content-Type` header).
+    pub(crate) fn response(&self) -> axum::http::Response<axum::body::Body> {
+        let mut response = axum::http::Response::new(axum::body::Body::from(self.body.clone()));
+        *response.status_mut() = self.status;
+        if !self.content_type.is_empty()
+            && let Ok(v) = axum::http::HeaderValue::from_str(&self.content_type)
+        {
+            response
+                .headers_mut()
+                .insert(axum::http::header::CONTENT_TYPE, v);
+        }
+        response
+    }
 }
 
 /// What a request whose key is held by another request in flight gets.
@@ -138,6 +152,10 @@ pub(crate) struct Settings {
     pub(crate) max_stored_body: usize,
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) signature: Option<SignatureCheck>,
+    /// The payment provider whose scheme is verified, and whose answers
+    /// the handler's are turned into.
+    #[cfg(feature = "providers")]
+    pub(crate) provider: Option<super::providers::Provider>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) principal: PrincipalFn,
 }
@@ -194,6 +212,8 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 .map(HeaderName::from_static)
                 .collect(),
                 signature: None,
+                #[cfg(feature = "providers")]
+                provider: None,
                 on_store_error: OnStoreError::FailClosed,
                 principal: Arc::new(|parts: &Parts| {
                     parts.extensions.get::<Principal>().map(|p| p.0.clone())
@@ -210,6 +230,23 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     #[must_use]
     pub fn key(mut self, key: KeySpec) -> Self {
         self.key = Ok(key);
+        self
+    }
+
+    /// The key as an expression (see [`KeySpec::parse`]), e.g.
+    /// `json:/out_refund_no` instead of a provider's default key; an
+    /// invalid expression fails [`build`](Self::build).
+    #[must_use]
+    pub fn key_expr(mut self, expr: &str) -> Self {
+        self.key = KeySpec::parse(expr);
+        self
+    }
+
+    /// Verify `provider`'s scheme and answer in its format (set by
+    /// [`IdempotencyLayer::provider`](super::IdempotencyLayer::provider)).
+    #[cfg(feature = "providers")]
+    pub(crate) fn with_provider(mut self, provider: super::providers::Provider) -> Self {
+        self.cfg.provider = Some(provider);
         self
     }
 

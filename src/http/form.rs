@@ -18,11 +18,16 @@ impl fmt::Display for FormError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::NotUtf8 => f.write_str(
-                "the form body does not decode as UTF-8 and its content type names no other charset",
+                "the form body does not decode in its charset (UTF-8 unless the content type or the provider's `charset` field names another)",
             ),
             Self::UnsupportedCharset(c) => write!(
                 f,
-                "charset {c:?} is not supported: send UTF-8 (or ISO-8859-1) form bodies"
+                "charset {c:?} is not supported: send UTF-8 (or ISO-8859-1{}) form bodies",
+                if cfg!(feature = "providers") {
+                    ", GBK, GB18030"
+                } else {
+                    ""
+                }
             ),
         }
     }
@@ -30,9 +35,52 @@ impl fmt::Display for FormError {
 
 /// The charsets a form body may declare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Charset {
+pub(crate) enum Charset {
     Utf8,
     Latin1,
+    /// GBK (and GB2312, which it extends), as Alipay sends with
+    /// `charset=GBK`.
+    #[cfg(feature = "providers")]
+    Gbk,
+    /// GB18030, the superset of GBK.
+    #[cfg(feature = "providers")]
+    Gb18030,
+}
+
+impl Charset {
+    /// The charset a `charset` label names (case-insensitive).
+    pub(crate) fn from_label(label: &str) -> Result<Self, FormError> {
+        match label.trim().trim_matches('"').to_ascii_lowercase().as_str() {
+            "utf-8" | "utf8" => Ok(Self::Utf8),
+            "iso-8859-1" | "latin1" | "us-ascii" | "ascii" => Ok(Self::Latin1),
+            #[cfg(feature = "providers")]
+            "gbk" | "gb2312" | "cp936" => Ok(Self::Gbk),
+            #[cfg(feature = "providers")]
+            "gb18030" => Ok(Self::Gb18030),
+            other => Err(FormError::UnsupportedCharset(other.to_owned())),
+        }
+    }
+
+    /// `bytes` as text, strictly: bytes that are not valid in the charset
+    /// are refused, never replaced.
+    pub(crate) fn decode(self, bytes: Vec<u8>) -> Result<String, FormError> {
+        match self {
+            Self::Utf8 => String::from_utf8(bytes).map_err(|_| FormError::NotUtf8),
+            Self::Latin1 => Ok(bytes.into_iter().map(char::from).collect()),
+            #[cfg(feature = "providers")]
+            Self::Gbk => strict(encoding_rs::GBK, &bytes),
+            #[cfg(feature = "providers")]
+            Self::Gb18030 => strict(encoding_rs::GB18030, &bytes),
+        }
+    }
+}
+
+#[cfg(feature = "providers")]
+fn strict(encoding: &'static encoding_rs::Encoding, bytes: &[u8]) -> Result<String, FormError> {
+    encoding
+        .decode_without_bom_handling_and_without_replacement(bytes)
+        .map(std::borrow::Cow::into_owned)
+        .ok_or(FormError::NotUtf8)
 }
 
 fn charset_of(content_type: &str) -> Option<Result<Charset, FormError>> {
@@ -41,17 +89,54 @@ fn charset_of(content_type: &str) -> Option<Result<Charset, FormError>> {
     if !essence.eq_ignore_ascii_case("application/x-www-form-urlencoded") {
         return None;
     }
-    let charset = parts.find_map(|p| {
+    Some(match content_type_charset(parts) {
+        None => Ok(Charset::Utf8),
+        Some(label) => Charset::from_label(&label),
+    })
+}
+
+/// The `charset` parameter among a content type's parameters.
+fn content_type_charset<'a>(mut params: impl Iterator<Item = &'a str>) -> Option<String> {
+    params.find_map(|p| {
         let (name, value) = p.split_once('=')?;
         name.trim()
             .eq_ignore_ascii_case("charset")
-            .then(|| value.trim().trim_matches('"').to_ascii_lowercase())
-    });
-    Some(match charset.as_deref() {
-        None | Some("utf-8" | "utf8") => Ok(Charset::Utf8),
-        Some("iso-8859-1" | "latin1" | "us-ascii" | "ascii") => Ok(Charset::Latin1),
-        Some(other) => Err(FormError::UnsupportedCharset(other.to_owned())),
+            .then(|| value.trim().trim_matches('"').to_owned())
     })
+}
+
+/// Whether `content_type` is a form, and the charset it declares, if any.
+#[cfg(feature = "providers")]
+pub(crate) fn form_content_type(content_type: &str) -> Option<Option<String>> {
+    let mut parts = content_type.split(';');
+    let essence = parts.next().unwrap_or_default().trim();
+    essence
+        .eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        .then(|| content_type_charset(parts))
+}
+
+/// The fields of a form body as raw bytes: `+` is a space and `%XX` a
+/// byte, nothing decoded into text yet (a signature may cover these bytes
+/// in the body's own charset).
+pub(crate) fn raw_pairs(body: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    body.split(|&b| b == b'&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = match pair.iter().position(|&b| b == b'=') {
+                Some(i) => (&pair[..i], &pair[i + 1..]),
+                None => (pair, &[][..]),
+            };
+            (unescape(k), unescape(v))
+        })
+        .collect()
+}
+
+fn unescape(raw: &[u8]) -> Vec<u8> {
+    let plus_as_space: Vec<u8> = raw
+        .iter()
+        .map(|&b| if b == b'+' { b' ' } else { b })
+        .collect();
+    percent_encoding::percent_decode(&plus_as_space).collect()
 }
 
 /// A form body as a JSON object of its fields: a field that appears once is
@@ -68,13 +153,9 @@ pub(crate) fn form_as_json(content_type: &str, body: &[u8]) -> Option<Result<Vec
 fn decode_fields(body: &[u8], charset: Charset) -> Result<Vec<u8>, FormError> {
     use serde_json::Value;
     let mut fields = serde_json::Map::new();
-    for pair in body.split(|&b| b == b'&').filter(|p| !p.is_empty()) {
-        let (k, v) = match pair.iter().position(|&b| b == b'=') {
-            Some(i) => (&pair[..i], &pair[i + 1..]),
-            None => (pair, &[][..]),
-        };
-        let k = decode_component(k, charset)?;
-        let v = Value::String(decode_component(v, charset)?);
+    for (k, v) in raw_pairs(body) {
+        let k = charset.decode(k)?;
+        let v = Value::String(charset.decode(v)?);
         match fields.get_mut(&k) {
             None => {
                 fields.insert(k, v);
@@ -84,19 +165,6 @@ fn decode_fields(body: &[u8], charset: Charset) -> Result<Vec<u8>, FormError> {
         }
     }
     Ok(Value::Object(fields).to_string().into_bytes())
-}
-
-/// `+` is a space, `%XX` a byte; the bytes must be valid in `charset`.
-fn decode_component(raw: &[u8], charset: Charset) -> Result<String, FormError> {
-    let plus_as_space: Vec<u8> = raw
-        .iter()
-        .map(|&b| if b == b'+' { b' ' } else { b })
-        .collect();
-    let bytes: Vec<u8> = percent_encoding::percent_decode(&plus_as_space).collect();
-    match charset {
-        Charset::Utf8 => String::from_utf8(bytes).map_err(|_| FormError::NotUtf8),
-        Charset::Latin1 => Ok(bytes.into_iter().map(char::from).collect()),
-    }
 }
 
 #[cfg(test)]
@@ -136,10 +204,25 @@ mod tests {
         let v = json(&format!("{FORM}; charset=ISO-8859-1"), b"k=%E9").unwrap();
         assert_eq!(v["k"], "\u{e9}");
         assert_eq!(
-            json(&format!("{FORM}; charset=\"gbk\""), b"k=1"),
-            Err(FormError::UnsupportedCharset("gbk".into()))
+            json(&format!("{FORM}; charset=\"koi8-r\""), b"k=1"),
+            Err(FormError::UnsupportedCharset("koi8-r".into()))
         );
         assert!(form_as_json("application/json", b"{}").is_none());
         assert!(json(&format!("{FORM};charset=utf-8"), b"k=%C3%A9").is_ok());
+    }
+
+    #[cfg(feature = "providers")]
+    #[test]
+    fn gbk_forms_decode_strictly() {
+        // "中文" in GBK is D6 D0 CE C4.
+        let v = json(&format!("{FORM}; charset=GBK"), b"subject=%D6%D0%CE%C4").unwrap();
+        assert_eq!(v["subject"], "中文");
+        let v = json(&format!("{FORM}; charset=gb18030"), b"subject=%D6%D0%CE%C4").unwrap();
+        assert_eq!(v["subject"], "中文");
+        // A lead byte without its trail byte is refused, not replaced.
+        assert_eq!(
+            json(&format!("{FORM}; charset=GBK"), b"subject=%D6"),
+            Err(FormError::NotUtf8)
+        );
     }
 }

@@ -20,6 +20,7 @@ use super::answer::{self, StoreDown};
 use super::config::{Ack, Config, IdempotencyLayerBuilder, InFlight, Mode};
 use super::request::{bind_to_request, delivery_of, repeated_key, scope_for};
 use super::stored::{StoredResponse, read_up_to};
+use super::verify::verify;
 use crate::engine::session::traceparent_of;
 use crate::engine::{ClaimSpec, Claimed, Failure, OutcomeKind, Session};
 use crate::key::{KeyError, KeySpec};
@@ -67,6 +68,32 @@ impl<S: SqlStore> IdempotencyLayer<S> {
             Mode::Callback { ack },
             KeySpec::parse(key_expr),
         )
+    }
+
+    /// A payment provider's callbacks: verified as the provider specifies
+    /// before any dedup work (`401` otherwise), keyed on its business field
+    /// ([`Provider::default_key`](super::providers::Provider::default_key);
+    /// another with [`key_expr`](IdempotencyLayerBuilder::key_expr)), and
+    /// answered in its format: its success for a processed or duplicate
+    /// callback, a status it retries for a failure. See
+    /// [`providers`](super::providers).
+    #[cfg(feature = "providers")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "providers")))]
+    pub fn provider(
+        store: S,
+        scope: impl Into<String>,
+        provider: impl Into<super::providers::Provider>,
+    ) -> IdempotencyLayerBuilder<S> {
+        let provider = provider.into();
+        IdempotencyLayerBuilder::new(
+            store,
+            scope.into(),
+            Mode::Callback {
+                ack: provider.success(),
+            },
+            Ok(provider.default_key()),
+        )
+        .with_provider(provider)
     }
 
     pub(crate) fn from_config(cfg: Config<S>) -> Self {
@@ -178,19 +205,21 @@ where
             );
         }
     };
-    if let Some(check) = &http.signature {
-        let now_secs = u64::try_from(cfg.engine.now_ms() / 1000).unwrap_or(0);
-        if let Err(e) = check.verify(&parts.headers, &bytes, now_secs) {
-            tracing::warn!(path = %parts.uri.path(), error = %e, "callback signature refused");
+    let now_secs = u64::try_from(cfg.engine.now_ms() / 1000).unwrap_or(0);
+    let (parts, bytes) = match verify(http, &parts.headers, &bytes, now_secs) {
+        Ok(None) => (parts, bytes),
+        Ok(Some(payload)) => with_payload(parts, bytes, payload),
+        Err(e) => {
+            tracing::warn!(path = %parts.uri.path(), error = %e, "callback verification refused");
             return answer::refused(
                 cfg,
                 StatusCode::UNAUTHORIZED,
-                "bad-signature",
-                "Signature check failed",
+                e.code(),
+                "Callback verification failed",
                 &e.to_string(),
             );
         }
-    }
+    };
     if matches!(http.mode, Mode::Header { .. }) && repeated_key(&parts.headers) {
         return answer::invalid_key(
             cfg,
@@ -297,7 +326,7 @@ where
         }
     };
     match handled {
-        Ok(Ok(response)) => finish(cfg, session, response).await,
+        Ok(Ok(response)) => finish(cfg, session, provider_answer(http, response)).await,
         Ok(Err(never)) => match never {},
         Err(_) => {
             session.abandon().await;
@@ -401,6 +430,37 @@ async fn finish<S: SqlStore>(
             Response::from_parts(head, Body::from_stream(stream))
         }
     }
+}
+
+/// The request with the provider's payload as its JSON body; the body as
+/// received goes into the extensions.
+fn with_payload(
+    mut parts: axum::http::request::Parts,
+    raw: bytes::Bytes,
+    payload: Vec<u8>,
+) -> (axum::http::request::Parts, bytes::Bytes) {
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/json"),
+    );
+    #[cfg(feature = "providers")]
+    parts.extensions.insert(super::providers::RawCallback(raw));
+    #[cfg(not(feature = "providers"))]
+    drop(raw);
+    (parts, bytes::Bytes::from(payload))
+}
+
+/// The handler's response in the provider's format, if there is a
+/// provider.
+fn provider_answer(http: &super::config::Settings, response: Response<Body>) -> Response<Body> {
+    #[cfg(feature = "providers")]
+    if let Some(provider) = &http.provider {
+        return provider.answer(response);
+    }
+    #[cfg(not(feature = "providers"))]
+    let _ = http;
+    response
 }
 
 async fn pass<I>(inner: I, req: Request<Body>) -> Response<Body>

@@ -6,7 +6,12 @@
 //!
 //! 1. Methods not covered (default: POST, PATCH) pass through.
 //! 2. The body is buffered up to a limit (`413` beyond).
-//! 3. An optional HMAC signature is checked (`401`, nothing stored).
+//! 3. An optional HMAC signature ([`SignatureCheck`]) and, with feature
+//!    `providers`, a payment provider's own scheme
+//!    ([`providers::Provider`]: Alipay, WeChat Pay v3, Stripe, GitHub-style,
+//!    Adyen) are verified over the raw bytes received (`401` naming the
+//!    reason, nothing claimed); a provider may turn the callback into
+//!    another payload (decoded or decrypted) for the next steps.
 //! 4. The key is derived (`400` if missing or malformed) and claimed, with
 //!    the body's fingerprint, in a new transaction, in the scope of the
 //!    layer and of the caller's [`Principal`] if there is one.
@@ -27,7 +32,10 @@
 //! with `type` `urn:onceonly:problem:<code>`: `missing-idempotency-key`,
 //! `invalid-idempotency-key` (400, also for a repeated `Idempotency-Key`
 //! header), `undecodable-form` (400, a form body that is not UTF-8),
-//! `bad-signature` (401), `request-in-flight` (409), `commit-refused` (409),
+//! `missing-signature`, `malformed-signature`, `bad-signature`,
+//! `stale-timestamp`, `unknown-serial`, `undecryptable-resource`,
+//! `unsupported-signature` (401, see [`VerifyError`]),
+//! `request-in-flight` (409), `commit-refused` (409),
 //! `body-too-large` (413),
 //! `unsupported-charset` (415), `idempotency-key-reused` (422),
 //! `store-unavailable` (503).
@@ -62,10 +70,14 @@ mod config;
 mod form;
 mod layer;
 mod problem;
+#[cfg(feature = "providers")]
+#[cfg_attr(docsrs, doc(cfg(feature = "providers")))]
+pub mod providers;
 mod request;
 mod signature;
 mod stored;
 mod tx;
+mod verify;
 
 pub use crate::engine::{Tx, TxGone, TxGuard};
 pub use config::{
@@ -74,3 +86,4 @@ pub use config::{
 pub use layer::{IdempotencyLayer, Idempotent};
 pub use signature::{SignatureCheck, SignatureError};
 pub use tx::TxRejection;
+pub use verify::VerifyError;
