@@ -107,6 +107,41 @@ impl Logged {
         }
     }
 
+    /// Runs `worker` with `args` under [`supervise`](Self::supervise) until
+    /// a run ends by itself, and checks the crash loop of a poison message
+    /// parked after `max_crashes` counted crashes: every death is the
+    /// worker's own abort (SIGABRT), one uncounted first crash (the message
+    /// was not a suspect yet) and `max_crashes` counted ones. `what` names
+    /// the message in the report line.
+    pub async fn poison_loop(
+        &self,
+        worker: &Path,
+        args: &[String],
+        max_crashes: usize,
+        what: &str,
+    ) {
+        let deaths = self
+            .supervise(
+                || self.spawn_program(worker, args),
+                2 * max_crashes + 2,
+                Duration::from_secs(120),
+            )
+            .await;
+        eprintln!(
+            "the poison {what} killed the consumer {} times before it was parked: signals {deaths:?}",
+            deaths.len()
+        );
+        assert!(
+            deaths.iter().all(|s| *s == 6),
+            "every death is the poison's abort: {deaths:?}"
+        );
+        assert_eq!(
+            deaths.len(),
+            max_crashes + 1,
+            "one uncounted first crash, then {max_crashes} counted ones"
+        );
+    }
+
     /// Lets `child` work until `progressed()` (it committed something new),
     /// then a random moment of up to `jitter` more, and SIGKILLs and reaps
     /// it. Fails if the child exits by itself or nothing progressed by

@@ -65,26 +65,7 @@ async fn a_record_that_aborts_the_consumer_is_dead_lettered_crashed_and_the_part
     .collect();
     let log = Logged::new("poison_worker_kafka");
     let worker = Path::new(env!("CARGO_BIN_EXE_poison_worker"));
-    let deaths = log
-        .supervise(
-            || log.spawn_program(worker, &args),
-            2 * MAX_CRASHES + 2,
-            Duration::from_secs(120),
-        )
-        .await;
-    eprintln!(
-        "the poison record killed the consumer {} times before it was parked: signals {deaths:?}",
-        deaths.len()
-    );
-    assert!(
-        deaths.iter().all(|s| *s == 6),
-        "every death is the poison's abort: {deaths:?}"
-    );
-    assert_eq!(
-        deaths.len(),
-        MAX_CRASHES + 1,
-        "one uncounted first crash, then {MAX_CRASHES} counted ones"
-    );
+    log.poison_loop(worker, &args, MAX_CRASHES, "record").await;
 
     // Every other payment exactly once; none for the poison (its write
     // rolled back with each death).
