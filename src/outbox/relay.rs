@@ -20,7 +20,7 @@ use crate::store::{Deadlines, StoreError};
 
 /// How long a relay holds the keys it took in a round by default (see
 /// [`RelayBuilder::lease`]).
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(120);
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// Builds a [`Relay`]: `Relay::builder(pool, outbox).publisher(..).build()`.
 pub struct RelayBuilder<DB: OutboxBackend> {
@@ -506,11 +506,14 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     /// transaction and publishes them with no transaction open; meanwhile
     /// the lease keeps other relays off those keys. A round publishes a
     /// key's rows for at most half the lease (the rest wait for the next
-    /// round), so keep it above twice the slowest publish (the publishers'
-    /// timeouts: 30 s for Kafka and AMQP, 10 s for webhooks by default).
-    /// If a relay dies mid-round, its keys are taken up again when the
-    /// lease ends, and their unconfirmed rows are sent again with the same
-    /// message ids.
+    /// round). If a relay dies mid-round, its keys are taken up again when
+    /// the lease ends, and their unconfirmed rows are sent again with the
+    /// same message ids: the lease is how long a crash delays them. A
+    /// publish that outlasts the lease (a broker that answers after the
+    /// publishers' timeouts, 30 s for Kafka and AMQP, 10 s for webhooks)
+    /// may see another relay send the same rows again, with the same ids
+    /// and in the same order per key; a downstream consumer keyed on the
+    /// message id applies them once.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.relay.lease = lease.max(Duration::from_secs(1));
