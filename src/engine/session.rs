@@ -409,17 +409,9 @@ impl<S: SqlStore> Session<S> {
         }
         if let Err(e) = recorded {
             engine.rollback(tx, self.tx.began()).await;
-            return Err(match e {
-                // The handler left the transaction aborted.
-                StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
-                e => Failure::Store(e),
-            });
+            return Err(ending_failure(e));
         }
-        engine.commit(tx).await.map_err(|e| match e {
-            // A deferred constraint or trigger refused the handler's writes.
-            StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
-            e => Failure::Store(e),
-        })?;
+        engine.commit(tx).await.map_err(ending_failure)?;
         engine
             .tell_tier(&Completed {
                 scope,
@@ -442,6 +434,17 @@ impl<S: SqlStore> Session<S> {
         if let Some(counted) = self.counted.take() {
             counted.undo().await;
         }
+    }
+}
+
+/// A store error as a claim's transaction ends (recording the result,
+/// `COMMIT`): the message's own writes refused (a deferred constraint or
+/// trigger, a transaction the handler left aborted) are the message's
+/// fault, anything else the store's.
+fn ending_failure(e: StoreError) -> Failure {
+    match e {
+        StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
+        e => Failure::Store(e),
     }
 }
 

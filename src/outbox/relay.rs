@@ -180,32 +180,10 @@ impl<DB: OutboxBackend> Relay<DB> {
     /// leaves its keys to the others once the lease ends, and they publish
     /// the rows again with the same message ids.
     async fn round(&self, heads: &str, stats: &mut RelayStats) -> Result<usize, StoreError> {
-        let sql = self.outbox.sql();
-        let now = SystemClock.now_ms();
-        let (statement, on_pool) = (self.statement(), self.on_pool());
-        let rows = {
-            let mut tx = within(on_pool, "begin", DB::begin(&self.pool)).await?;
-            let claim = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch));
-            let rows = within(statement, "outbox claim", claim).await?;
-            if !rows.is_empty() {
-                let lease_ms = i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX);
-                let mut first_of_key = std::collections::HashSet::new();
-                let leased: Vec<i64> = rows
-                    .iter()
-                    .filter(|r| first_of_key.insert(r.order_key.as_str()))
-                    .map(|r| r.id)
-                    .collect();
-                let until = now.saturating_add(lease_ms);
-                let lease = DB::update_pending(&mut tx, &sql.lease_prefix, until, &leased);
-                within(statement, "outbox lease", lease).await?;
-            }
-            within(statement, "commit", tx.commit()).await?;
-            rows
-        };
+        let rows = self.take(heads).await?;
         if rows.is_empty() {
             return Ok(0);
         }
-        let taken = rows.len();
         // Keys in parallel, each key's rows one after the other, within
         // half the lease.
         let deadline = Instant::now() + self.lease / 2;
@@ -219,17 +197,57 @@ impl<DB: OutboxBackend> Relay<DB> {
                 .map(|queue| self.publish_in_order(queue, deadline)),
         )
         .await;
-        let mut sent = Vec::with_capacity(taken);
+        let mut sent = Vec::with_capacity(rows.len());
         let mut failures = Vec::new();
         for (ids, failure) in results {
             sent.extend(ids);
             failures.extend(failure);
         }
-        let mut tx = within(on_pool, "begin", self.pool.begin()).await?;
-        let marked = DB::update_pending(&mut tx, &sql.sent_prefix, SystemClock.now_ms(), &sent);
+        self.record(&sent, &failures, stats).await?;
+        Ok(rows.len())
+    }
+
+    /// Takes a batch in a short transaction and leases the heads of its
+    /// keys (each key's first row; the rows behind a pending head cannot be
+    /// anyone's head meanwhile).
+    async fn take(&self, heads: &str) -> Result<Vec<OutboxRow>, StoreError> {
+        let sql = self.outbox.sql();
+        let now = SystemClock.now_ms();
+        let statement = self.statement();
+        let mut tx = within(self.on_pool(), "begin", DB::begin(&self.pool)).await?;
+        let claim = DB::claim(&mut tx, heads, sql, now, i64::from(self.batch));
+        let rows = within(statement, "outbox claim", claim).await?;
+        if !rows.is_empty() {
+            let lease_ms = i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX);
+            let mut first_of_key = std::collections::HashSet::new();
+            let leased: Vec<i64> = rows
+                .iter()
+                .filter(|r| first_of_key.insert(r.order_key.as_str()))
+                .map(|r| r.id)
+                .collect();
+            let until = now.saturating_add(lease_ms);
+            let lease = DB::update_pending(&mut tx, &sql.lease_prefix, until, &leased);
+            within(statement, "outbox lease", lease).await?;
+        }
+        within(statement, "commit", tx.commit()).await?;
+        Ok(rows)
+    }
+
+    /// Records a round's results in a short transaction: `sent` rows as
+    /// sent, each failure as due again later or parked as dead.
+    async fn record(
+        &self,
+        sent: &[i64],
+        failures: &[(&OutboxRow, PublishError)],
+        stats: &mut RelayStats,
+    ) -> Result<(), StoreError> {
+        let sql = self.outbox.sql();
+        let statement = self.statement();
+        let mut tx = within(self.on_pool(), "begin", self.pool.begin()).await?;
+        let marked = DB::update_pending(&mut tx, &sql.sent_prefix, SystemClock.now_ms(), sent);
         within(statement, "outbox mark sent", marked).await?;
-        let mut dead_now = Vec::new();
-        for (row, error) in &failures {
+        let mut recorded = Vec::with_capacity(failures.len());
+        for (row, error) in failures {
             let dead = error.is_permanent()
                 || u32::try_from(row.attempts + 1).unwrap_or(u32::MAX) >= self.max_attempts;
             let delay = self.retry_delay(row.attempts);
@@ -243,13 +261,13 @@ impl<DB: OutboxBackend> Relay<DB> {
             };
             let marked = DB::mark_failed(&mut tx, sql, &failure);
             within(statement, "outbox mark failed", marked).await?;
-            dead_now.push((row, error, dead, delay));
+            recorded.push((row, error, dead, delay));
         }
         // A failed commit leaves the rows pending: they are published
         // again, with the same message ids, once their lease ends.
         within(statement, "commit", tx.commit()).await?;
         stats.published += sent.len() as u64;
-        for (row, error, dead, delay) in dead_now {
+        for (row, error, dead, delay) in recorded {
             stats.failed += 1;
             if dead {
                 stats.dead += 1;
@@ -258,7 +276,7 @@ impl<DB: OutboxBackend> Relay<DB> {
                 tracing::warn!(message_id = %row.message_id, kind = %row.kind, destination = %row.destination, attempts = row.attempts + 1, ?delay, error = %error, "outbox publish failed; retrying");
             }
         }
-        Ok(taken)
+        Ok(())
     }
 
     /// Publishes one key's rows in order, stopping at the first failure,
