@@ -46,6 +46,7 @@ mod kafka;
 mod memory;
 mod mock;
 mod outbox;
+mod variant;
 
 use std::process::ExitCode;
 
