@@ -245,6 +245,7 @@ pub async fn consume(
     if dedup {
         let store = super::variant::pg_store(db_url, false).await?;
         let consumer = AmqpConsumer::builder(store)
+            .optimistic(super::variant::optimistic())
             .url(url)
             .queue(queue)
             .key_expr("json:/out_trade_no")

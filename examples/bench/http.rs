@@ -42,7 +42,7 @@ impl Server {
         match self {
             Self::BaselinePg => "baseline, Postgres (no dedup)",
             Self::OnceonlyPg => "onceonly, Postgres (pipelined)",
-            Self::OnceonlyPgStatements => "onceonly, Postgres (a statement per step)",
+            Self::OnceonlyPgStatements => "onceonly, Postgres (default: a statement per step)",
             Self::OnceonlyRedis => "onceonly, Redis two-tier + Postgres",
             Self::BaselineSqlite => "baseline, SQLite (no dedup)",
             Self::OnceonlySqlite => "onceonly, SQLite",
@@ -60,8 +60,8 @@ impl Server {
 
 const SERVERS: [Server; 6] = [
     Server::BaselinePg,
-    Server::OnceonlyPg,
     Server::OnceonlyPgStatements,
+    Server::OnceonlyPg,
     Server::OnceonlyRedis,
     Server::BaselineSqlite,
     Server::OnceonlySqlite,
@@ -366,8 +366,8 @@ pub async fn serve(
             .route("/orders", post(baseline_pg))
             .with_state(pool(db_url, 10).await?),
         Server::OnceonlyPg | Server::OnceonlyPgStatements => {
-            let statements = server == Server::OnceonlyPgStatements;
-            let store = super::variant::pg_store(db_url, statements).await?;
+            let pipelined = server == Server::OnceonlyPg;
+            let store = super::variant::pg_store(db_url, pipelined).await?;
             store.migrate().await?;
             let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
             Router::new().route("/orders", post(onceonly_pg).layer(layer))

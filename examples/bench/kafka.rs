@@ -519,7 +519,7 @@ pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
     let (brokers, topic, group, db_url) = (&brokers[..], &topic[..], &group[..], &db_url[..]);
     if dedup {
         let store = super::variant::pg_store(db_url, false).await?;
-        let mut builder = KafkaConsumer::builder(store);
+        let mut builder = KafkaConsumer::builder(store).optimistic(super::variant::optimistic());
         if let Some(n) = max_in_flight {
             builder = builder.max_in_flight(n);
         }

@@ -276,6 +276,105 @@ macro_rules! backend_suite {
                 ctx.drop_tables().await;
             }
 
+            /// Optimistic claims (the handler first, the key claimed with
+            /// its result before COMMIT): redeliveries are duplicates with
+            /// the stored result, a reused key with another payload is a
+            /// conflict, and every key's write commits once.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn optimistic_claims_apply_each_key_once() {
+                let ctx = ctx().await;
+                let engine = ctx
+                    .engine()
+                    .fingerprint(FingerprintSpec::Fields(vec!["/amount".into()]))
+                    .optimistic(true)
+                    .build()
+                    .unwrap();
+                let probe = Probe::default();
+                let handler = ctx.handler(&probe);
+                let mut tally = Tally::default();
+                // 200 keys, every other one redelivered right behind itself.
+                let keys = (0..200).flat_map(|j| vec![j; 1 + usize::from(j % 2 == 0)]);
+                for j in keys {
+                    let key = format!("T-{j:04}");
+                    let report = engine.process(&handler, &Delivery::new(pay(&key, 10))).await;
+                    if let Outcome::Duplicate { result } = &report.outcome {
+                        assert_eq!(result.as_ref(), Some(&(key.clone(), 10)));
+                    }
+                    tally.add(&report.outcome);
+                }
+                let conflict = engine.process(&handler, &Delivery::new(pay("T-0000", 11))).await;
+                tally.add(&conflict.outcome);
+                assert_eq!(
+                    tally,
+                    Tally {
+                        processed: 200,
+                        duplicate: 100,
+                        conflict: 1,
+                        ..Tally::default()
+                    }
+                );
+                assert_eq!(ctx.rows().await, 200, "business rows must equal distinct keys");
+                assert_eq!(ctx.scalar(&ctx.sql.distinct).await, 200);
+                ctx.drop_tables().await;
+            }
+
+            /// Concurrent copies of one key under optimistic claims: each
+            /// may run the handler, one commits, the others roll back and
+            /// are duplicates, whether the second insert of the key or a
+            /// unique business key (the handler's own write failing on the
+            /// winner's row) is what finds them out.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn optimistic_concurrent_copies_commit_once() {
+                let ctx = ctx().await;
+                let engine = ctx.engine().optimistic(true).build().unwrap();
+                let probe = Probe {
+                    delay_ms: 50,
+                    ..Probe::default()
+                };
+                for (key, unique_business) in [("T-hot-a", false), ("T-hot-b", true)] {
+                    if unique_business {
+                        let index = format!(
+                            "CREATE UNIQUE INDEX {0}_no ON {0} (out_trade_no)",
+                            ctx.business
+                        );
+                        sqlx::query(&index)
+                            .execute(ctx.store.pool())
+                            .await
+                            .expect("unique business key");
+                    }
+                    let mut tasks = Vec::new();
+                    for _ in 0..16 {
+                        let engine = engine.clone();
+                        let handler = ctx.handler(&probe);
+                        tasks.push(tokio::spawn(async move {
+                            engine.process(&handler, &Delivery::new(pay(key, 99))).await
+                        }));
+                    }
+                    let mut tally = Tally::default();
+                    for t in tasks {
+                        let report = t.await.unwrap();
+                        if let Outcome::Duplicate { result } = &report.outcome {
+                            assert_eq!(result.as_ref(), Some(&(key.to_owned(), 99)));
+                        }
+                        if let Outcome::Failed(f) = &report.outcome {
+                            panic!("{key}: a copy failed: {f}");
+                        }
+                        tally.add(&report.outcome);
+                    }
+                    assert_eq!(
+                        tally,
+                        Tally {
+                            processed: 1,
+                            duplicate: 15,
+                            ..Tally::default()
+                        },
+                        "{key}"
+                    );
+                }
+                assert_eq!(ctx.rows().await, 2, "one business row per key");
+                ctx.drop_tables().await;
+            }
+
             #[tokio::test]
             async fn handler_error_rolls_back_everything_and_a_retry_processes() {
                 let ctx = ctx().await;
@@ -958,6 +1057,13 @@ async fn postgres_setup(_dir: &Path, table: &str) -> (PgStore, String) {
     (pg_store(&url, table).await, url)
 }
 
+/// The PostgreSQL store with pipelined claims (the claim with `BEGIN`, the
+/// result with `COMMIT`): the whole suite again on that path.
+async fn postgres_pipelined_setup(_dir: &Path, table: &str) -> (PgStore, String) {
+    let url = pg_url();
+    (pg_store(&url, table).await.pipelined(true), url)
+}
+
 async fn mysql_setup(_dir: &Path, table: &str) -> (MySqlStore, String) {
     let url = mysql_url();
     (mysql_store(&url, table).await, url)
@@ -973,6 +1079,12 @@ backend_suite!(
     sqlx::PgConnection,
     BusinessSql::postgres,
     postgres_setup
+);
+backend_suite!(
+    postgres_pipelined,
+    sqlx::PgConnection,
+    BusinessSql::postgres,
+    postgres_pipelined_setup
 );
 backend_suite!(
     mysql,

@@ -56,6 +56,7 @@ pub struct EngineBuilder<S> {
     transport: &'static str,
     redaction: Result<KeyRedaction, KeyRedactionError>,
     max_crashes: u32,
+    optimistic: bool,
 }
 
 impl<S: SqlStore> EngineBuilder<S> {
@@ -72,6 +73,7 @@ impl<S: SqlStore> EngineBuilder<S> {
             transport: crate::telemetry::TRANSPORT_ENGINE,
             redaction: Ok(KeyRedaction::plain()),
             max_crashes: super::DEFAULT_MAX_CRASHES,
+            optimistic: false,
         }
     }
 
@@ -155,6 +157,31 @@ impl<S: SqlStore> EngineBuilder<S> {
         self
     }
 
+    /// Optimistic claims (default `false`): the handler runs first, in a
+    /// plain transaction, and the key is claimed after it, by the statement
+    /// that also records its result, sent just before `COMMIT`. A new key
+    /// then costs one statement instead of two (the claim's insert and the
+    /// result's update), and no claim lock is held while the handler runs.
+    /// A key committed already is found by that insert: the transaction,
+    /// the handler's writes with it, rolls back and the delivery is a
+    /// duplicate (or a conflict) as usual, its stored result returned. A
+    /// cache tier still answers known keys before the handler runs, and
+    /// suspects ([`max_crashes`](Self::max_crashes)) are claimed first.
+    ///
+    /// Only for handlers whose every effect is a write in the transaction
+    /// (the outbox included): a duplicate runs the handler again before it
+    /// is found out, and two concurrent copies of one key both run it (the
+    /// second one's writes are rolled back). A handler that fails is
+    /// checked against the dedup table before the failure counts: a key
+    /// committed meanwhile (a concurrent copy's writes made the handler's
+    /// own insert fail) is a duplicate. [`Engine::process_batch`] and the
+    /// HTTP layer claim first whatever this says.
+    #[must_use]
+    pub fn optimistic(mut self, optimistic: bool) -> Self {
+        self.optimistic = optimistic;
+        self
+    }
+
     /// The clock (default: system time).
     #[must_use]
     pub fn clock(mut self, clock: impl Clock) -> Self {
@@ -228,6 +255,7 @@ impl<S: SqlStore> EngineBuilder<S> {
                 clock: self.clock,
                 max_crashes: self.max_crashes,
                 crashes: super::crash::Crashes::default(),
+                optimistic: self.optimistic,
             }),
         })
     }
@@ -262,6 +290,15 @@ macro_rules! forward_engine_settings {
         #[must_use]
         pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
             self.engine = self.engine.fingerprint(spec);
+            self
+        }
+
+        /// Optimistic claims: the handler first, the key claimed with its
+        /// result just before `COMMIT` (see [`EngineBuilder::optimistic`];
+        /// only for handlers whose every effect is a database write).
+        #[must_use]
+        pub fn optimistic(mut self, optimistic: bool) -> Self {
+            self.engine = self.engine.optimistic(optimistic);
             self
         }
 

@@ -11,6 +11,7 @@ mod builder;
 mod crash;
 mod decision;
 mod handler;
+mod optimistic;
 mod outcome;
 mod retry;
 pub(crate) mod session;
@@ -71,6 +72,9 @@ struct Inner<S> {
     /// Suspects that crashed the process this often are dead-lettered.
     max_crashes: u32,
     crashes: crash::Crashes,
+    /// Claims after the handler, with the result (see
+    /// [`EngineBuilder::optimistic`]).
+    optimistic: bool,
 }
 
 impl<S: SqlStore> Engine<S> {
@@ -331,6 +335,11 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        if self.inner.optimistic && !delivery.is_suspect() {
+            return self
+                .attempt_optimistic(handler, delivery, key, fingerprint, input)
+                .await;
+        }
         let spec = ClaimSpec::new(key)
             .fingerprint(fingerprint.copied())
             .source(delivery.source())

@@ -425,7 +425,7 @@ impl<S: SqlStore> Session<S> {
 /// `COMMIT`): the message's own writes refused (a deferred constraint or
 /// trigger, a transaction the handler left aborted) are the message's
 /// fault, anything else the store's.
-fn ending_failure(e: StoreError) -> Failure {
+pub(super) fn ending_failure(e: StoreError) -> Failure {
     match e {
         StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
         e => Failure::Store(e),

@@ -200,6 +200,43 @@ where
         Err(StoreError::Contention)
     }
 
+    /// Claims `req.key` with its result recorded in the same statement
+    /// (an optimistic claim, after the handler ran); a key already there
+    /// goes through the claim's other rounds, and a reclaimed expired
+    /// record gets the result next. Bounded like [`claim`](Self::claim).
+    pub async fn claim_completed(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+        result: &[u8],
+    ) -> Result<Claim, StoreError> {
+        let bound = self.statement() + req.lock_wait.unwrap_or_default();
+        let insert = sqlx::query(&self.sql.insert_completed)
+            .bind(req.fingerprint.map(|f| f.as_bytes().as_slice()))
+            .bind(req.source.map(clamp_source))
+            .bind(times.now_ms)
+            .bind(times.expires_at_ms)
+            .bind(scope)
+            .bind(req.key)
+            .bind(result)
+            .execute(&mut *conn);
+        let inserted = match within(bound, "claim", insert).await {
+            Ok(done) => DB::rows_affected(&done) == 1,
+            Err(StoreError::Database(e)) if DB::is_duplicate_key(&e) => false,
+            Err(e) => return Err(e),
+        };
+        if inserted {
+            return Ok(Claim::Claimed);
+        }
+        let claim = self.claim(conn, scope, times, req).await?;
+        if claim == Claim::Claimed {
+            self.complete(conn, scope, req.key, result).await?;
+        }
+        Ok(claim)
+    }
+
     /// Claims many keys: the backend's own batch claim, or one claim per key.
     pub async fn claim_batch(
         &self,

@@ -51,6 +51,17 @@ macro_rules! forward_sql_store {
                 self.$to.claim(conn, scope, times, req).await
             }
 
+            async fn claim_completed(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                times: $crate::store::ClaimTimes,
+                req: &$crate::store::ClaimRequest<'_>,
+                result: &[u8],
+            ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
+                self.$to.claim_completed(conn, scope, times, req, result).await
+            }
+
             async fn claim_batch(
                 &self,
                 conn: &mut <$db as sqlx::Database>::Connection,

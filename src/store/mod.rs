@@ -226,8 +226,8 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// transaction when the key is new ([`Claim::Claimed`]), what the
     /// claim found otherwise (the transaction ended, nothing written).
     /// The default is [`begin`](Self::begin), then [`claim`](Self::claim):
-    /// two round trips. [`PgStore`](crate::PgStore) sends the claim with
-    /// its `BEGIN`, in one ([`PgStore::pipelined`](crate::PgStore::pipelined)).
+    /// two round trips. A [pipelined](crate::PgStore::pipelined)
+    /// [`PgStore`](crate::PgStore) sends the claim with its `BEGIN`, in one.
     async fn open_claim(
         &self,
         scope: &str,
@@ -243,7 +243,8 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// this returns: an error rolled it back, or is the commit's own (then
     /// it may or may not have committed). The default runs
     /// [`complete`](Self::complete), [`clear_attempts`](Self::clear_attempts)
-    /// and `COMMIT`, one round trip each; [`PgStore`](crate::PgStore)
+    /// and `COMMIT`, one round trip each; a
+    /// [pipelined](crate::PgStore::pipelined) [`PgStore`](crate::PgStore)
     /// sends them in one.
     async fn finish_claim(
         &self,
@@ -254,6 +255,26 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         clear_attempts: bool,
     ) -> Result<(), StoreError> {
         finish_by_statements(self, tx, scope, key, result, clear_attempts).await
+    }
+
+    /// Claims `req.key` inside `conn` with `result` recorded at once: the
+    /// claim of an [optimistic](crate::EngineBuilder::optimistic) engine,
+    /// made after its handler ran, in one statement when the key is new.
+    /// The default is [`claim`](Self::claim), then
+    /// [`complete`](Self::complete) when claimed.
+    async fn claim_completed(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+        result: &[u8],
+    ) -> Result<Claim, StoreError> {
+        let claim = self.claim(conn, scope, times, req).await?;
+        if claim == Claim::Claimed {
+            self.complete(conn, scope, req.key, result).await?;
+        }
+        Ok(claim)
     }
 
     /// Claims many keys inside the open transaction `conn`; one [`Claim`] per

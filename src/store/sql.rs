@@ -13,6 +13,9 @@ pub(crate) struct Sql {
     pub ddl: Vec<String>,
     /// fingerprint, source, now, expires, scope, key; writes one row or none.
     pub insert: String,
+    /// fingerprint, source, now, expires, scope, key, result: `insert`
+    /// with the result (optimistic claims, after the handler).
+    pub insert_completed: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub insert_many: String,
     /// scope, key.
@@ -88,6 +91,10 @@ fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
         ddl,
         insert: format!(
             "INSERT INTO {t} ({INSERT_COLS}) VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (scope, idem_key) DO NOTHING"
+        ),
+        insert_completed: format!(
+            "INSERT INTO {t} ({INSERT_COLS}, result) VALUES ($1, $2, $3, $4, $5, $6, $7) \
              ON CONFLICT (scope, idem_key) DO NOTHING"
         ),
         insert_many: format!(
@@ -272,6 +279,9 @@ impl Sql {
         Sql {
             ddl,
             insert: format!("INSERT INTO {t} ({INSERT_COLS}) VALUES (?, ?, ?, ?, ?, ?)"),
+            insert_completed: format!(
+                "INSERT INTO {t} ({INSERT_COLS}, result) VALUES (?, ?, ?, ?, ?, ?, ?)"
+            ),
             insert_many: String::new(),
             existing: format!(
                 "SELECT fingerprint, result, expires_at_ms FROM {t} WHERE scope = ? AND idem_key = ?"

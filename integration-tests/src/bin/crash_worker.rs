@@ -1,7 +1,7 @@
 //! A tiny consumer for the crash test: processes one payment with the engine.
 //!
 //! `crash_worker BACKEND URL_OR_PATH DEDUP_TABLE BUSINESS_TABLE KEY MODE`
-//! with BACKEND `postgres|mysql|sqlite` and MODE `hang` (after claiming and
+//! with BACKEND `postgres|postgres_pipelined|mysql|sqlite` and MODE `hang` (after claiming and
 //! writing the business row, print `CLAIMED` and sleep so the test can
 //! SIGKILL it before the commit), `run` (process and print the outcome, and
 //! for a failure its reason), `abort` (a suspect delivery whose handler
@@ -72,6 +72,16 @@ async fn main() {
     match backend.as_str() {
         "postgres" => {
             let store = pg_store(url, table).await;
+            run!(
+                store,
+                sqlx::PgConnection,
+                BusinessSql::postgres(business),
+                key,
+                mode
+            )
+        }
+        "postgres_pipelined" => {
+            let store = pg_store(url, table).await.pipelined(true);
             run!(
                 store,
                 sqlx::PgConnection,
