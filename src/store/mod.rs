@@ -375,7 +375,19 @@ pub(crate) async fn open_by_statements<S: SqlStore>(
     let began = std::time::Instant::now();
     let mut tx = ClaimTx::new(store.begin().await?, began);
     let bound = store.deadlines().statement_deadline();
-    match store.claim(&mut tx, scope, times, req).await {
+    let claim = store.claim(&mut tx, scope, times, req).await;
+    opened(tx, claim, bound).await
+}
+
+/// What [`SqlStore::open_claim`] returns once the claim in `tx` is done:
+/// the open transaction when the key was claimed; otherwise `tx` rolled
+/// back (within `bound`) and what the claim found, or its error.
+pub(crate) async fn opened<DB: Database>(
+    tx: ClaimTx<DB>,
+    claim: Result<Claim, StoreError>,
+    bound: Duration,
+) -> Result<Result<ClaimTx<DB>, Claim>, StoreError> {
+    match claim {
         Ok(Claim::Claimed) => Ok(Ok(tx)),
         Ok(found) => {
             tx.rollback(bound).await;

@@ -267,17 +267,7 @@ impl PgStore {
             // rounds, in the same transaction.
             _ => self.base.claim(&mut tx, scope, times, req).await,
         };
-        match claim {
-            Ok(Claim::Claimed) => Ok(Ok(tx)),
-            Ok(found) => {
-                tx.rollback(statement).await;
-                Ok(Err(found))
-            }
-            Err(e) => {
-                tx.rollback(statement).await;
-                Err(e)
-            }
-        }
+        crate::store::opened(tx, claim, statement).await
     }
 
     /// [`SqlStore::finish_claim`](crate::SqlStore::finish_claim) in one
