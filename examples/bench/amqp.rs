@@ -243,7 +243,7 @@ pub async fn consume(
     stop: CancellationToken,
 ) -> Res<()> {
     if dedup {
-        let store = PgStore::connect(db_url).await?;
+        let store = super::variant::pg_store(db_url, false).await?;
         let consumer = AmqpConsumer::builder(store)
             .url(url)
             .queue(queue)

@@ -14,7 +14,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use onceonly::http::{IdempotencyLayer, Tx};
 use onceonly::redis::CachedStore;
-use onceonly::{PgStore, SqlStore, SqliteStore};
+use onceonly::{SqlStore, SqliteStore};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgPool, Postgres, Sqlite, SqlitePool};
 use tokio_util::sync::CancellationToken;
@@ -31,6 +31,7 @@ use super::stats::Table;
 pub enum Server {
     BaselinePg,
     OnceonlyPg,
+    OnceonlyPgStatements,
     OnceonlyRedis,
     BaselineSqlite,
     OnceonlySqlite,
@@ -40,7 +41,8 @@ impl Server {
     fn name(self) -> &'static str {
         match self {
             Self::BaselinePg => "baseline, Postgres (no dedup)",
-            Self::OnceonlyPg => "onceonly, Postgres",
+            Self::OnceonlyPg => "onceonly, Postgres (pipelined)",
+            Self::OnceonlyPgStatements => "onceonly, Postgres (a statement per step)",
             Self::OnceonlyRedis => "onceonly, Redis two-tier + Postgres",
             Self::BaselineSqlite => "baseline, SQLite (no dedup)",
             Self::OnceonlySqlite => "onceonly, SQLite",
@@ -56,9 +58,10 @@ impl Server {
     }
 }
 
-const SERVERS: [Server; 5] = [
+const SERVERS: [Server; 6] = [
     Server::BaselinePg,
     Server::OnceonlyPg,
+    Server::OnceonlyPgStatements,
     Server::OnceonlyRedis,
     Server::BaselineSqlite,
     Server::OnceonlySqlite,
@@ -362,14 +365,15 @@ pub async fn serve(
         Server::BaselinePg => Router::new()
             .route("/orders", post(baseline_pg))
             .with_state(pool(db_url, 10).await?),
-        Server::OnceonlyPg => {
-            let store = PgStore::connect(db_url).await?;
+        Server::OnceonlyPg | Server::OnceonlyPgStatements => {
+            let statements = server == Server::OnceonlyPgStatements;
+            let store = super::variant::pg_store(db_url, statements).await?;
             store.migrate().await?;
             let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
             Router::new().route("/orders", post(onceonly_pg).layer(layer))
         }
         Server::OnceonlyRedis => {
-            let sql = PgStore::connect(db_url).await?;
+            let sql = super::variant::pg_store(db_url, false).await?;
             sql.migrate().await?;
             let store = CachedStore::connect(sql, redis_url)?.with_prefix(redis_prefix);
             let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;

@@ -518,7 +518,7 @@ pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
     } = spec.clone();
     let (brokers, topic, group, db_url) = (&brokers[..], &topic[..], &group[..], &db_url[..]);
     if dedup {
-        let store = PgStore::connect(db_url).await?;
+        let store = super::variant::pg_store(db_url, false).await?;
         let mut builder = KafkaConsumer::builder(store);
         if let Some(n) = max_in_flight {
             builder = builder.max_in_flight(n);
