@@ -158,6 +158,14 @@ async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
         0,
         "nothing dead-lettered again"
     );
+    // The copies came through the default exchange: the stored source is
+    // `queue/routing-key`, without an empty exchange segment.
+    let source: String =
+        sqlx::query_scalar("SELECT source FROM onceonly_keys WHERE idem_key = 'K-3'")
+            .fetch_one(&s.pool)
+            .await
+            .unwrap();
+    assert_eq!(source, format!("{}/{}", s.queue, s.queue));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -294,7 +294,10 @@ impl<S: SqlStore> Engine<S> {
         let mut tx = inner.store.begin().await?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claim = match inner.store.claim(&mut tx, scope, times, req).await {
-            Ok(claim) => claim,
+            Ok(claim) => {
+                inner.telemetry.claim_time(began.elapsed());
+                claim
+            }
             Err(e) => {
                 self.rollback(tx, began).await;
                 return Err(e);

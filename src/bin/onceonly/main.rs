@@ -40,7 +40,9 @@ pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>
     propagate_version = true,
     after_help = "\
 --database-url, --table and --outbox-table also read ONCEONLY_DATABASE_URL,
-ONCEONLY_TABLE and ONCEONLY_OUTBOX_TABLE. Logs go to stderr; use -v for more."
+ONCEONLY_TABLE and ONCEONLY_OUTBOX_TABLE; without --database-url and
+ONCEONLY_DATABASE_URL, DATABASE_URL is used (sqlx's convention). Logs go to
+stderr; use -v for more."
 )]
 struct Cli {
     /// More logging on stderr (-v: debug, -vv: trace).
@@ -67,12 +69,21 @@ enum Command {
 /// Where the dedup table lives.
 #[derive(clap::Args, Debug)]
 pub struct DbArgs {
-    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH (else
+    /// DATABASE_URL).
     #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    pub database_url: Option<String>,
     /// The dedup table (`table` or `schema.table`).
     #[arg(long, env = "ONCEONLY_TABLE", default_value = onceonly::store::DEFAULT_TABLE)]
     pub table: String,
+}
+
+impl DbArgs {
+    /// Opens the dedup store these arguments name (the SQLite file must exist).
+    pub async fn open(&self) -> Result<db::Db, db::OpenError> {
+        let url = db::database_url(self.database_url.as_deref())?;
+        db::Db::open(&url, &self.table, false).await
+    }
 }
 
 /// TLS files of an `amqps://` broker beyond the system's roots.

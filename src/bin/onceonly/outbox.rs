@@ -54,9 +54,10 @@ pub struct OutboxTableArg {
 /// Where the outbox table lives.
 #[derive(Args, Debug)]
 struct OutboxDbArgs {
-    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH (else
+    /// DATABASE_URL).
     #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
-    database_url: String,
+    database_url: Option<String>,
     #[command(flatten)]
     table: OutboxTableArg,
 }
@@ -66,7 +67,8 @@ impl OutboxDbArgs {
     async fn open(&self) -> CliResult<(Db, String)> {
         let name = TableName::new(&self.table.outbox_table)?.to_string();
         // The dedup table's name is not used: the outbox has its own.
-        let db = Db::open(&self.database_url, DEFAULT_TABLE, false).await?;
+        let url = crate::db::database_url(self.database_url.as_deref())?;
+        let db = Db::open(&url, DEFAULT_TABLE, false).await?;
         Ok((db, name))
     }
 }
