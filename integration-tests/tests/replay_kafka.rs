@@ -81,7 +81,7 @@ async fn replay(s: &Setup, group: &str, extra: &[&str]) -> Run {
         brokers.as_str(),
         "--topic",
         s.dlt.as_str(),
-        "--group",
+        "--consumer-group",
         group,
     ];
     args.extend_from_slice(extra);

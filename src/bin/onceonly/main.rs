@@ -1,9 +1,11 @@
 //! `onceonly`: operate a onceonly deployment — create the dedup and outbox
 //! tables, inspect and purge records, show statistics, replay dead letters,
-//! watch and retry the transactional outbox, compute the logged form of a
-//! key.
+//! group dead letters by failure, watch and retry the transactional outbox,
+//! compute the logged form of a key.
 
 mod db;
+#[cfg(any(feature = "amqp", feature = "kafka"))]
+mod dlq;
 mod inspect;
 mod key_hash;
 mod migrate;
@@ -63,6 +65,9 @@ enum Command {
     /// Replay dead letters back to where they came from.
     #[cfg(any(feature = "amqp", feature = "kafka"))]
     Replay(replay::ReplayArgs),
+    /// Look into dead-letter queues and topics (failure groups).
+    #[cfg(any(feature = "amqp", feature = "kafka"))]
+    Dlq(dlq::DlqArgs),
     KeyHash(key_hash::KeyHashArgs),
 }
 
@@ -172,6 +177,8 @@ fn main() -> ExitCode {
             Command::Relay(a) => relay::run(a).await.map(|()| ExitCode::SUCCESS),
             #[cfg(any(feature = "amqp", feature = "kafka"))]
             Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
+            #[cfg(any(feature = "amqp", feature = "kafka"))]
+            Command::Dlq(a) => dlq::run(a).await,
             Command::KeyHash(a) => key_hash::run(a).map(|()| ExitCode::SUCCESS),
         }
     });
