@@ -32,7 +32,9 @@ fn cli(args: &[&str]) -> (i32, String, String) {
 fn help_lists_the_subcommands() {
     let (code, out, _) = cli(&["--help"]);
     assert_eq!(code, 0);
-    for sub in ["migrate", "inspect", "purge", "stats", "outbox", "key-hash"] {
+    for sub in [
+        "migrate", "inspect", "purge", "stats", "outbox", "doctor", "dlq", "key-hash",
+    ] {
         assert!(out.contains(sub), "{sub} missing from --help:\n{out}");
     }
     let (code, _, err) = cli(&["purge", "--database-url", "sqlite:x.db"]);

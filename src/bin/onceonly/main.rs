@@ -6,6 +6,7 @@
 mod db;
 #[cfg(any(feature = "amqp", feature = "kafka"))]
 mod dlq;
+mod doctor;
 mod inspect;
 mod key_hash;
 mod migrate;
@@ -62,6 +63,7 @@ enum Command {
     Stats(stats::StatsArgs),
     Outbox(outbox::OutboxArgs),
     Relay(relay::RelayArgs),
+    Doctor(doctor::DoctorArgs),
     /// Replay dead letters back to where they came from.
     #[cfg(any(feature = "amqp", feature = "kafka"))]
     Replay(replay::ReplayArgs),
@@ -175,6 +177,7 @@ fn main() -> ExitCode {
             Command::Stats(a) => stats::run(a).await.map(|()| ExitCode::SUCCESS),
             Command::Outbox(a) => outbox::run(a).await,
             Command::Relay(a) => relay::run(a).await.map(|()| ExitCode::SUCCESS),
+            Command::Doctor(a) => doctor::run(a).await,
             #[cfg(any(feature = "amqp", feature = "kafka"))]
             Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
             #[cfg(any(feature = "amqp", feature = "kafka"))]

@@ -12,7 +12,7 @@ use onceonly::store::{DEFAULT_TABLE, StoreError, TableName};
 use serde_json::json;
 use sqlx::Pool;
 
-use crate::db::{Db, with_store};
+use crate::db::Db;
 use crate::inspect::{printable, result_value};
 use crate::time::{age, before_now, now_ms, parse_duration, rfc3339, rfc3339_seconds};
 use crate::{CliResult, out};
@@ -103,13 +103,14 @@ pub(crate) fn outbox_sql(
 /// the pool of `$db`, whatever its backend.
 macro_rules! with_outbox {
     ($db:expr, $table:expr, |$outbox:ident, $pool:ident| $body:expr) => {
-        with_store!($db, |store| {
+        $crate::db::with_store!($db, |store| {
             let $pool = onceonly::SqlStore::pool(store);
-            let $outbox = outbox_for($pool, $table)?;
+            let $outbox = $crate::outbox::outbox_for($pool, $table)?;
             $body
         })
     };
 }
+pub(crate) use with_outbox;
 
 pub async fn run(args: OutboxArgs) -> CliResult<ExitCode> {
     match args.command {
