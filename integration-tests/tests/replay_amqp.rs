@@ -733,8 +733,8 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
     assert_eq!(header(p, "x-onceonly-replays").as_deref(), Some("1"));
     assert_eq!(
         header(p, "x-onceonly-origin"),
-        Some(format!("{q}//{q}", q = s.queue)),
-        "queue/exchange/routing-key of the first delivery"
+        Some(format!("{q}/{q}", q = s.queue)),
+        "where the first delivery came from, as its stored source says it"
     );
 
     let run = replay(&s, &["--beyond-retention"]).await;

@@ -480,11 +480,11 @@ fn replay_properties(original: &BasicProperties, queue: &str, replays: u32) -> B
     set_text(&mut h, REPLAYED_FROM, queue);
     set_text(&mut h, REPLAYS, &replays.saturating_add(1).to_string());
     if header_text(Some(&h), ORIGIN).is_none() {
-        let origin = format!(
-            "{}/{}/{}",
-            header_text(Some(&h), headers::QUEUE).unwrap_or_default(),
-            header_text(Some(&h), headers::ORIGINAL_EXCHANGE).unwrap_or_default(),
-            header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).unwrap_or_default(),
+        // The source the consumer stored with the claim.
+        let origin = crate::amqp::message::source(
+            &header_text(Some(&h), headers::QUEUE).unwrap_or_default(),
+            &header_text(Some(&h), headers::ORIGINAL_EXCHANGE).unwrap_or_default(),
+            &header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).unwrap_or_default(),
         );
         set_text(&mut h, ORIGIN, &origin);
     }
@@ -582,7 +582,7 @@ mod tests {
         );
         assert_eq!(copy.delivery_mode(), &Some(2));
         assert_eq!(header_text(ch, REPLAYS).as_deref(), Some("2"));
-        assert_eq!(header_text(ch, ORIGIN).as_deref(), Some("//"));
+        assert_eq!(header_text(ch, ORIGIN).as_deref(), Some("/"));
         assert_eq!(copy.user_id(), &None);
     }
 }

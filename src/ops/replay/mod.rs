@@ -74,8 +74,9 @@ pub const REPLAYED_FROM: &str = "x-onceonly-replayed-from";
 pub const REPLAYS: &str = "x-onceonly-replays";
 
 /// Header of every replayed copy: where the message was first consumed
-/// from, kept across replays: `topic/partition@offset` (Kafka) or
-/// `queue/exchange/routing-key` (AMQP).
+/// from, kept across replays: `topic/partition@offset` (Kafka), or the
+/// source the AMQP consumer stores (`queue/exchange/routing-key`,
+/// `queue/routing-key` through the default exchange).
 pub const ORIGIN: &str = "x-onceonly-origin";
 
 /// Suffix of the parking queue or topic: letters replayed too often go to

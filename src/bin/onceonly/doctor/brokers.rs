@@ -84,6 +84,7 @@ pub async fn kafka(
 }
 
 /// The finding on one topic keeping records `retention_ms` (-1: for ever).
+#[cfg(feature = "kafka")]
 pub fn topic_finding(topic: &str, retention_ms: Option<i64>, dedup: Duration) -> Finding {
     let dedup_ms = i64::try_from(dedup.as_millis()).unwrap_or(i64::MAX);
     match retention_ms {
@@ -205,6 +206,7 @@ pub async fn amqp(
 
 /// The finding on a dead-letter queue of `depth` letters whose oldest was
 /// first seen at `first_seen_ms`.
+#[cfg(feature = "amqp")]
 pub fn queue_finding(
     queue: &str,
     depth: u32,
@@ -246,7 +248,7 @@ pub fn queue_finding(
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "kafka"))]
 mod tests {
     use super::super::finding::Status;
     use super::*;

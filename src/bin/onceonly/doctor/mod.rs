@@ -1,6 +1,7 @@
 //! `onceonly doctor`: checks a deployment and says what is wrong and how to
 //! fix it.
 
+#[cfg(any(feature = "kafka", feature = "amqp"))]
 mod brokers;
 mod finding;
 mod sql;

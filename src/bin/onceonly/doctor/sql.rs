@@ -41,6 +41,7 @@ pub fn indexes_finding(table: &TableName, expected: &[String], present: &[String
 }
 
 /// The finding on the privileges the role lacks on `table`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub fn privileges_finding(role: &str, table: &str, missing: &[&str], needed: &[&str]) -> Finding {
     if missing.is_empty() {
         Finding::ok(
@@ -61,6 +62,7 @@ pub fn privileges_finding(role: &str, table: &str, missing: &[&str], needed: &[&
 
 /// The finding on the clock: the database's `db_ms` read between `before`
 /// and `after` on the host (ms since the Unix epoch).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub fn clock_finding(db_ms: i64, before: i64, after: i64) -> Finding {
     let host = before + (after - before) / 2;
     let skew = db_ms - host;
@@ -80,6 +82,7 @@ pub fn clock_finding(db_ms: i64, before: i64, after: i64) -> Finding {
 }
 
 /// Now on the host, ms since the Unix epoch.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub fn host_now() -> i64 {
     crate::time::now_ms()
 }
@@ -329,6 +332,7 @@ mod tests {
         assert_eq!(super::index_names(&ddl, "`o`"), ["o_pending"]);
     }
 
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     #[test]
     fn clock_skew_thresholds() {
         use super::super::finding::Status;
