@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use onceonly::ops::replay::{Action, Progress, ReplayOptions, ReplayReport, Screen};
+use onceonly::ops::replay::{Action, Progress, ReplayOptions, ReplayReport, Screen, Verdict};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -358,10 +358,12 @@ impl Ui {
                 )
             };
             match p.action {
-                Action::WouldReplay => bar.suspend(|| {
-                    let verdict = l.verdict.map_or("", |v| v.as_str());
-                    println!("would replay {} {verdict}", describe());
-                }),
+                Action::WouldReplay => {
+                    bar.suspend(|| match l.verdict.filter(|v| *v != Verdict::Unknown) {
+                        Some(v) => println!("would replay {}: {}", describe(), v.as_str()),
+                        None => println!("would replay {}", describe()),
+                    })
+                }
                 Action::Refused => bar.suspend(|| {
                     println!(
                         "refused {}: older than the dedup retention of its scope",

@@ -8,7 +8,8 @@
 //! refuses such letters unless told otherwise
 //! ([`Screen::beyond_retention`]).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -88,6 +89,8 @@ pub struct Screen {
     retention: Option<Duration>,
     beyond_retention: bool,
     clock: Arc<dyn Clock>,
+    /// Retentions read from the table, by scope (read once per run).
+    known: Arc<Mutex<HashMap<String, Duration>>>,
 }
 
 impl std::fmt::Debug for Screen {
@@ -107,6 +110,7 @@ impl Default for Screen {
             retention: None,
             beyond_retention: false,
             clock: Arc::new(SystemClock),
+            known: Arc::default(),
         }
     }
 }
@@ -156,6 +160,12 @@ impl Screen {
         self
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Duration>> {
+        self.known
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Whether a dedup table is looked up.
     pub fn has_lookup(&self) -> bool {
         self.lookup.is_some()
@@ -174,10 +184,20 @@ impl Screen {
         let now = self.clock.now_ms();
         let retention = match (self.retention, &self.lookup, scope) {
             (Some(r), _, _) => r,
-            (None, Some(lookup), Some(scope)) => lookup
-                .retention(scope)
-                .await?
-                .unwrap_or(crate::engine::DEFAULT_RETENTION),
+            (None, Some(lookup), Some(scope)) => {
+                let known = self.lock().get(scope).copied();
+                match known {
+                    Some(r) => r,
+                    None => {
+                        let r = lookup
+                            .retention(scope)
+                            .await?
+                            .unwrap_or(crate::engine::DEFAULT_RETENTION);
+                        self.lock().insert(scope.to_owned(), r);
+                        r
+                    }
+                }
+            }
             _ => crate::engine::DEFAULT_RETENTION,
         };
         let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
