@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::child::{BenchLedger, ChildSpec, Msg, business_write};
 use super::common::{
-    Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, drain_backlog,
-    latencies, ledger_counts, payload, pool,
+    Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, columns,
+    drain_backlog, latencies, ledger_counts, payload, pool,
 };
 use super::stats::Table;
 
@@ -35,27 +35,36 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 "AMQP → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, prefetch {PREFETCH}, concurrency {CONCURRENCY})",
                 b.sizes.backlog, b.sizes.paced, b.sizes.paced_rate
             ),
-            &[
-                "consumer",
-                "msgs/s",
-                "p50",
-                "p99",
-                "peak RSS",
-                "vs baseline",
+            &columns(
+                &[
+                    "consumer",
+                    "msgs/s",
+                    "p50",
+                    "p99",
+                    "peak RSS",
+                    "vs baseline",
+                ],
                 "msgs / rows / distinct keys",
-            ],
+            ),
         );
         let mut base = None;
         // Runs interleave baseline and onceonly, so drifting load on the
         // shared machine hits both alike.
         let mut results = [Vec::new(), Vec::new()];
+        let inline = b.inline_counts();
         for r in 0..b.runs {
             for (v, dedup) in [false, true].into_iter().enumerate() {
-                results[v].push(one_run(b, dedup, dup, 2000 + r as u64).await?);
+                results[v].push(one_run(b, dedup, dup, 2000 + r as u64, inline).await?);
             }
         }
-        for (dedup, runs) in [false, true].into_iter().zip(results) {
-            let m = Measured::combine(&runs);
+        let mut counted = [None, None];
+        if b.counted_pass() {
+            for (v, dedup) in [false, true].into_iter().enumerate() {
+                counted[v] = Some(one_run(b, dedup, dup, 2999, true).await?);
+            }
+        }
+        for ((dedup, runs), counted) in [false, true].into_iter().zip(results).zip(counted) {
+            let m = Measured::combine(&runs, counted.as_ref());
             let name = if dedup {
                 "onceonly"
             } else {
@@ -136,9 +145,10 @@ async fn publish_one(channel: &Channel, queue: &str, key: &str) -> Res<lapin::Pu
         .await?)
 }
 
-async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResult> {
+async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64, counted: bool) -> Res<RunResult> {
     let queue = b.unique("amqp");
     let schema = b.schema("amqp").await?;
+    let client = b.db_client(&schema.url, counted)?;
     let (conn, channel) = connect(&b.services.amqp_url).await?;
     let result = async {
         channel
@@ -156,12 +166,14 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResu
             dedup,
             url: b.services.amqp_url.clone(),
             queue: queue.clone(),
-            db_url: schema.url.clone(),
+            db_url: client.url.clone(),
             prefetch: PREFETCH,
             concurrency: CONCURRENCY,
         })
         .await?;
+        let window = b.window(&child, &client).await?;
         let rate = drain_backlog(&observer, &plan, dedup, &mut child).await?;
+        let cost = b.close_window(window, plan.keys.len()).await?;
 
         // Paced fresh keys: latency with the consumer keeping up.
         let (paced, mut tick) = b.sizes.paced(&queue);
@@ -197,6 +209,7 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64) -> Res<RunResu
                 rows,
                 distinct,
                 messages: plan.keys.len() + paced.len(),
+                cost,
             },
             left,
             (plan.distinct + paced.len()) as i64,
@@ -230,7 +243,7 @@ pub async fn consume(
     stop: CancellationToken,
 ) -> Res<()> {
     if dedup {
-        let store = PgStore::connect(db_url).await?;
+        let store = super::variant::pg_store(db_url, false).await?;
         let consumer = AmqpConsumer::builder(store)
             .url(url)
             .queue(queue)

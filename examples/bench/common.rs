@@ -15,10 +15,19 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child as TokioChild, ChildStdin, Command};
 
 use super::child::ChildSpec;
+use super::meter::{Cost, Counting, DbClient, PgProxy, cost_cells, with_application_name};
 use super::stats::{Table, median, ms, percentile};
 
 /// Any error of the harness.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// A table's columns: `first`, the cost columns, then `last`.
+pub fn columns<'a>(first: &[&'a str], last: &'a str) -> Vec<&'a str> {
+    let mut v = first.to_vec();
+    v.extend(super::meter::COST_COLUMNS);
+    v.push(last);
+    v
+}
+
 /// The result of a harness step.
 pub type Res<T> = Result<T, BoxError>;
 /// A scenario's future.
@@ -126,6 +135,10 @@ pub struct Bench {
     pub admin: PgPool,
     /// A tag unique to this invocation (topic, queue and schema names).
     pub tag: String,
+    /// How round trips and statements are counted.
+    pub counting: Counting,
+    /// The counting proxy in front of PostgreSQL (unless `Counting::Off`).
+    pub proxy: Option<PgProxy>,
     preamble: String,
     tables: Vec<Table>,
     targets: Vec<Target>,
@@ -134,7 +147,13 @@ pub struct Bench {
 }
 
 impl Bench {
-    pub async fn new(mode: Mode, runs: usize, dups: Vec<u32>, services: Services) -> Res<Self> {
+    pub async fn new(
+        mode: Mode,
+        runs: usize,
+        dups: Vec<u32>,
+        services: Services,
+        counting: Counting,
+    ) -> Res<Self> {
         let admin = PgPoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(10))
@@ -147,6 +166,10 @@ impl Bench {
                 )
             })?;
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        let proxy = match counting {
+            Counting::Off => None,
+            _ => Some(PgProxy::start(&services.pg_url).await?),
+        };
         Ok(Self {
             mode,
             runs,
@@ -155,6 +178,8 @@ impl Bench {
             services,
             admin,
             tag,
+            counting,
+            proxy,
             preamble: String::new(),
             tables: Vec::new(),
             targets: Vec::new(),
@@ -172,7 +197,7 @@ impl Bench {
              duplicate ratios {:?} %, {cpus} CPUs, load average at start: {}.\n\
              Latency is end to end: from the send timestamp in the payload to the moment the \
              business row is visible as committed (polled every {} ms) for consumers; request \
-             round trip for HTTP. Peak RSS is the child process's VmHWM.\n\n",
+             round trip for HTTP. Peak RSS is the child process's VmHWM. {}\n\n",
             if cfg!(debug_assertions) {
                 "**debug**"
             } else {
@@ -186,6 +211,23 @@ impl Bench {
                 .collect::<Vec<_>>()
                 .join(" "),
             OBSERVER_POLL.as_millis(),
+            match self.counting {
+                Counting::Separate => {
+                    "Round trips and statements per delivery are counted by a PostgreSQL proxy \
+                     in one extra run per variant; rates, latencies and CPU come from the \
+                     direct runs. CPU is per 1,000 deliveries, of the process under test and of \
+                     the database backends serving it."
+                }
+                Counting::Inline => {
+                    "Every run goes through a counting PostgreSQL proxy (rates include its hop); \
+                     CPU is per 1,000 deliveries, of the process under test and of the database \
+                     backends serving it."
+                }
+                Counting::Off => {
+                    "No round trip counts (--counts off); CPU is per 1,000 deliveries, of the \
+                     process under test and of the database backends serving it."
+                }
+            },
         );
         eprint!("{text}");
         self.preamble = text;
@@ -308,6 +350,46 @@ impl Bench {
             url: format!("{base}{sep}options=-c%20search_path%3D{name}"),
             name,
         })
+    }
+
+    /// The database client of a process under test on `url`: through the
+    /// counting proxy if `counted`, with an application name of its own.
+    pub fn db_client(&mut self, url: &str, counted: bool) -> Res<DbClient> {
+        let application_name = self.unique("app");
+        let url = match (&self.proxy, counted) {
+            (Some(proxy), true) => proxy.url(url)?,
+            _ => url.to_owned(),
+        };
+        Ok(DbClient {
+            url: with_application_name(&url, &application_name),
+            application_name,
+            counted: counted && self.proxy.is_some(),
+        })
+    }
+
+    /// Whether the measured runs go through the counting proxy.
+    pub fn inline_counts(&self) -> bool {
+        self.counting == Counting::Inline
+    }
+
+    /// Whether one extra, counted run per variant follows the measured ones.
+    pub fn counted_pass(&self) -> bool {
+        self.counting == Counting::Separate
+    }
+
+    /// Starts measuring the costs of `child` and its database client.
+    pub async fn window(&self, child: &Child, db: &DbClient) -> Res<super::meter::Window> {
+        let pid = child
+            .pid()
+            .ok_or("the child exited before its window opened")?;
+        super::meter::Window::open(pid, db, &self.admin, self.proxy.as_ref()).await
+    }
+
+    /// Ends a window after `deliveries` deliveries.
+    pub async fn close_window(&self, window: super::meter::Window, deliveries: usize) -> Res<Cost> {
+        window
+            .close(deliveries, &self.admin, self.proxy.as_ref())
+            .await
     }
 
     /// Drops a schema made by [`schema`](Self::schema).
@@ -524,6 +606,11 @@ impl Child {
         })
     }
 
+    /// The child's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.inner.id()
+    }
+
     /// Peak resident set size so far (VmHWM), in MiB.
     pub fn peak_rss_mib(&self) -> f64 {
         let Some(pid) = self.inner.id() else {
@@ -677,11 +764,13 @@ pub struct Measured {
     pub rows: i64,
     pub distinct: i64,
     pub messages: usize,
+    pub cost: Cost,
 }
 
 impl Measured {
-    /// Median rate and latency over runs, maximum RSS.
-    pub fn combine(runs: &[RunResult]) -> Self {
+    /// Median rate, latency and costs over runs, maximum RSS; the counts of
+    /// `counted` (the extra run through the proxy) where the runs have none.
+    pub fn combine(runs: &[RunResult], counted: Option<&RunResult>) -> Self {
         let rates: Vec<f64> = runs.iter().map(|r| r.rate).collect();
         let mut p50s: Vec<f64> = Vec::new();
         let mut p99s: Vec<f64> = Vec::new();
@@ -698,10 +787,12 @@ impl Measured {
             rows: last.map_or(0, |r| r.rows),
             distinct: last.map_or(0, |r| r.distinct),
             messages: last.map_or(0, |r| r.messages),
+            cost: combine_costs(runs, counted),
         }
     }
 
-    /// Table cells: rate, p50, p99, RSS, ratio, rows / distinct keys.
+    /// Table cells: rate, p50, p99, RSS, ratio, the four cost columns
+    /// ([`COST_COLUMNS`](super::meter::COST_COLUMNS)), rows / distinct keys.
     pub fn cells(&self, baseline_rate: Option<f64>) -> Vec<String> {
         vec![
             format!("{:.0}", self.rate),
@@ -711,8 +802,32 @@ impl Measured {
             baseline_rate.map_or("1.00× (baseline)".into(), |b| {
                 format!("{:.2}×", self.rate / b.max(f64::MIN_POSITIVE))
             }),
-            format!("{} / {} / {}", self.messages, self.rows, self.distinct),
         ]
+        .into_iter()
+        .chain(cost_cells(&self.cost))
+        .chain([format!(
+            "{} / {} / {}",
+            self.messages, self.rows, self.distinct
+        )])
+        .collect()
+    }
+}
+
+/// The median of each cost over the runs that measured it; counts from
+/// `counted` where no run has them.
+fn combine_costs(runs: &[RunResult], counted: Option<&RunResult>) -> Cost {
+    let med = |f: &dyn Fn(&Cost) -> Option<f64>, runs: &mut dyn Iterator<Item = &RunResult>| {
+        let v: Vec<f64> = runs.filter_map(|r| f(&r.cost)).collect();
+        (!v.is_empty()).then(|| median(&v))
+    };
+    let counts = |f: &dyn Fn(&Cost) -> Option<f64>| {
+        med(f, &mut runs.iter()).or_else(|| med(f, &mut counted.into_iter()))
+    };
+    Cost {
+        app_cpu: med(&|c| c.app_cpu, &mut runs.iter()),
+        db_cpu: med(&|c| c.db_cpu, &mut runs.iter()),
+        round_trips: counts(&|c| c.round_trips),
+        statements: counts(&|c| c.statements),
     }
 }
 
@@ -727,6 +842,8 @@ pub struct RunResult {
     pub distinct: i64,
     /// Messages or requests sent.
     pub messages: usize,
+    /// CPU and database round trips of the measured window.
+    pub cost: Cost,
 }
 
 /// `(rows, distinct keys)` of the ledger in `pool`'s schema.

@@ -14,14 +14,14 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use onceonly::http::{IdempotencyLayer, Tx};
 use onceonly::redis::CachedStore;
-use onceonly::{PgStore, SqlStore, SqliteStore};
+use onceonly::{SqlStore, SqliteStore};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgPool, Postgres, Sqlite, SqlitePool};
 use tokio_util::sync::CancellationToken;
 
 use super::child::ChildSpec;
 use super::common::{
-    Bench, Child, Measured, Plan, Res, RunResult, account_of, business_tables, pool,
+    Bench, Child, Measured, Plan, Res, RunResult, account_of, business_tables, columns, pool,
 };
 use super::ledger::{NewOrder, Order};
 use super::stats::Table;
@@ -31,6 +31,7 @@ use super::stats::Table;
 pub enum Server {
     BaselinePg,
     OnceonlyPg,
+    OnceonlyPgStatements,
     OnceonlyRedis,
     BaselineSqlite,
     OnceonlySqlite,
@@ -40,7 +41,8 @@ impl Server {
     fn name(self) -> &'static str {
         match self {
             Self::BaselinePg => "baseline, Postgres (no dedup)",
-            Self::OnceonlyPg => "onceonly, Postgres",
+            Self::OnceonlyPg => "onceonly, Postgres (pipelined)",
+            Self::OnceonlyPgStatements => "onceonly, Postgres (a statement per step)",
             Self::OnceonlyRedis => "onceonly, Redis two-tier + Postgres",
             Self::BaselineSqlite => "baseline, SQLite (no dedup)",
             Self::OnceonlySqlite => "onceonly, SQLite",
@@ -56,9 +58,10 @@ impl Server {
     }
 }
 
-const SERVERS: [Server; 5] = [
+const SERVERS: [Server; 6] = [
     Server::BaselinePg,
     Server::OnceonlyPg,
+    Server::OnceonlyPgStatements,
     Server::OnceonlyRedis,
     Server::BaselineSqlite,
     Server::OnceonlySqlite,
@@ -71,27 +74,39 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 "HTTP POST /orders ({} requests, {} keep-alive clients, {dup}% duplicates = retried Idempotency-Keys)",
                 b.sizes.requests, b.sizes.http_clients
             ),
-            &[
-                "server",
-                "req/s",
-                "p50",
-                "p99",
-                "peak RSS",
-                "vs baseline (same DB)",
+            &columns(
+                &[
+                    "server",
+                    "req/s",
+                    "p50",
+                    "p99",
+                    "peak RSS",
+                    "vs baseline (same DB)",
+                ],
                 "requests / orders rows / distinct keys",
-            ],
+            ),
         );
         let (mut base_pg, mut base_sqlite) = (None, None);
         // Runs interleave the servers, so drifting load on the shared
         // machine hits all alike.
         let mut results: Vec<Vec<RunResult>> = SERVERS.iter().map(|_| Vec::new()).collect();
+        let inline = b.inline_counts();
         for r in 0..b.runs {
             for (v, server) in SERVERS.into_iter().enumerate() {
-                results[v].push(one_run(b, server, dup, 3000 + r as u64).await?);
+                results[v].push(one_run(b, server, dup, 3000 + r as u64, inline).await?);
             }
         }
-        for (server, runs) in SERVERS.into_iter().zip(results) {
-            let m = Measured::combine(&runs);
+        // The counted run (SQLite has no database round trips).
+        let mut counted: Vec<Option<RunResult>> = SERVERS.iter().map(|_| None).collect();
+        if b.counted_pass() {
+            for (v, server) in SERVERS.into_iter().enumerate() {
+                if !server.sqlite() {
+                    counted[v] = Some(one_run(b, server, dup, 3999, true).await?);
+                }
+            }
+        }
+        for ((server, runs), counted) in SERVERS.into_iter().zip(results).zip(counted) {
+            let m = Measured::combine(&runs, counted.as_ref());
             let base = if server.sqlite() {
                 base_sqlite
             } else {
@@ -111,8 +126,15 @@ pub async fn run(b: &mut Bench) -> Res<()> {
     Ok(())
 }
 
-async fn one_run(b: &mut Bench, server: Server, dup: u32, seed: u64) -> Res<RunResult> {
+async fn one_run(
+    b: &mut Bench,
+    server: Server,
+    dup: u32,
+    seed: u64,
+    counted: bool,
+) -> Res<RunResult> {
     let schema = b.schema("http").await?;
+    let client = b.db_client(&schema.url, counted && !server.sqlite())?;
     let dir = tempfile::tempdir()?;
     let sqlite_path = dir.path().join("bench.db").display().to_string();
     let prefix = format!("{}:", b.unique("http"));
@@ -121,7 +143,7 @@ async fn one_run(b: &mut Bench, server: Server, dup: u32, seed: u64) -> Res<RunR
         business_tables(&db).await?;
         let child = Child::spawn(&ChildSpec::Http {
             server,
-            db_url: schema.url.clone(),
+            db_url: client.url.clone(),
             sqlite_path: sqlite_path.clone(),
             redis_url: b.services.redis_url.clone(),
             redis_prefix: prefix.clone(),
@@ -129,7 +151,13 @@ async fn one_run(b: &mut Bench, server: Server, dup: u32, seed: u64) -> Res<RunR
         .await?;
         let url = format!("http://127.0.0.1:{}/orders", child.ready);
         let plan = Plan::new(b.sizes.requests, dup, &prefix, seed);
+        let window = b.window(&child, &client).await?;
         let (rate, latencies, failures) = load(&url, &plan.keys, b.sizes.http_clients).await?;
+        let mut cost = b.close_window(window, plan.keys.len()).await?;
+        if server.sqlite() {
+            // In-process: the database's CPU is the server's.
+            cost.db_cpu = None;
+        }
         let rss_mib = child.peak_rss_mib();
         child.stop().await?;
         let rows: i64 = if server.sqlite() {
@@ -152,6 +180,7 @@ async fn one_run(b: &mut Bench, server: Server, dup: u32, seed: u64) -> Res<RunR
                 rows,
                 distinct: plan.distinct as i64,
                 messages: plan.keys.len(),
+                cost,
             },
             failures,
         ))
@@ -336,14 +365,15 @@ pub async fn serve(
         Server::BaselinePg => Router::new()
             .route("/orders", post(baseline_pg))
             .with_state(pool(db_url, 10).await?),
-        Server::OnceonlyPg => {
-            let store = PgStore::connect(db_url).await?;
+        Server::OnceonlyPg | Server::OnceonlyPgStatements => {
+            let statements = server == Server::OnceonlyPgStatements;
+            let store = super::variant::pg_store(db_url, statements).await?;
             store.migrate().await?;
             let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
             Router::new().route("/orders", post(onceonly_pg).layer(layer))
         }
         Server::OnceonlyRedis => {
-            let sql = PgStore::connect(db_url).await?;
+            let sql = super::variant::pg_store(db_url, false).await?;
             sql.migrate().await?;
             let store = CachedStore::connect(sql, redis_url)?.with_prefix(redis_prefix);
             let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::child::{BenchLedger, ChildSpec, KafkaSpec, Msg, business_write};
 use super::common::{
     Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
-    business_tables, drain_backlog, latencies, ledger_counts, payload, pool,
+    business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
 use super::stats::Table;
 
@@ -36,16 +36,18 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 "Kafka → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, 1 partition, fetch.wait.max.ms {FETCH_WAIT_MS})",
                 b.sizes.backlog, b.sizes.paced, b.sizes.paced_rate
             ),
-            &[
-                "consumer",
-                "batch",
-                "msgs/s",
-                "p50",
-                "p99",
-                "peak RSS",
-                "vs baseline (same batch)",
+            &columns(
+                &[
+                    "consumer",
+                    "batch",
+                    "msgs/s",
+                    "p50",
+                    "p99",
+                    "peak RSS",
+                    "vs baseline (same batch)",
+                ],
                 "msgs / rows / distinct keys",
-            ],
+            ),
         );
         let mut base: HashMap<usize, f64> = HashMap::new();
         for batch in BATCHES {
@@ -59,14 +61,25 @@ pub async fn run(b: &mut Bench) -> Res<()> {
             // Runs interleave the variants (baseline, onceonly, baseline,
             // ...), so drifting load on the shared machine hits both alike.
             let mut results: Vec<Vec<RunResult>> = variants.iter().map(|_| Vec::new()).collect();
+            let inline = b.inline_counts();
             for r in 0..b.runs {
                 for (v, &(dedup, max_in_flight)) in variants.iter().enumerate() {
                     let seed = 1000 + r as u64;
-                    results[v].push(one_run(b, dedup, batch, max_in_flight, dup, seed).await?);
+                    let run = one_run(b, dedup, batch, max_in_flight, dup, seed, inline).await?;
+                    results[v].push(run);
                 }
             }
-            for ((dedup, max_in_flight), runs) in variants.into_iter().zip(results) {
-                let m = Measured::combine(&runs);
+            let mut counted: Vec<Option<RunResult>> = variants.iter().map(|_| None).collect();
+            if b.counted_pass() {
+                for (v, &(dedup, max_in_flight)) in variants.iter().enumerate() {
+                    let run = one_run(b, dedup, batch, max_in_flight, dup, 1999, true).await?;
+                    counted[v] = Some(run);
+                }
+            }
+            for (((dedup, max_in_flight), runs), counted) in
+                variants.into_iter().zip(results).zip(counted)
+            {
+                let m = Measured::combine(&runs, counted.as_ref());
                 let name = match (dedup, max_in_flight) {
                     (false, _) => "baseline (no dedup)".to_owned(),
                     (true, None) => "onceonly".to_owned(),
@@ -266,9 +279,11 @@ async fn one_run(
     max_in_flight: Option<usize>,
     dup: u32,
     seed: u64,
+    counted: bool,
 ) -> Res<RunResult> {
     let topic = b.unique("kafka");
     let schema = b.schema("kafka").await?;
+    let client = b.db_client(&schema.url, counted)?;
     let result = async {
         create_topics(&b.services, &[&topic, &format!("{topic}.dlt")]).await?;
         let db = pool(&schema.url, 4).await?;
@@ -285,12 +300,14 @@ async fn one_run(
             brokers: b.services.brokers.clone(),
             topic: topic.clone(),
             group: group.clone(),
-            db_url: schema.url.clone(),
+            db_url: client.url.clone(),
             batch,
             max_in_flight,
         }))
         .await?;
+        let window = b.window(&child, &client).await?;
         let rate = drain_backlog(&observer, &plan, dedup, &mut child).await?;
+        let cost = b.close_window(window, plan.keys.len()).await?;
 
         // Paced fresh keys: latency with the consumer keeping up.
         let (paced, mut tick) = b.sizes.paced(&topic);
@@ -332,6 +349,7 @@ async fn one_run(
                 rows,
                 distinct,
                 messages,
+                cost,
             },
             committed == ends,
             format!("committed {committed:?}, log end {ends:?}"),
@@ -500,7 +518,7 @@ pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
     } = spec.clone();
     let (brokers, topic, group, db_url) = (&brokers[..], &topic[..], &group[..], &db_url[..]);
     if dedup {
-        let store = PgStore::connect(db_url).await?;
+        let store = super::variant::pg_store(db_url, false).await?;
         let mut builder = KafkaConsumer::builder(store);
         if let Some(n) = max_in_flight {
             builder = builder.max_in_flight(n);

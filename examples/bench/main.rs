@@ -14,6 +14,12 @@
 //! - `memory`: peak RSS of the AMQP consumer draining a large backlog
 //!   (1,000,000 messages with `--full`).
 //!
+//! The Kafka, AMQP and HTTP tables also show what a delivery costs:
+//! database round trips and statements per delivery, counted by a
+//! PostgreSQL proxy in the bench (see `meter.rs`), and CPU milliseconds per
+//! 1,000 deliveries of the process under test and of the database backends
+//! serving it.
+//!
 //! Each transport scenario runs for every duplicate ratio of `--dup`
 //! (duplicates are redeliveries of earlier keys). Consumers and servers run
 //! as child processes (this binary with the hidden `--child` flag), so their
@@ -44,8 +50,10 @@ mod growth;
 mod http;
 mod kafka;
 mod memory;
+mod meter;
 mod mock;
 mod outbox;
+mod variant;
 
 use std::process::ExitCode;
 
@@ -116,6 +124,12 @@ struct Args {
     /// Where the tables are written.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench/bench.md"))]
     out: std::path::PathBuf,
+    /// How database round trips and statements per delivery are counted:
+    /// `separate` (default) adds one run per variant through a counting
+    /// PostgreSQL proxy and takes rates from the direct runs; `inline`
+    /// (default with --quick) sends every run through the proxy; `off`.
+    #[arg(long, value_enum)]
+    counts: Option<meter::Counting>,
     /// Internal: run as a consumer or server child process (JSON spec).
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -194,6 +208,11 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
             amqp_url: args.amqp_url.clone(),
             redis_url: args.redis_url.clone(),
         },
+        args.counts.unwrap_or(if args.quick {
+            meter::Counting::Inline
+        } else {
+            meter::Counting::Separate
+        }),
     )
     .await?;
     bench.header();

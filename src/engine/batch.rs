@@ -15,7 +15,7 @@ use super::{
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdemKey;
-use crate::store::{Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError};
+use crate::store::{Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError};
 use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt;
@@ -168,7 +168,7 @@ impl<S: SqlStore> Engine<S> {
         // Held until the batch ends: no suspect runs beside it.
         let _gate = self.shared_gate().await;
         let began = std::time::Instant::now();
-        let mut tx = inner.store.begin().await.ok()?;
+        let mut tx = ClaimTx::new(inner.store.begin().await.ok()?, began);
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
         let claims = {
             let reqs: Vec<ClaimRequest<'_>> = ready
@@ -191,7 +191,7 @@ impl<S: SqlStore> Engine<S> {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "batch claim failed, processing one by one");
-                    self.rollback(tx, began).await;
+                    self.rollback(tx).await;
                     return None;
                 }
             }
@@ -234,7 +234,7 @@ impl<S: SqlStore> Engine<S> {
                         Err(failure) => {
                             tracing::debug!(parent: &item.span, error = %failure, "failure inside a batch, processing one by one");
                             if let Some(tx) = tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
-                                self.rollback(tx, began).await;
+                                self.rollback(tx).await;
                             }
                             return None;
                         }
@@ -283,7 +283,7 @@ impl<S: SqlStore> Engine<S> {
             .await
         {
             tracing::debug!(error = %e, "recording a batch's results failed, processing one by one");
-            self.rollback(tx, began).await;
+            self.rollback(tx).await;
             return None;
         }
         // A failed commit is ambiguous; processing one by one settles it:

@@ -13,7 +13,7 @@ use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdemKey, KeyError};
 use crate::store::{
-    Claim, ClaimRequest, ClaimTimes, Completed, SqlStore, StoreError, is_write_fault,
+    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError, is_write_fault,
 };
 
 /// What to claim, for [`Engine::claim_with`]: a key, and optionally another
@@ -192,7 +192,7 @@ pub struct Session<S: SqlStore> {
 }
 
 /// A key claimed in a new transaction, or what the claim found instead.
-type Opened<DB> = Result<(sqlx::Transaction<'static, DB>, ClaimTimes, Instant), Claim>;
+type Opened<DB> = Result<(ClaimTx<DB>, ClaimTimes), Claim>;
 
 impl<S: SqlStore> Engine<S> {
     /// Claims the key of `delivery` (derived and fingerprinted as this
@@ -248,16 +248,16 @@ impl<S: SqlStore> Engine<S> {
             return Claimed::settled(hit, spec.fingerprint);
         }
         let gate = self.shared_gate().await;
-        let (tx, times, began) = match self.open_claim(scope, &req).await? {
+        let (tx, times) = match self.open_claim(scope, &req).await? {
             Ok(claimed) => claimed,
             Err(claim) => return Claimed::settled(claim, spec.fingerprint),
         };
         if !spec.suspect {
-            return Ok(self.session(tx, scope, &spec, (times, began), None, gate));
+            return Ok(self.session(tx, scope, &spec, times, None, gate));
         }
         // A suspect with a new key: count its start alone, with no claim
         // open (see the `crash` module), then claim again.
-        self.rollback(tx, began).await;
+        self.rollback(tx).await;
         drop(gate);
         let gate = self.exclusive_gate().await;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
@@ -266,9 +266,7 @@ impl<S: SqlStore> Engine<S> {
             Start::Crashed(crashes) => return Ok(Claimed::Crashed { crashes }),
         };
         match self.open_claim(scope, &req).await {
-            Ok(Ok((tx, times, began))) => {
-                Ok(self.session(tx, scope, &spec, (times, began), Some(counted), gate))
-            }
+            Ok(Ok((tx, times))) => Ok(self.session(tx, scope, &spec, times, Some(counted), gate)),
             // Taken meanwhile: this start never ran.
             Ok(Err(claim)) => {
                 counted.undo().await;
@@ -281,47 +279,33 @@ impl<S: SqlStore> Engine<S> {
         }
     }
 
-    /// Claims `req` in a new transaction: the open transaction (with its
-    /// claim times and when it began) when the key is new, what the claim
-    /// found otherwise (the transaction ended).
+    /// Claims `req` in a new transaction (see [`SqlStore::open_claim`]):
+    /// the open transaction and its claim times when the key is new, what
+    /// the claim found otherwise (the transaction ended).
     async fn open_claim(
         &self,
         scope: &str,
         req: &ClaimRequest<'_>,
     ) -> Result<Opened<S::Db>, StoreError> {
         let inner = &*self.inner;
-        let began = Instant::now();
-        let mut tx = inner.store.begin().await?;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
-        let claim = match inner.store.claim(&mut tx, scope, times, req).await {
-            Ok(claim) => {
-                inner.telemetry.claim_time(began.elapsed());
-                claim
-            }
-            Err(e) => {
-                self.rollback(tx, began).await;
-                return Err(e);
-            }
-        };
-        if claim != Claim::Claimed {
-            // Nothing was written: end the transaction, report what the
-            // claim found.
-            self.rollback(tx, began).await;
-            return Ok(Err(claim));
-        }
-        Ok(Ok((tx, times, began)))
+        let began = Instant::now();
+        let opened = inner.store.open_claim(scope, times, req).await?;
+        inner.telemetry.claim_time(began.elapsed());
+        Ok(opened.map(|tx| (tx, times)))
     }
 
     fn session(
         &self,
-        tx: sqlx::Transaction<'static, S::Db>,
+        tx: ClaimTx<S::Db>,
         scope: &str,
         spec: &ClaimSpec<'_>,
-        (times, began): (ClaimTimes, Instant),
+        times: ClaimTimes,
         counted: Option<Counted<S>>,
         gate: Gate,
     ) -> Claimed<S> {
         let deadline = self.inner.store.deadlines().transaction_deadline();
+        let began = tx.began();
         let origin = Origin::new(scope, spec.key, spec.traceparent, times.now_ms);
         Claimed::New(Session {
             engine: self.clone(),
@@ -340,23 +324,21 @@ impl<S: SqlStore> Engine<S> {
         Some(tier.cached(scope, req.key).await?.classify(req))
     }
 
-    /// Commits `tx`, timing it; bounded by the statement deadline.
-    pub(super) async fn commit(
-        &self,
-        tx: sqlx::Transaction<'static, S::Db>,
-    ) -> Result<(), StoreError> {
+    /// Commits `tx` (of a batch: begun by sqlx), timing it; bounded by the
+    /// statement deadline.
+    pub(super) async fn commit(&self, tx: ClaimTx<S::Db>) -> Result<(), StoreError> {
         let started = Instant::now();
         let bound = self.inner.store.deadlines().statement_deadline();
-        let committed = crate::store::deadline::within(bound, "commit", tx.commit()).await;
+        let committed = tx.commit(bound).await;
         self.inner.telemetry.commit_time(started.elapsed());
         committed
     }
 
-    /// Rolls back `tx`, begun at `began`, within the statement deadline
-    /// (or just drops it when its connection is being discarded).
-    pub(super) async fn rollback(&self, tx: sqlx::Transaction<'static, S::Db>, began: Instant) {
+    /// Rolls back `tx` within the statement deadline (or just drops it
+    /// when its connection is being discarded).
+    pub(super) async fn rollback(&self, tx: ClaimTx<S::Db>) {
         let bound = self.inner.store.deadlines().statement_deadline();
-        crate::store::deadline::rollback(tx, began, bound).await;
+        tx.rollback(bound).await;
     }
 
     /// Tells the cache tier, if any, of a committed key.
@@ -396,25 +378,23 @@ impl<S: SqlStore> Session<S> {
         finished
     }
 
-    /// Records the result, deletes a suspect's attempts counter, commits.
+    /// Records the result, deletes a suspect's attempts counter, commits
+    /// ([`SqlStore::finish_claim`]).
     async fn commit_result(&self, result: &[u8], counted: bool) -> Result<(), Failure> {
         let engine = &self.engine;
-        let Some(mut tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await else {
+        let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await else {
             return Err(Failure::TxHeld);
         };
         let origin = self.tx.origin();
         let (scope, key) = (origin.scope(), origin.key());
-        let store = &engine.inner.store;
-        let mut recorded = store.complete(&mut tx, scope, key, result).await;
-        if counted && recorded.is_ok() {
-            // Committed with the effect, or not at all.
-            recorded = store.clear_attempts(&mut tx, scope, key).await;
-        }
-        if let Err(e) = recorded {
-            engine.rollback(tx, self.tx.began()).await;
-            return Err(ending_failure(e));
-        }
-        engine.commit(tx).await.map_err(ending_failure)?;
+        let started = Instant::now();
+        let finished = engine
+            .inner
+            .store
+            .finish_claim(tx, scope, key, result, counted)
+            .await;
+        engine.inner.telemetry.commit_time(started.elapsed());
+        finished.map_err(ending_failure)?;
         engine
             .tell_tier(&Completed {
                 scope,
@@ -432,7 +412,7 @@ impl<S: SqlStore> Session<S> {
     /// [`tx`](Session::tx) back: the key stays free for a redelivery.
     pub async fn abandon(mut self) {
         if let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
-            self.engine.rollback(tx, self.tx.began()).await;
+            self.engine.rollback(tx).await;
         }
         if let Some(counted) = self.counted.take() {
             counted.undo().await;

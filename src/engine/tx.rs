@@ -5,8 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use sqlx::{Database, Transaction};
+use sqlx::Database;
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
+
+use crate::store::ClaimTx;
 
 /// The transaction a key was claimed in. Every handler gets one, broker
 /// and HTTP alike: write through it and the writes commit together with
@@ -40,9 +42,8 @@ use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 /// is given up and its connection discarded, and the delivery waits in
 /// place like on any database outage.
 pub struct Tx<DB: Database> {
-    slot: Arc<Mutex<Option<Transaction<'static, DB>>>>,
+    slot: Arc<Mutex<Option<ClaimTx<DB>>>>,
     origin: Arc<Origin>,
-    began: Instant,
     deadline: Instant,
 }
 
@@ -51,7 +52,6 @@ impl<DB: Database> Clone for Tx<DB> {
         Self {
             slot: Arc::clone(&self.slot),
             origin: Arc::clone(&self.origin),
-            began: self.began,
             deadline: self.deadline,
         }
     }
@@ -132,7 +132,7 @@ pub struct TxGone;
 /// It also knows the claim's [`Origin`], for the
 /// [outbox](crate::outbox).
 pub struct TxGuard<DB: Database> {
-    conn: OwnedMappedMutexGuard<Option<Transaction<'static, DB>>, DB::Connection>,
+    conn: OwnedMappedMutexGuard<Option<ClaimTx<DB>>, DB::Connection>,
     origin: Arc<Origin>,
 }
 
@@ -163,23 +163,12 @@ impl<DB: Database> Tx<DB> {
     pub const RETURN_TIMEOUT: Duration = Duration::from_secs(30);
 
     /// The transaction `tx`, begun at `began`, whose handler has `bound`.
-    pub(crate) fn new(
-        tx: Transaction<'static, DB>,
-        origin: Origin,
-        began: Instant,
-        bound: Duration,
-    ) -> Self {
+    pub(crate) fn new(tx: ClaimTx<DB>, origin: Origin, began: Instant, bound: Duration) -> Self {
         Self {
             slot: Arc::new(Mutex::new(Some(tx))),
             origin: Arc::new(origin),
-            began,
             deadline: began + bound,
         }
-    }
-
-    /// When the transaction began.
-    pub(crate) fn began(&self) -> Instant {
-        self.began
     }
 
     /// When the handler must be done: the store's
@@ -200,7 +189,6 @@ impl<DB: Database> Tx<DB> {
         Self {
             slot: Arc::clone(&self.slot),
             origin: Arc::new(origin),
-            began: self.began,
             deadline: self.deadline,
         }
     }
@@ -224,7 +212,7 @@ impl<DB: Database> Tx<DB> {
 
     /// Takes the transaction back once the handler let go of it; `None` if
     /// it is gone or still held after `wait`.
-    pub(crate) async fn take(&self, wait: Duration) -> Option<Transaction<'static, DB>> {
+    pub(crate) async fn take(&self, wait: Duration) -> Option<ClaimTx<DB>> {
         match tokio::time::timeout(wait, self.slot.lock()).await {
             Ok(mut slot) => slot.take(),
             Err(_) => None,

@@ -178,6 +178,24 @@ crate::store::forward::forward_sql_store!(
     fn tier(&self) -> Option<&dyn CacheTier> {
         Some(self)
     },
+    async fn open_claim(
+        &self,
+        scope: &str,
+        times: crate::store::ClaimTimes,
+        req: &crate::store::ClaimRequest<'_>,
+    ) -> Result<Result<crate::store::ClaimTx<S::Db>, crate::store::Claim>, crate::store::StoreError> {
+        self.sql.open_claim(scope, times, req).await
+    },
+    async fn finish_claim(
+        &self,
+        tx: crate::store::ClaimTx<S::Db>,
+        scope: &str,
+        key: &str,
+        result: &[u8],
+        clear_attempts: bool,
+    ) -> Result<(), crate::store::StoreError> {
+        self.sql.finish_claim(tx, scope, key, result, clear_attempts).await
+    },
 );
 
 crate::store::forward::forward_admin_store!(

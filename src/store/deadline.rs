@@ -288,7 +288,7 @@ fn opened_before(mark: u64, age: Duration) -> bool {
 }
 
 /// Whether a deadline was missed since `since`.
-fn missed_since(since: Instant) -> bool {
+pub(crate) fn missed_since(since: Instant) -> bool {
     DEADLINE_MISSED.load(Ordering::Relaxed) > since_epoch_ms(since)
 }
 
@@ -349,15 +349,22 @@ pub(crate) async fn rollback<DB: Database>(
     drop(bounded(bound, "rollback", tx.rollback()).await);
 }
 
+/// How long a pooled connection may have been idle before it is pinged
+/// as it is handed out ([`pool_options_for`]): 1 s.
+pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
 /// sqlx pool options with onceonly's connection hygiene and `deadlines`
 /// (see [`pool_options`](super::pool_options) for the defaults):
 ///
 /// - `acquire_timeout` is [`Deadlines::acquire`];
-/// - an idle connection is checked with a ping bounded by half of it
-///   before it is handed out (instead of sqlx's unbounded
-///   `test_before_acquire`); one that does not answer is closed and
-///   replaced within the same acquire, and every other connection as old
-///   is closed too;
+/// - a connection idle for [`PING_IDLE_AFTER`] or longer is checked with a
+///   ping bounded by half of it before it is handed out (instead of sqlx's
+///   unbounded `test_before_acquire`, which pings every time: a round trip
+///   per transaction); one that does not answer is closed and replaced
+///   within the same acquire, and every other connection as old is closed
+///   too. A connection that answered less than that ago is handed out as
+///   it is: should its network have gone silent since, the first
+///   statement's deadline catches it;
 /// - a connection that was open when a deadline was missed is closed,
 ///   without a byte sent, instead of being returned to the pool or handed
 ///   out;
@@ -385,6 +392,9 @@ pub fn pool_options_for<DB: Database>(deadlines: &Deadlines) -> sqlx::pool::Pool
                 }
                 if missed {
                     return Err(discarded());
+                }
+                if meta.idle_for < PING_IDLE_AFTER {
+                    return Ok(true);
                 }
                 match bounded(ping, "ping", sqlx::Connection::ping(conn)).await {
                     Ok(answered) => answered.map(|()| true),

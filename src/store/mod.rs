@@ -21,6 +21,7 @@ mod backend;
 mod base;
 mod batch;
 mod claim;
+pub(crate) mod claim_tx;
 pub(crate) mod deadline;
 pub(crate) mod error;
 pub(crate) mod forward;
@@ -43,10 +44,11 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::fingerprint::Fingerprint;
 
+pub use claim_tx::ClaimTx;
 pub use deadline::{
     DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
     DEFAULT_STATEMENT_DEADLINE, DEFAULT_TCP_KEEPALIVE, DEFAULT_TRANSACTION_DEADLINE,
-    DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for,
+    DeadlineMissed, Deadlines, PING_IDLE_AFTER, TcpKeepalive, pool_options_for,
 };
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
@@ -220,6 +222,40 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         req: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError>;
 
+    /// Begins a claim transaction and claims `req.key` in it: the open
+    /// transaction when the key is new ([`Claim::Claimed`]), what the
+    /// claim found otherwise (the transaction ended, nothing written).
+    /// The default is [`begin`](Self::begin), then [`claim`](Self::claim):
+    /// two round trips. [`PgStore`](crate::PgStore) sends the claim with
+    /// its `BEGIN`, in one ([`PgStore::pipelined`](crate::PgStore::pipelined)).
+    async fn open_claim(
+        &self,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Result<ClaimTx<Self::Db>, Claim>, StoreError> {
+        open_by_statements(self, scope, times, req).await
+    }
+
+    /// Records `result` with the claimed `key`, deletes its attempts
+    /// counter if `clear_attempts` (a [suspect](crate::Delivery::with_suspect)
+    /// that finished), and commits `tx`. The transaction has ended when
+    /// this returns: an error rolled it back, or is the commit's own (then
+    /// it may or may not have committed). The default runs
+    /// [`complete`](Self::complete), [`clear_attempts`](Self::clear_attempts)
+    /// and `COMMIT`, one round trip each; [`PgStore`](crate::PgStore)
+    /// sends them in one.
+    async fn finish_claim(
+        &self,
+        tx: ClaimTx<Self::Db>,
+        scope: &str,
+        key: &str,
+        result: &[u8],
+        clear_attempts: bool,
+    ) -> Result<(), StoreError> {
+        finish_by_statements(self, tx, scope, key, result, clear_attempts).await
+    }
+
     /// Claims many keys inside the open transaction `conn`; one [`Claim`] per
     /// request, in order. A later occurrence of a key inside the batch with
     /// the first occurrence's fingerprint is [`Claim::InBatch`]; one with
@@ -305,6 +341,63 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         now_ms: i64,
         limit: u32,
     ) -> Result<u64, StoreError>;
+}
+
+/// [`SqlStore::open_claim`] by [`begin`](SqlStore::begin), then
+/// [`claim`](SqlStore::claim).
+pub(crate) async fn open_by_statements<S: SqlStore>(
+    store: &S,
+    scope: &str,
+    times: ClaimTimes,
+    req: &ClaimRequest<'_>,
+) -> Result<Result<ClaimTx<S::Db>, Claim>, StoreError> {
+    let began = std::time::Instant::now();
+    let mut tx = ClaimTx::new(store.begin().await?, began);
+    let bound = store.deadlines().statement_deadline();
+    match store.claim(&mut tx, scope, times, req).await {
+        Ok(Claim::Claimed) => Ok(Ok(tx)),
+        Ok(found) => {
+            tx.rollback(bound).await;
+            Ok(Err(found))
+        }
+        Err(e) => {
+            tx.rollback(bound).await;
+            Err(e)
+        }
+    }
+}
+
+/// [`SqlStore::finish_claim`] by [`complete`](SqlStore::complete),
+/// [`clear_attempts`](SqlStore::clear_attempts) and `COMMIT`.
+pub(crate) async fn finish_by_statements<S: SqlStore>(
+    store: &S,
+    tx: ClaimTx<S::Db>,
+    scope: &str,
+    key: &str,
+    result: &[u8],
+    clear_attempts: bool,
+) -> Result<(), StoreError> {
+    let bound = store.deadlines().statement_deadline();
+    let began = tx.began();
+    let mut tx = match tx.into_parts() {
+        claim_tx::Parts::Sqlx(tx) => tx,
+        claim_tx::Parts::Raw(raw) => {
+            raw.discard();
+            return Err(StoreError::Corrupt(
+                "a pipelined claim transaction reached a store that cannot finish it".into(),
+            ));
+        }
+    };
+    let mut recorded = store.complete(&mut tx, scope, key, result).await;
+    if clear_attempts && recorded.is_ok() {
+        // Committed with the effect, or not at all.
+        recorded = store.clear_attempts(&mut tx, scope, key).await;
+    }
+    if let Err(e) = recorded {
+        deadline::rollback(tx, began, bound).await;
+        return Err(e);
+    }
+    deadline::within(bound, "commit", tx.commit()).await
 }
 
 /// A SQL backend, for [`migration_sql`].
