@@ -16,10 +16,23 @@
 //! | [`onceonly_retried_total`](RETRIED_TOTAL) | counter | `scope`, `transport`, `reason` | retries scheduled after a retryable failure |
 //! | [`onceonly_dead_lettered_total`](DEAD_LETTERED_TOTAL) | counter | `scope`, `transport`, `reason` | deliveries dead-lettered (publish confirmed) |
 //! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
+//! | [`onceonly_claim_duration_seconds`](CLAIM_DURATION_SECONDS) | histogram | `scope`, `transport` | time from `BEGIN` to the claim's answer (new, duplicate, conflict), lock waits included |
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
 //! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
 //! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
 //! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
+//! | [`onceonly_purge_last_success_timestamp_seconds`](PURGE_LAST_SUCCESS) | gauge | `table` | Unix time at which a [`Purger`](crate::ops::Purger) round last left no expired record behind |
+//! | [`onceonly_purge_failures_total`](PURGE_FAILURES_TOTAL) | counter | `table` | [`Purger`](crate::ops::Purger) rounds that failed (database down, no privilege) |
+//!
+//! The outbox relay adds
+//! `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds` and
+//! `onceonly_outbox_dead_rows` (gauges by `table`),
+//! `onceonly_outbox_published_total` and `onceonly_outbox_publish_seconds`
+//! (by `kind`) and `onceonly_outbox_failures_total` (by `kind`,
+//! `destination`, `permanent`).
+//!
+//! Histograms: exporters that need bucket bounds (Prometheus) get good ones
+//! for every onceonly duration from [`DURATION_BUCKETS`].
 //!
 //! `transport` is `kafka`, `amqp`, `http`, or `engine` when an
 //! [`Engine`](crate::Engine) is driven directly (see
@@ -68,6 +81,8 @@ pub const RETRIED_TOTAL: &str = "onceonly_retried_total";
 pub const DEAD_LETTERED_TOTAL: &str = "onceonly_dead_lettered_total";
 /// Histogram of handler run times, in seconds.
 pub const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
+/// Histogram of claim times (from `BEGIN` to the claim's answer), in seconds.
+pub const CLAIM_DURATION_SECONDS: &str = "onceonly_claim_duration_seconds";
 /// Histogram of claim-transaction commit times, in seconds.
 pub const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
 /// Gauge of Kafka consumer lag per topic and partition, in records.
@@ -78,6 +93,20 @@ pub const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure"
 
 /// Counter of dedup records deleted by purges, by table.
 pub const PURGED_TOTAL: &str = "onceonly_purged_total";
+/// Gauge: Unix time (seconds) of the last [`Purger`](crate::ops::Purger)
+/// round that left no expired record behind, by table.
+pub const PURGE_LAST_SUCCESS: &str = "onceonly_purge_last_success_timestamp_seconds";
+/// Counter of failed [`Purger`](crate::ops::Purger) rounds, by table.
+pub const PURGE_FAILURES_TOTAL: &str = "onceonly_purge_failures_total";
+
+/// Bucket bounds, in seconds, for onceonly's duration histograms (claim,
+/// commit, handler, outbox publish), from 1 ms to 30 s: e.g.
+/// `PrometheusBuilder::set_buckets(DURATION_BUCKETS)` with
+/// `metrics-exporter-prometheus`, which otherwise renders histograms as
+/// summaries that cannot be aggregated across processes.
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
 
 /// Label: the dedup table (`schema.table`).
 pub const LABEL_TABLE: &str = "table";
@@ -132,6 +161,11 @@ pub fn describe_metrics() {
         "Time spent in the user's handler"
     );
     metrics::describe_histogram!(
+        CLAIM_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time from BEGIN to the claim's answer (new, duplicate, conflict)"
+    );
+    metrics::describe_histogram!(
         COMMIT_DURATION_SECONDS,
         Unit::Seconds,
         "Time of the claim transaction's commit"
@@ -140,6 +174,16 @@ pub fn describe_metrics() {
         PURGED_TOTAL,
         Unit::Count,
         "Dedup records deleted by purges (Purger, purge_in_batches), by table"
+    );
+    metrics::describe_gauge!(
+        PURGE_LAST_SUCCESS,
+        Unit::Seconds,
+        "Unix time of the last purger round that left no expired record behind"
+    );
+    metrics::describe_counter!(
+        PURGE_FAILURES_TOTAL,
+        Unit::Count,
+        "Purger rounds that failed"
     );
     metrics::describe_gauge!(
         WAITING_ON_INFRASTRUCTURE,
@@ -170,6 +214,7 @@ pub(crate) struct Telemetry {
     redaction: KeyRedaction,
     outcomes: [Counter; 5],
     handler: Histogram,
+    claim: Histogram,
     commit: Histogram,
     #[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
     waits: Arc<Waits>,
@@ -226,6 +271,11 @@ impl Telemetry {
             LABEL_SCOPE => scope.clone(),
             LABEL_TRANSPORT => transport,
         );
+        let claim = metrics::histogram!(
+            CLAIM_DURATION_SECONDS,
+            LABEL_SCOPE => scope.clone(),
+            LABEL_TRANSPORT => transport,
+        );
         let commit = metrics::histogram!(
             COMMIT_DURATION_SECONDS,
             LABEL_SCOPE => scope.clone(),
@@ -242,6 +292,7 @@ impl Telemetry {
             redaction,
             outcomes,
             handler,
+            claim,
             commit,
             waits: Waits::new(waiting),
         }
@@ -324,6 +375,11 @@ impl Telemetry {
         self.handler.record(elapsed.as_secs_f64());
     }
 
+    /// Time of a claim, from `BEGIN` to the store's answer.
+    pub(crate) fn claim_time(&self, elapsed: Duration) {
+        self.claim.record(elapsed.as_secs_f64());
+    }
+
     /// Time of a commit.
     pub(crate) fn commit_time(&self, elapsed: Duration) {
         self.commit.record(elapsed.as_secs_f64());
@@ -383,6 +439,19 @@ pub(crate) fn purged(table: &crate::store::TableName, n: u64) {
     if n > 0 {
         metrics::counter!(PURGED_TOTAL, LABEL_TABLE => table.to_string()).increment(n);
     }
+}
+
+/// A [`Purger`](crate::ops::Purger) round on `table` left no expired record
+/// behind, at `now_ms`.
+pub(crate) fn purge_caught_up(table: &crate::store::TableName, now_ms: i64) {
+    #[allow(clippy::cast_precision_loss)]
+    let seconds = now_ms as f64 / 1000.0;
+    metrics::gauge!(PURGE_LAST_SUCCESS, LABEL_TABLE => table.to_string()).set(seconds);
+}
+
+/// A [`Purger`](crate::ops::Purger) round on `table` failed.
+pub(crate) fn purge_failed(table: &crate::store::TableName) {
+    metrics::counter!(PURGE_FAILURES_TOTAL, LABEL_TABLE => table.to_string()).increment(1);
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ fn cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_onceonly"))
         .args(args)
         .env_remove("ONCEONLY_DATABASE_URL")
+        .env_remove("DATABASE_URL")
         .output()
         .expect("run onceonly");
     (
@@ -31,7 +32,9 @@ fn cli(args: &[&str]) -> (i32, String, String) {
 fn help_lists_the_subcommands() {
     let (code, out, _) = cli(&["--help"]);
     assert_eq!(code, 0);
-    for sub in ["migrate", "inspect", "purge", "stats", "outbox", "key-hash"] {
+    for sub in [
+        "migrate", "inspect", "purge", "stats", "outbox", "doctor", "dlq", "key-hash",
+    ] {
         assert!(out.contains(sub), "{sub} missing from --help:\n{out}");
     }
     let (code, _, err) = cli(&["purge", "--database-url", "sqlite:x.db"]);
@@ -351,4 +354,57 @@ async fn printed_sql_creates_tables_the_store_and_the_outbox_accept() {
     // Without --backend it is a usage error.
     let (code, _, err) = cli(&["migrate", "--print-sql"]);
     assert_eq!(code, 2, "{err}");
+}
+
+/// Runs the CLI with these database variables set (and no others).
+fn cli_with_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_onceonly"));
+    cmd.args(args)
+        .env_remove("ONCEONLY_DATABASE_URL")
+        .env_remove("DATABASE_URL");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run onceonly");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn database_url_is_read_when_onceonly_database_url_is_unset() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite:{}", dir.path().join("env.db").display());
+    // sqlx's convention: DATABASE_URL alone is enough, for every subcommand.
+    let (code, out, err) = cli_with_env(&["migrate"], &[("DATABASE_URL", &url)]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("dedup table onceonly_keys is ready"), "{out}");
+    let (code, out, err) = cli_with_env(&["stats"], &[("DATABASE_URL", &url)]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = cli_with_env(&["outbox", "stats"], &[("DATABASE_URL", &url)]);
+    assert_eq!(code, 0, "{out}{err}");
+    // ONCEONLY_DATABASE_URL wins over DATABASE_URL, and the flag over both.
+    let elsewhere = "oracle://scott:tiger@db/x";
+    let (code, out, err) = cli_with_env(
+        &["stats"],
+        &[("ONCEONLY_DATABASE_URL", &url), ("DATABASE_URL", elsewhere)],
+    );
+    assert_eq!(code, 0, "ONCEONLY_DATABASE_URL first: {out}{err}");
+    let (code, _, err) = cli_with_env(
+        &["stats", "--database-url", elsewhere],
+        &[("ONCEONLY_DATABASE_URL", &url)],
+    );
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("unsupported database URL"),
+        "the flag first: {err}"
+    );
+    // Neither: the error names all three ways.
+    let (code, _, err) = cli_with_env(&["stats"], &[]);
+    assert_eq!(code, 1);
+    for way in ["--database-url", "ONCEONLY_DATABASE_URL", "DATABASE_URL"] {
+        assert!(err.contains(way), "{way} missing from: {err}");
+    }
 }

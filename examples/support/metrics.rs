@@ -23,7 +23,10 @@ impl MetricsArgs {
         let Some(addr) = self.metrics_addr else {
             return Ok(());
         };
+        // Buckets, not summaries: histogram_quantile() over every process
+        // (deploy/grafana/onceonly.json).
         PrometheusBuilder::new()
+            .set_buckets(onceonly::telemetry::DURATION_BUCKETS)?
             .with_http_listener(addr)
             .install()?;
         onceonly::telemetry::describe_metrics();

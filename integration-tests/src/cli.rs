@@ -46,6 +46,7 @@ pub async fn onceonly(args: &[&str]) -> Run {
         .args(args)
         // Only the flags of each test choose the database.
         .env_remove("ONCEONLY_DATABASE_URL")
+        .env_remove("DATABASE_URL")
         .env_remove("ONCEONLY_TABLE")
         .env_remove("ONCEONLY_OUTBOX_TABLE")
         .output()

@@ -31,61 +31,9 @@ use onceonly_integration_tests::amqp::{
 use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, produce, read_all};
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
-use onceonly_integration_tests::{mysql_url, pg_url, unique};
+use onceonly_integration_tests::own_db::OwnDb;
+use onceonly_integration_tests::{mysql_url, unique};
 use sqlx::{MySqlPool, PgPool};
-
-/// A database of its own on the shared PostgreSQL server, so that turning
-/// it read-only disturbs no other test.
-struct OwnDb {
-    admin: PgPool,
-    name: String,
-    url: String,
-}
-
-impl OwnDb {
-    async fn create(prefix: &str) -> Self {
-        let admin = PgPool::connect(&pg_url()).await.unwrap_or_else(|e| {
-            panic!(
-                "PostgreSQL is not reachable at {}: {e}; start it with scripts/services",
-                pg_url()
-            )
-        });
-        let name = unique(prefix);
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&admin)
-            .await
-            .expect("create database");
-        let base = pg_url();
-        let root = base.rsplit_once('/').map_or(base.as_str(), |(r, _)| r);
-        let url = format!("{root}/{name}");
-        Self { admin, name, url }
-    }
-
-    /// What a failover to a read-only server looks like to clients: every
-    /// connection drops, and the new ones cannot write.
-    async fn fail_over_read_only(&self) {
-        self.set_read_only(true).await;
-        sqlx::query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE datname = $1 AND pid <> pg_backend_pid()",
-        )
-        .bind(&self.name)
-        .execute(&self.admin)
-        .await
-        .expect("terminate connections");
-    }
-
-    async fn set_read_only(&self, on: bool) {
-        let value = if on { "on" } else { "off" };
-        sqlx::query(&format!(
-            "ALTER DATABASE {} SET default_transaction_read_only = {value}",
-            self.name
-        ))
-        .execute(&self.admin)
-        .await
-        .expect("alter database");
-    }
-}
 
 async fn pg_ledger_store(db: &OwnDb) -> PgStore {
     let store = PgStore::connect(&db.url).await.expect("connect");

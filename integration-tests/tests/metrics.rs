@@ -19,8 +19,9 @@ use metrics_util::registry::{AtomicStorage, Registry};
 use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::kafka::KafkaConsumer;
 use onceonly::telemetry::{
-    COMMIT_DURATION_SECONDS, DEAD_LETTERED_TOTAL, DELIVERIES_TOTAL, HANDLER_DURATION_SECONDS,
-    KAFKA_CONSUMER_LAG, PURGED_TOTAL, RETRIED_TOTAL,
+    CLAIM_DURATION_SECONDS, COMMIT_DURATION_SECONDS, DEAD_LETTERED_TOTAL, DELIVERIES_TOTAL,
+    HANDLER_DURATION_SECONDS, KAFKA_CONSUMER_LAG, PURGE_FAILURES_TOTAL, PURGE_LAST_SUCCESS,
+    PURGED_TOTAL, RETRIED_TOTAL,
 };
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
@@ -185,6 +186,31 @@ async fn purges_count_deleted_records_by_table() {
     .unwrap();
     assert_eq!(progress.deleted, 25);
     assert_eq!(counter(PURGED_TOTAL, &[("table", qualified.as_str())]), 25);
+
+    // A Purger round that catches up says when (OnceonlyPurgeBehind reads it).
+    let labels = [("table", qualified.as_str())];
+    assert_eq!(gauge(PURGE_LAST_SUCCESS, &labels), None);
+    let purger = onceonly::ops::Purger::builder(store.clone())
+        .build()
+        .unwrap();
+    assert_eq!(purger.purge_once().await.unwrap(), 0);
+    let caught_up = gauge(PURGE_LAST_SUCCESS, &labels).expect("last success set");
+    let now_s = onceonly::Clock::now_ms(&onceonly::SystemClock) as f64 / 1000.0;
+    assert!(
+        (now_s - caught_up).abs() < 60.0,
+        "last success {caught_up}, now {now_s}"
+    );
+    // A failed round counts (OnceonlyPurgeFailing), and sets no success.
+    let missing = store
+        .clone()
+        .with_table(unique("mxmissing").as_str())
+        .unwrap();
+    let missing_name = missing.table().to_string();
+    let failing = onceonly::ops::Purger::builder(missing).build().unwrap();
+    assert!(failing.purge_once().await.is_err());
+    let labels = [("table", missing_name.as_str())];
+    assert_eq!(counter(PURGE_FAILURES_TOTAL, &labels), 1);
+    assert_eq!(gauge(PURGE_LAST_SUCCESS, &labels), None);
 }
 
 // ---------------------------------------------------------------- engine
@@ -264,6 +290,9 @@ async fn engine_counts_each_outcome_by_scope_and_transport() {
     assert_eq!(samples(HANDLER_DURATION_SECONDS, &labels), 7);
     // A's transaction and the batch's.
     assert_eq!(samples(COMMIT_DURATION_SECONDS, &labels), 2);
+    // Every claim that got an answer: A three times, broken, flaky x3 and
+    // the batch's one claim (the keyless delivery claims nothing).
+    assert_eq!(samples(CLAIM_DURATION_SECONDS, &labels), 8);
 }
 
 // ---------------------------------------------------------------- AMQP

@@ -28,6 +28,8 @@ struct Setup {
     dlq: String,
     store: PgStore,
     pool: PgPool,
+    /// The database (schema) of the dedup table and the ledger.
+    db: String,
 }
 
 async fn setup(name: &str) -> Setup {
@@ -44,6 +46,7 @@ async fn setup(name: &str) -> Setup {
         queue,
         pool: store.pool().clone(),
         store,
+        db: url,
     }
 }
 
@@ -158,6 +161,14 @@ async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
         0,
         "nothing dead-lettered again"
     );
+    // The copies came through the default exchange: the stored source is
+    // `queue/routing-key`, without an empty exchange segment.
+    let source: String =
+        sqlx::query_scalar("SELECT source FROM onceonly_keys WHERE idem_key = 'K-3'")
+            .fetch_one(&s.pool)
+            .await
+            .unwrap();
+    assert_eq!(source, format!("{}/{}", s.queue, s.queue));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -488,4 +499,246 @@ async fn to_queue_replays_only_to_the_dead_lettering_queue() {
         1,
         "through the original fanout exchange every bound queue gets a copy"
     );
+}
+
+/// The dedup table's records and the ledger's rows: what a dry run must not
+/// change.
+async fn table_rows(pool: &PgPool) -> (i64, i64) {
+    let keys = sqlx::query_scalar("SELECT COUNT(*) FROM onceonly_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let ledger = sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    (keys, ledger)
+}
+
+/// Letters of three real failures (the consumer's own dead letters): the
+/// handler's downstream is down (3), a key reused with another payload (2),
+/// no key at all (2). `dlq groups` finds the three groups without consuming
+/// anything; a dry run with the dedup table splits them into new work,
+/// duplicates, conflicts and unknown without changing anything; `replay
+/// --group` replays one group only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_in_failure_groups_dry_run_and_replay_of_one_group() {
+    let s = setup("rpa_groups").await;
+    let (_conn, channel) = connect().await;
+    let mut expected = BTreeMap::new();
+    for (no, amount) in [("G-1", 10), ("G-2", 20)] {
+        expected.insert(no.to_owned(), ("acct".to_owned(), amount));
+    }
+    publish(
+        &channel,
+        &s.queue,
+        &[
+            Msg::new(pay("G-1", 10).account("acct")),
+            Msg::new(pay("G-2", 20).account("acct")),
+            // The same keys with other payloads: fingerprint_mismatch.
+            Msg::new(pay("G-1", 999).account("acct")),
+            Msg::new(pay("G-2", 555).account("acct")),
+            // No key: bad_key.
+            Msg::new(&br#"{"amount": 5}"#[..]),
+            Msg::new(&br#"{"amount": 7, "account": "x"}"#[..]),
+        ],
+    )
+    .await;
+    let stats = drain(&s, Arc::new(Outage::default())).await;
+    assert_eq!((stats.processed, stats.dead_lettered), (2, 4));
+    let mut down = Vec::new();
+    for (no, amount) in [("G-3", 30), ("G-4", 40), ("G-5", 50)] {
+        expected.insert(no.to_owned(), ("acct".to_owned(), amount));
+        down.push(Msg::new(pay(no, amount).account("acct")));
+    }
+    publish(&channel, &s.queue, &down).await;
+    let stats = drain(&s, Arc::new(Outage::down())).await;
+    assert_eq!(stats.dead_lettered, 3);
+    assert_eq!(depth(&channel, &s.dlq).await, 7);
+
+    // Three groups, nothing consumed.
+    let url = url();
+    let groups = onceonly(&[
+        "dlq", "groups", "amqp", "--url", &url, "--queue", &s.dlq, "--json",
+    ])
+    .await;
+    assert!(groups.success, "{groups:?}");
+    let json: serde_json::Value = serde_json::from_str(&groups.stdout).expect("JSON");
+    let by_reason: BTreeMap<String, (u64, String)> = json["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["reason"].as_str().unwrap().to_owned(),
+                (
+                    g["count"].as_u64().unwrap(),
+                    g["id"].as_str().unwrap().to_owned(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_reason
+            .iter()
+            .map(|(r, (n, _))| (r.as_str(), *n))
+            .collect::<Vec<_>>(),
+        [
+            ("bad_key", 2),
+            ("fingerprint_mismatch", 2),
+            ("handler_error", 3)
+        ],
+        "{}",
+        groups.stdout
+    );
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        7,
+        "dlq groups consumed nothing"
+    );
+    let text = onceonly(&["dlq", "groups", "amqp", "--url", &url, "--queue", &s.dlq]).await;
+    assert!(text.success, "{text:?}");
+    assert!(
+        text.stdout.contains("7 dead letters in 3 groups"),
+        "{}",
+        text.stdout
+    );
+    let handler_group = by_reason["handler_error"].1.clone();
+    assert!(text.stdout.contains(&handler_group), "{}", text.stdout);
+
+    // Meanwhile G-3 was sent again and went through.
+    process_meanwhile(&s.store, s.queue.as_str(), &expected, &["G-3"]).await;
+    let before = table_rows(&s.pool).await;
+    let db = s.db.clone();
+    let dry = replay(&s, &["--dry-run", "--database-url", &db]).await;
+    assert!(dry.success, "{dry:?}");
+    assert!(
+        dry.stdout.contains(
+            "would be: 2 new, 1 duplicates (answered, no effect), 2 conflicts, 2 unknown"
+        ),
+        "{}",
+        dry.stdout
+    );
+    let group_line = dry
+        .stdout
+        .lines()
+        .find(|l| l.starts_with(&handler_group))
+        .unwrap_or_else(|| panic!("no line for {handler_group}: {}", dry.stdout));
+    let columns: Vec<&str> = group_line.split_whitespace().collect();
+    // id, reason, letters, first seen, last seen, new, duplicate, conflict, unknown, refused, parked
+    assert_eq!(
+        &columns[5..11],
+        ["2", "1", "0", "0", "0", "0"],
+        "{group_line}"
+    );
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        7,
+        "the dry run consumed nothing"
+    );
+    assert_eq!(depth(&channel, &s.queue).await, 0, "and published nothing");
+    assert_eq!(table_rows(&s.pool).await, before, "and wrote nothing");
+
+    // Replay only the handler's group.
+    let run = replay(&s, &["--group", &handler_group, "--database-url", &db]).await;
+    assert!(run.success, "{run:?}");
+    assert!(
+        run.stdout.contains("replayed 3, skipped 4"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(depth(&channel, &s.dlq).await, 4, "the other groups stay");
+    let handler = Arc::new(Outage::default());
+    let stats = drain(&s, Arc::clone(&handler)).await;
+    assert_eq!((stats.processed, stats.duplicates), (2, 1));
+    assert_exact(&s.pool, &expected).await;
+}
+
+/// A letter older than the dedup retention is refused unless
+/// `--beyond-retention`; a letter replayed too often is parked; replayed
+/// copies count their replays and keep their origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn old_letters_are_refused_and_cycling_letters_are_parked() {
+    let s = setup("rpa_retain").await;
+    let (_conn, channel) = connect().await;
+    let parking = format!("{}.parked", s.dlq);
+    let day = 86_400_000;
+    let old = dead_letter(
+        &s.queue,
+        pay("R-OLD", 1).account("a").body(),
+        "handler_error",
+        Some("R-OLD"),
+        now_ms() - 10 * day,
+    );
+    let fresh = dead_letter(
+        &s.queue,
+        pay("R-NEW", 1).account("a").body(),
+        "handler_error",
+        Some("R-NEW"),
+        now_ms(),
+    );
+    let mut cycling = dead_letter(
+        &s.queue,
+        pay("R-LOOP", 1).account("a").body(),
+        "handler_error",
+        Some("R-LOOP"),
+        now_ms(),
+    );
+    cycling
+        .headers
+        .push(("x-onceonly-replays".into(), "5".into()));
+    publish(&channel, &s.dlq, &[old, fresh, cycling]).await;
+
+    let dry = replay(&s, &["--dry-run"]).await;
+    assert_eq!(dry.code, 1, "refused letters fail the run: {dry:?}");
+    assert!(
+        dry.stdout
+            .contains("would replay 1, skipped 0, failed 0, refused 1, would park 1"),
+        "{}",
+        dry.stdout
+    );
+    assert!(
+        dry.stdout
+            .contains("refused 1 dead letter(s) older than the dedup retention"),
+        "{}",
+        dry.stdout
+    );
+    assert_eq!(depth(&channel, &s.dlq).await, 3);
+
+    let run = replay(&s, &[]).await;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("replayed 1, skipped 0, failed 0, refused 1, parked 1"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stderr.contains("1 dead letter(s) refused"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(depth(&channel, &s.dlq).await, 1, "the old letter stays");
+    assert_eq!(
+        depth(&channel, &parking).await,
+        1,
+        "the cycling one is parked"
+    );
+    let copy = take(&channel, &s.queue, 1, Duration::from_secs(5)).await;
+    let p = &copy[0].delivery.properties;
+    assert_eq!(
+        header(p, headers::IDEMPOTENCY_KEY).as_deref(),
+        Some("R-NEW")
+    );
+    assert_eq!(header(p, "x-onceonly-replays").as_deref(), Some("1"));
+    assert_eq!(
+        header(p, "x-onceonly-origin"),
+        Some(format!("{q}/{q}", q = s.queue)),
+        "where the first delivery came from, as its stored source says it"
+    );
+
+    let run = replay(&s, &["--beyond-retention"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(run.stdout.contains("replayed 1"), "{}", run.stdout);
+    assert_eq!(depth(&channel, &s.dlq).await, 0);
 }

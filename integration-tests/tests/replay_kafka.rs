@@ -28,6 +28,8 @@ struct Setup {
     group: String,
     store: PgStore,
     pool: PgPool,
+    /// The database (schema) of the dedup table and the ledger.
+    db: String,
 }
 
 async fn setup(name: &str) -> Setup {
@@ -45,6 +47,7 @@ async fn setup(name: &str) -> Setup {
         topic,
         dlt,
         store,
+        db: url,
     }
 }
 
@@ -81,7 +84,7 @@ async fn replay(s: &Setup, group: &str, extra: &[&str]) -> Run {
         brokers.as_str(),
         "--topic",
         s.dlt.as_str(),
-        "--group",
+        "--consumer-group",
         group,
     ];
     args.extend_from_slice(extra);
@@ -300,4 +303,119 @@ async fn a_record_that_cannot_be_replayed_stops_its_partition_and_fails_the_run(
     );
     let back = read_all(&s.topic, 1, 2, Duration::from_secs(3));
     assert_eq!(back.len(), 1, "G-2 waits behind the failed record");
+}
+
+/// The consumer's own dead letters of three failures (a key reused with
+/// another payload, no key, the downstream down twice): `dlq groups` finds
+/// three groups and commits nothing; a dry run against the dedup table
+/// splits them and commits nothing; `replay --group` replays one group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_in_failure_groups_on_a_topic() {
+    let s = setup("rpk_groups").await;
+    let mut expected = BTreeMap::new();
+    for (no, amount) in [("G-1", 10), ("G-3", 30), ("G-4", 40)] {
+        expected.insert(no.to_owned(), ("acct".to_owned(), amount));
+    }
+    produce(
+        &s.topic,
+        &[
+            Record::new("G-1", pay("G-1", 10).account("acct")),
+            Record::new("G-1", pay("G-1", 999).account("acct")),
+            Record::new("none", br#"{"amount": 5}"#.to_vec()),
+        ],
+    )
+    .await;
+    drain(&s, Arc::new(Outage::default())).await;
+    produce(
+        &s.topic,
+        &[
+            Record::new("G-3", pay("G-3", 30).account("acct")),
+            Record::new("G-4", pay("G-4", 40).account("acct")),
+        ],
+    )
+    .await;
+    drain(&s, Arc::new(Outage::down())).await;
+    assert_eq!(read_all(&s.dlt, 1, 4, Duration::from_secs(10)).len(), 4);
+
+    let group = unique("replay");
+    let brokers = brokers();
+    let groups = onceonly(&[
+        "dlq",
+        "groups",
+        "kafka",
+        "--brokers",
+        &brokers,
+        "--topic",
+        &s.dlt,
+        "--consumer-group",
+        &group,
+        "--json",
+    ])
+    .await;
+    assert!(groups.success, "{groups:?}");
+    let json: serde_json::Value = serde_json::from_str(&groups.stdout).expect("JSON");
+    let by_reason: BTreeMap<String, (u64, String)> = json["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["reason"].as_str().unwrap().to_owned(),
+                (
+                    g["count"].as_u64().unwrap(),
+                    g["id"].as_str().unwrap().to_owned(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_reason
+            .iter()
+            .map(|(r, (n, _))| (r.as_str(), *n))
+            .collect::<Vec<_>>(),
+        [
+            ("bad_key", 1),
+            ("fingerprint_mismatch", 1),
+            ("handler_error", 2)
+        ],
+        "{}",
+        groups.stdout
+    );
+    assert!(
+        committed(&group, &s.dlt, 1)[&0] < 0,
+        "dlq groups committed nothing"
+    );
+
+    // Meanwhile G-3 went through.
+    process_meanwhile(&s.store, s.group.as_str(), &expected, &["G-3"]).await;
+    let dry = replay(&s, &group, &["--dry-run", "--database-url", &s.db]).await;
+    assert!(dry.success, "{dry:?}");
+    assert!(
+        dry.stdout.contains(
+            "would be: 1 new, 1 duplicates (answered, no effect), 1 conflicts, 1 unknown"
+        ),
+        "{}",
+        dry.stdout
+    );
+    assert!(
+        committed(&group, &s.dlt, 1)[&0] < 0,
+        "the dry run committed nothing"
+    );
+
+    let handler_group = &by_reason["handler_error"].1;
+    let run = replay(&s, &group, &["--group", handler_group, "--commit-skipped"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(
+        run.stdout.contains("replayed 2, skipped 2"),
+        "{}",
+        run.stdout
+    );
+    let handler = Arc::new(Outage::default());
+    drain(&s, Arc::clone(&handler)).await;
+    assert_eq!(
+        handler.ledger.calls.load(Ordering::SeqCst),
+        1,
+        "G-4 ran, G-3 was a duplicate"
+    );
+    assert_exact(&s.pool, &expected).await;
 }

@@ -109,8 +109,10 @@ impl fmt::Debug for AmqpTls {
     }
 }
 
-/// Opens a connection to `url` with `tls`.
-pub(crate) async fn connect(url: &str, tls: &AmqpTls) -> Result<Connection, lapin::Error> {
+/// Opens a connection to `url` with `tls`, as the consumer, the outbox
+/// publisher and the replay do (for operations tools that talk to the same
+/// broker, e.g. `onceonly doctor`). Not bounded: wrap it in a timeout.
+pub async fn connect(url: &str, tls: &AmqpTls) -> Result<Connection, lapin::Error> {
     DefaultConnectionBuilder::new()?
         .with_uri_str(url.to_owned())
         .with_tls_config(tls.owned())

@@ -7,7 +7,7 @@ use crate::delivery::Delivery;
 
 /// The engine's view of a message: body, headers with text or binary
 /// values as metadata, `message_id` as the message key, and
-/// `queue/exchange/routing-key` as the source stored with the claim. A
+/// [`source`] as the source stored with the claim. A
 /// message the broker delivered before (`redelivered`, or a quorum queue's
 /// `x-delivery-count` above 0) is a [suspect](Delivery::with_suspect): the
 /// consumer that had it may have died in its handler.
@@ -17,10 +17,10 @@ pub(crate) fn to_delivery(queue: &str, message: &lapin::message::Delivery) -> De
         .and_then(|n| n.parse::<u64>().ok())
         .is_some_and(|n| n > 0);
     let mut d = Delivery::new(message.data.clone())
-        .with_source(format!(
-            "{queue}/{}/{}",
+        .with_source(source(
+            queue,
             message.exchange.as_str(),
-            message.routing_key.as_str()
+            message.routing_key.as_str(),
         ))
         .with_suspect(message.redelivered || delivered_before);
     if let Some(id) = props.message_id() {
@@ -34,6 +34,18 @@ pub(crate) fn to_delivery(queue: &str, message: &lapin::message::Delivery) -> De
         }
     }
     d
+}
+
+/// Where a delivery came from: `queue/exchange/routing-key`, or
+/// `queue/routing-key` for the default exchange (a message sent straight to
+/// a queue, e.g. a replay with `--to-queue`), never an empty segment such as
+/// `orders//orders`.
+pub(crate) fn source(queue: &str, exchange: &str, routing_key: &str) -> String {
+    if exchange.is_empty() {
+        format!("{queue}/{routing_key}")
+    } else {
+        format!("{queue}/{exchange}/{routing_key}")
+    }
 }
 
 /// Text and binary header values as bytes; integers in decimal.
@@ -70,4 +82,16 @@ pub(crate) fn set_text(headers: &mut FieldTable, name: &str, value: &str) {
 /// Inserts an integer header.
 pub(crate) fn set_int(headers: &mut FieldTable, name: &str, value: i64) {
     headers.insert(ShortString::from(name), AMQPValue::LongLongInt(value));
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn source_has_no_empty_segment() {
+        assert_eq!(
+            super::source("orders", "shop", "order.placed"),
+            "orders/shop/order.placed"
+        );
+        assert_eq!(super::source("orders", "", "orders"), "orders/orders");
+    }
 }

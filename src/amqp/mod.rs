@@ -88,8 +88,7 @@ mod worker;
 
 pub use crate::consumer_stats::ConsumerStats;
 pub use builder::AmqpConsumerBuilder;
-pub use connect::AmqpTls;
-pub(crate) use connect::connect;
+pub use connect::{AmqpTls, connect};
 pub use consumer::AmqpConsumer;
 pub use error::AmqpConsumerError;
 pub use tokio_util::sync::CancellationToken;

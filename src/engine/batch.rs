@@ -185,7 +185,10 @@ impl<S: SqlStore> Engine<S> {
                 .claim_batch(&mut tx, &inner.scope, times, &reqs)
                 .await
             {
-                Ok(claims) => claims,
+                Ok(claims) => {
+                    inner.telemetry.claim_time(began.elapsed());
+                    claims
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "batch claim failed, processing one by one");
                     self.rollback(tx).await;

@@ -33,7 +33,7 @@ use crate::telemetry::Telemetry;
 
 #[cfg(any(feature = "kafka", feature = "amqp"))]
 pub(crate) use builder::forward_engine_settings;
-pub use builder::{BuildError, EngineBuilder};
+pub use builder::{BuildError, DEFAULT_RETENTION, EngineBuilder};
 pub use crash::DEFAULT_MAX_CRASHES;
 pub use decision::{Decision, decide};
 pub use handler::{

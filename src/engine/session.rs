@@ -289,11 +289,10 @@ impl<S: SqlStore> Engine<S> {
     ) -> Result<Opened<S::Db>, StoreError> {
         let inner = &*self.inner;
         let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
-        Ok(inner
-            .store
-            .open_claim(scope, times, req)
-            .await?
-            .map(|tx| (tx, times)))
+        let began = Instant::now();
+        let opened = inner.store.open_claim(scope, times, req).await?;
+        inner.telemetry.claim_time(began.elapsed());
+        Ok(opened.map(|tx| (tx, times)))
     }
 
     fn session(

@@ -342,21 +342,52 @@ impl<S: SqlStore> Purger<S> {
     pub async fn purge_once(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         let mut never = std::pin::pin!(std::future::pending::<()>());
-        self.round(&mut total, &mut never).await?;
+        self.observed_round(&mut total, &mut never).await?;
         Ok(total)
     }
 
-    /// Deletes expired records batch by batch into `total`, until a batch
-    /// comes back short or `shutdown` is ready between two batches (a batch
-    /// that started always finishes).
-    async fn round<F>(&self, total: &mut u64, shutdown: &mut Pin<&mut F>) -> Result<(), StoreError>
+    /// [`round`](Self::round), reported in the metrics: a round that
+    /// caught up sets `onceonly_purge_last_success_timestamp_seconds`, a
+    /// failed one counts in `onceonly_purge_failures_total`.
+    async fn observed_round<F>(
+        &self,
+        total: &mut u64,
+        shutdown: &mut Pin<&mut F>,
+    ) -> Result<(), StoreError>
     where
         F: Future<Output = ()>,
     {
         let now_ms = self.clock.now_ms();
+        match self.round(now_ms, total, shutdown).await {
+            Ok(caught_up) => {
+                if caught_up {
+                    telemetry::purge_caught_up(self.store.table(), now_ms);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                telemetry::purge_failed(self.store.table());
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes records expired at `now_ms` batch by batch into `total`,
+    /// until a batch comes back short (returns `true`: caught up) or
+    /// `shutdown` is ready between two batches (`false`; a batch that
+    /// started always finishes).
+    async fn round<F>(
+        &self,
+        now_ms: i64,
+        total: &mut u64,
+        shutdown: &mut Pin<&mut F>,
+    ) -> Result<bool, StoreError>
+    where
+        F: Future<Output = ()>,
+    {
         loop {
             if shutdown.as_mut().now_or_never().is_some() {
-                return Ok(());
+                return Ok(false);
             }
             let deleted = self
                 .store
@@ -365,11 +396,11 @@ impl<S: SqlStore> Purger<S> {
             telemetry::purged(self.store.table(), deleted);
             *total += deleted;
             if deleted < u64::from(self.batch) {
-                return Ok(());
+                return Ok(true);
             }
             tokio::select! {
                 biased;
-                () = shutdown.as_mut() => return Ok(()),
+                () = shutdown.as_mut() => return Ok(false),
                 () = pause(self.pause) => {}
             }
         }
@@ -382,7 +413,7 @@ impl<S: SqlStore> Purger<S> {
         let mut total = 0;
         loop {
             let before = total;
-            match self.round(&mut total, &mut shutdown).await {
+            match self.observed_round(&mut total, &mut shutdown).await {
                 Ok(()) if total > before => tracing::info!(
                     deleted = total - before,
                     table = %self.store.table(),

@@ -359,6 +359,8 @@ impl<DB: OutboxBackend> Relay<DB> {
                     .unwrap_or(0.0);
                 gauge!("onceonly_outbox_oldest_pending_seconds", "table" => table.to_owned())
                     .set(age);
+                let dead = stats.rows(Status::Dead);
+                gauge!("onceonly_outbox_dead_rows", "table" => table.to_owned()).set(dead as f64);
             }
             Err(e) => tracing::debug!(error = %e, "outbox backlog query failed"),
         }

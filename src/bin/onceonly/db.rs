@@ -45,6 +45,19 @@ pub enum OpenError {
     /// The store could not be opened.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// No `--database-url`, `ONCEONLY_DATABASE_URL` nor `DATABASE_URL`.
+    #[error("no database URL: pass --database-url or set ONCEONLY_DATABASE_URL (or DATABASE_URL)")]
+    NoUrl,
+}
+
+/// The database URL: `--database-url` or `ONCEONLY_DATABASE_URL` (`flag`,
+/// resolved by clap), else `DATABASE_URL`, sqlx's convention. Empty values
+/// count as unset.
+pub fn database_url(flag: Option<&str>) -> Result<String, OpenError> {
+    flag.filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()))
+        .ok_or(OpenError::NoUrl)
 }
 
 fn supported() -> String {

@@ -7,7 +7,7 @@ use onceonly::Record;
 use onceonly::store::admin::{AdminStore, RecordFilter};
 use serde_json::json;
 
-use crate::db::{Db, with_store};
+use crate::db::with_store;
 use crate::time::{now_ms, rfc3339};
 use crate::{CliResult, DbArgs, out};
 
@@ -58,7 +58,7 @@ pub async fn run(args: InspectArgs) -> CliResult<ExitCode> {
     if let Some(p) = &args.source {
         filter = filter.source_prefix(p);
     }
-    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
+    let db = args.db.open().await?;
     let records = with_store!(&db, |store| store.find(&filter).await?);
     let now = now_ms();
     for (i, r) in records.iter().enumerate() {

@@ -1,9 +1,12 @@
 //! `onceonly`: operate a onceonly deployment — create the dedup and outbox
 //! tables, inspect and purge records, show statistics, replay dead letters,
-//! watch and retry the transactional outbox, compute the logged form of a
-//! key.
+//! group dead letters by failure, watch and retry the transactional outbox,
+//! compute the logged form of a key.
 
 mod db;
+#[cfg(any(feature = "amqp", feature = "kafka"))]
+mod dlq;
+mod doctor;
 mod inspect;
 mod key_hash;
 mod migrate;
@@ -40,7 +43,9 @@ pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>
     propagate_version = true,
     after_help = "\
 --database-url, --table and --outbox-table also read ONCEONLY_DATABASE_URL,
-ONCEONLY_TABLE and ONCEONLY_OUTBOX_TABLE. Logs go to stderr; use -v for more."
+ONCEONLY_TABLE and ONCEONLY_OUTBOX_TABLE; without --database-url and
+ONCEONLY_DATABASE_URL, DATABASE_URL is used (sqlx's convention). Logs go to
+stderr; use -v for more."
 )]
 struct Cli {
     /// More logging on stderr (-v: debug, -vv: trace).
@@ -58,21 +63,34 @@ enum Command {
     Stats(stats::StatsArgs),
     Outbox(outbox::OutboxArgs),
     Relay(relay::RelayArgs),
+    Doctor(doctor::DoctorArgs),
     /// Replay dead letters back to where they came from.
     #[cfg(any(feature = "amqp", feature = "kafka"))]
     Replay(replay::ReplayArgs),
+    /// Look into dead-letter queues and topics (failure groups).
+    #[cfg(any(feature = "amqp", feature = "kafka"))]
+    Dlq(dlq::DlqArgs),
     KeyHash(key_hash::KeyHashArgs),
 }
 
 /// Where the dedup table lives.
 #[derive(clap::Args, Debug)]
 pub struct DbArgs {
-    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH (else
+    /// DATABASE_URL).
     #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    pub database_url: Option<String>,
     /// The dedup table (`table` or `schema.table`).
     #[arg(long, env = "ONCEONLY_TABLE", default_value = onceonly::store::DEFAULT_TABLE)]
     pub table: String,
+}
+
+impl DbArgs {
+    /// Opens the dedup store these arguments name (the SQLite file must exist).
+    pub async fn open(&self) -> Result<db::Db, db::OpenError> {
+        let url = db::database_url(self.database_url.as_deref())?;
+        db::Db::open(&url, &self.table, false).await
+    }
 }
 
 /// TLS files of an `amqps://` broker beyond the system's roots.
@@ -159,8 +177,11 @@ fn main() -> ExitCode {
             Command::Stats(a) => stats::run(a).await.map(|()| ExitCode::SUCCESS),
             Command::Outbox(a) => outbox::run(a).await,
             Command::Relay(a) => relay::run(a).await.map(|()| ExitCode::SUCCESS),
+            Command::Doctor(a) => doctor::run(a).await,
             #[cfg(any(feature = "amqp", feature = "kafka"))]
             Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
+            #[cfg(any(feature = "amqp", feature = "kafka"))]
+            Command::Dlq(a) => dlq::run(a).await,
             Command::KeyHash(a) => key_hash::run(a).map(|()| ExitCode::SUCCESS),
         }
     });

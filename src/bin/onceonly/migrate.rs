@@ -27,13 +27,9 @@ Examples:
   onceonly migrate --database-url sqlite:data/app.db --no-outbox
   onceonly migrate --print-sql --backend postgres > migrations/0001_onceonly.sql")]
 pub struct MigrateArgs {
-    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
-    #[arg(
-        long,
-        env = "ONCEONLY_DATABASE_URL",
-        hide_env_values = true,
-        required_unless_present = "print_sql"
-    )]
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH (else
+    /// DATABASE_URL).
+    #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// The dedup table (`table` or `schema.table`).
     #[arg(long, env = "ONCEONLY_TABLE", default_value = onceonly::store::DEFAULT_TABLE)]
@@ -93,10 +89,7 @@ pub async fn run(args: MigrateArgs) -> CliResult {
         let backend = args.backend.ok_or("--print-sql needs --backend")?;
         return print_sql(&args, backend);
     }
-    let database_url = args
-        .database_url
-        .clone()
-        .ok_or("--database-url is required")?;
+    let database_url = crate::db::database_url(args.database_url.as_deref())?;
     // Both names are checked before anything is created.
     let outbox_table = if args.no_outbox {
         None

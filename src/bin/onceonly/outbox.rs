@@ -12,7 +12,7 @@ use onceonly::store::{DEFAULT_TABLE, StoreError, TableName};
 use serde_json::json;
 use sqlx::Pool;
 
-use crate::db::{Db, with_store};
+use crate::db::Db;
 use crate::inspect::{printable, result_value};
 use crate::time::{age, before_now, now_ms, parse_duration, rfc3339, rfc3339_seconds};
 use crate::{CliResult, out};
@@ -54,9 +54,10 @@ pub struct OutboxTableArg {
 /// Where the outbox table lives.
 #[derive(Args, Debug)]
 struct OutboxDbArgs {
-    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH.
+    /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH (else
+    /// DATABASE_URL).
     #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
-    database_url: String,
+    database_url: Option<String>,
     #[command(flatten)]
     table: OutboxTableArg,
 }
@@ -66,7 +67,8 @@ impl OutboxDbArgs {
     async fn open(&self) -> CliResult<(Db, String)> {
         let name = TableName::new(&self.table.outbox_table)?.to_string();
         // The dedup table's name is not used: the outbox has its own.
-        let db = Db::open(&self.database_url, DEFAULT_TABLE, false).await?;
+        let url = crate::db::database_url(self.database_url.as_deref())?;
+        let db = Db::open(&url, DEFAULT_TABLE, false).await?;
         Ok((db, name))
     }
 }
@@ -101,13 +103,14 @@ pub(crate) fn outbox_sql(
 /// the pool of `$db`, whatever its backend.
 macro_rules! with_outbox {
     ($db:expr, $table:expr, |$outbox:ident, $pool:ident| $body:expr) => {
-        with_store!($db, |store| {
+        $crate::db::with_store!($db, |store| {
             let $pool = onceonly::SqlStore::pool(store);
-            let $outbox = outbox_for($pool, $table)?;
+            let $outbox = $crate::outbox::outbox_for($pool, $table)?;
             $body
         })
     };
 }
+pub(crate) use with_outbox;
 
 pub async fn run(args: OutboxArgs) -> CliResult<ExitCode> {
     match args.command {

@@ -6,7 +6,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use onceonly::ops::{PurgeError, PurgeMode, PurgeOptions, PurgeProgress, purge_in_batches};
 
-use crate::db::{Db, with_store};
+use crate::db::with_store;
 use crate::time::{before_now, now_ms, parse_duration, rfc3339};
 use crate::{CliResult, DbArgs, out};
 
@@ -58,7 +58,7 @@ pub struct PurgeArgs {
 }
 
 pub async fn run(args: PurgeArgs) -> CliResult {
-    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
+    let db = args.db.open().await?;
     let mode = match args.older_than {
         Some(age) => PurgeMode::CreatedBefore(before_now(age)),
         None => PurgeMode::Expired,

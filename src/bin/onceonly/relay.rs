@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use onceonly::outbox::{Outbox, OutboxBackend, Relay, RelayBuilder, RelayStats};
 
-use crate::db::{Db, with_store};
+use crate::db::with_store;
 use crate::{CliResult, DbArgs, out};
 
 /// Publish committed outbox rows until SIGINT or SIGTERM.
@@ -56,7 +56,7 @@ pub struct RelayArgs {
 }
 
 pub async fn run(args: RelayArgs) -> CliResult {
-    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
+    let db = args.db.open().await?;
     let stats = with_store!(db, |store| {
         use onceonly::SqlStore as _;
         relay_on(store.pool().clone(), &args).await?

@@ -5,9 +5,12 @@ use std::io::IsTerminal;
 use std::time::{Duration, SystemTime};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use onceonly::ops::replay::{Action, Progress, ReplayOptions, ReplayReport};
+use onceonly::ops::replay::{Action, Progress, ReplayOptions, ReplayReport, Screen, Verdict};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What is told about each dead letter as the run goes.
+pub type OnProgress = Box<dyn Fn(&Progress) + Send + Sync>;
 
 const AFTER_HELP: &str = "\
 Replayed messages go back to their original exchange + routing key (AMQP) or
@@ -15,15 +18,26 @@ topic (Kafka). The onceonly consumer then treats a key committed meanwhile as
 a duplicate (nothing doubled), processes a new key once, and dead-letters a
 key reused with another payload again (fingerprint_mismatch).
 
+With --database-url (or ONCEONLY_DATABASE_URL, DATABASE_URL) each selected
+letter's key is looked up in the dedup table: the summary says, per failure
+group and in total, how many are new work, duplicates (answered, no effect)
+and conflicts. A letter older than the dedup retention of its scope (read
+from the table, or --retention; 7d without either) is refused and stays:
+its record may be gone, so a duplicate could run again. --beyond-retention
+replays it anyway. A letter replayed --max-replays times already goes to
+<queue or topic>.parked instead of cycling.
+
 Examples:
   onceonly replay amqp --url amqp://guest:guest@localhost:5672/%2f --queue orders.dlq --dry-run
+  onceonly replay amqp --queue orders.dlq --database-url postgres://app@db/shop --dry-run
+  onceonly replay amqp --queue orders.dlq --group 3f9c0a1b2c4d
   onceonly replay amqp --queue orders.dlq --reason handler_error --since 2h --rate 50/s
   onceonly replay kafka --brokers localhost:9092 --topic payments.dlt --key PAY-1001
-  onceonly replay kafka --topic payments.dlt --limit 100 --group ops-replay
+  onceonly replay kafka --topic payments.dlt --limit 100 --consumer-group ops-replay
 
-Exit status: 0 when every selected dead letter was replayed (or would be, with
---dry-run); 1 when any could not be (they stay in the queue/topic) or the run
-failed.";
+Exit status: 0 when every selected dead letter was replayed or parked (or
+would be, with --dry-run); 1 when any could not be or was refused (they stay
+in the queue/topic) or the run failed.";
 
 /// Replay dead letters back to where they came from.
 #[derive(clap::Args, Debug)]
@@ -33,8 +47,9 @@ pub struct ReplayArgs {
     source: Source,
 }
 
+/// A dead-letter queue or topic, with what to select from it.
 #[derive(clap::Subcommand, Debug)]
-enum Source {
+pub enum Source {
     /// Replay a RabbitMQ dead-letter queue.
     #[cfg(feature = "amqp")]
     #[command(after_help = AMQP_HELP)]
@@ -76,7 +91,7 @@ Examples:
 
 /// Filters and pacing shared by both sources.
 #[derive(clap::Args, Debug)]
-struct Selection {
+pub struct Selection {
     /// Only dead letters with this x-onceonly-reason (repeatable): handler_error,
     /// fingerprint_mismatch, bad_key, decode_error, store_error, crashed.
     #[arg(long, value_name = "REASON")]
@@ -90,6 +105,31 @@ struct Selection {
     /// Only dead letters with this idempotency key (repeatable).
     #[arg(long, value_name = "KEY")]
     key: Vec<String>,
+    /// Only dead letters of this failure group (repeatable; ids from
+    /// `onceonly dlq groups`).
+    #[arg(long = "group", value_name = "ID")]
+    group: Vec<String>,
+    /// Replay letters older than the dedup retention of their scope too
+    /// (their records may be gone: a duplicate could run again).
+    #[arg(long)]
+    beyond_retention: bool,
+    /// The dedup retention of every scope (default: read from the dedup
+    /// table with --database-url, else 7d).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    retention: Option<Duration>,
+    /// Park a letter already replayed this many times in <source>.parked
+    /// instead of replaying it again.
+    #[arg(long, value_name = "N", default_value_t = onceonly::ops::replay::DEFAULT_MAX_REPLAYS)]
+    max_replays: u32,
+    /// The dedup table to look letters' keys up in (new work, duplicate or
+    /// conflict) and read the retention from: postgres://…, mysql://… or
+    /// sqlite:PATH (else ONCEONLY_DATABASE_URL, then DATABASE_URL; without
+    /// any, verdicts are unknown).
+    #[arg(long, env = "ONCEONLY_DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+    /// The dedup table (`table` or `schema.table`).
+    #[arg(long, env = "ONCEONLY_TABLE", default_value = onceonly::store::DEFAULT_TABLE)]
+    table: String,
     /// Act on at most N matching dead letters.
     #[arg(long, value_name = "N")]
     limit: Option<u64>,
@@ -106,7 +146,7 @@ struct Selection {
 
 #[cfg(feature = "amqp")]
 #[derive(clap::Args, Debug)]
-struct AmqpArgs {
+pub struct AmqpArgs {
     /// Broker URL.
     #[arg(
         long,
@@ -131,7 +171,7 @@ struct AmqpArgs {
 
 #[cfg(feature = "kafka")]
 #[derive(clap::Args, Debug)]
-struct KafkaArgs {
+pub struct KafkaArgs {
     /// Bootstrap servers.
     #[arg(long, env = "ONCEONLY_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     brokers: String,
@@ -139,8 +179,8 @@ struct KafkaArgs {
     #[arg(long)]
     topic: String,
     /// Consumer group whose offsets record how far the topic was replayed.
-    #[arg(long, default_value = onceonly::ops::replay::DEFAULT_GROUP)]
-    group: String,
+    #[arg(long, visible_alias = "group-id", default_value = onceonly::ops::replay::DEFAULT_GROUP)]
+    consumer_group: String,
     /// Commit past records the filters skipped.
     #[arg(long)]
     commit_skipped: bool,
@@ -156,50 +196,106 @@ struct KafkaArgs {
 
 /// Runs `onceonly replay`.
 pub async fn run(args: ReplayArgs) -> Result<(), BoxError> {
-    match args.source {
+    let ui = Ui::new(args.source.selection().dry_run);
+    let (label, report) = execute(args.source, Some(ui.callback())).await?;
+    ui.finish(&label, report)
+}
+
+impl Source {
+    fn selection(&self) -> &Selection {
+        match self {
+            #[cfg(feature = "amqp")]
+            Self::Amqp(a) => &a.selection,
+            #[cfg(feature = "kafka")]
+            Self::Kafka(k) => &k.selection,
+        }
+    }
+
+    /// Forces a dry run (`onceonly dlq groups` reads, never replays), which
+    /// refuses nothing: groups count every letter.
+    pub fn read_only(mut self) -> Self {
+        let s = match &mut self {
+            #[cfg(feature = "amqp")]
+            Self::Amqp(a) => &mut a.selection,
+            #[cfg(feature = "kafka")]
+            Self::Kafka(k) => &mut k.selection,
+        };
+        s.dry_run = true;
+        s.beyond_retention = true;
+        self
+    }
+}
+
+/// Runs the replay `source` describes; returns the source's label
+/// (`queue orders.dlq`) and the report.
+pub async fn execute(
+    source: Source,
+    progress: Option<OnProgress>,
+) -> Result<(String, ReplayReport), BoxError> {
+    let screen = screen(source.selection()).await?;
+    let progress = progress.unwrap_or_else(|| Box::new(|_: &Progress| {}));
+    match source {
         #[cfg(feature = "amqp")]
         Source::Amqp(a) => {
-            let ui = Ui::new(a.selection.dry_run);
             let replay = onceonly::ops::replay::AmqpReplay::builder()
                 .url(a.url)
                 .tls(a.tls.load()?)
                 .queue(&a.queue)
                 .to_queue(a.to_queue)
-                .options(options(&a.selection))
-                .on_progress(ui.callback())
+                .options(options(&a.selection).screen(screen))
+                .on_progress(progress)
                 .build()?;
-            let report = replay.run().await;
-            ui.finish(&format!("queue {}", a.queue), report)
+            Ok((format!("queue {}", a.queue), replay.run().await?))
         }
         #[cfg(feature = "kafka")]
         Source::Kafka(k) => {
-            let ui = Ui::new(k.selection.dry_run);
             let mut builder = onceonly::ops::replay::KafkaReplay::builder()
                 .brokers(k.brokers)
                 .topic(&k.topic)
-                .group(k.group)
+                .group(k.consumer_group)
                 .commit_skipped(k.commit_skipped)
                 .from_beginning(k.from_beginning)
-                .options(options(&k.selection))
-                .on_progress(ui.callback());
+                .options(options(&k.selection).screen(screen))
+                .on_progress(progress);
             for (key, value) in k.config {
                 builder = builder.config(key, value);
             }
-            let report = builder.build()?.run().await;
-            ui.finish(&format!("topic {}", k.topic), report)
+            let report = builder.build()?.run().await?;
+            Ok((format!("topic {}", k.topic), report))
         }
+    }
+}
+
+/// The letters' screening: the dedup table if a database URL is known,
+/// the retention, whether to go beyond it.
+async fn screen(s: &Selection) -> Result<Screen, BoxError> {
+    let mut screen = Screen::new().beyond_retention(s.beyond_retention);
+    if let Some(r) = s.retention {
+        screen = screen.retention(r);
+    }
+    match crate::db::database_url(s.database_url.as_deref()) {
+        Ok(url) => {
+            let db = crate::db::Db::open(&url, &s.table, false).await?;
+            Ok(crate::db::with_store!(db, |store| screen.lookup(store)))
+        }
+        Err(crate::db::OpenError::NoUrl) => Ok(screen),
+        Err(e) => Err(e.into()),
     }
 }
 
 fn options(s: &Selection) -> ReplayOptions {
     let mut o = ReplayOptions::new()
         .dry_run(s.dry_run)
-        .publish_timeout(s.publish_timeout);
+        .publish_timeout(s.publish_timeout)
+        .max_replays(s.max_replays);
     for r in &s.reason {
         o = o.reason(r);
     }
     for k in &s.key {
         o = o.key(k);
+    }
+    for g in &s.group {
+        o = o.group(g);
     }
     if let Some(t) = s.since {
         o = o.since(t);
@@ -238,10 +334,10 @@ impl Ui {
         Self { bar, dry_run }
     }
 
-    fn callback(&self) -> impl Fn(&Progress) + Send + Sync + 'static {
+    fn callback(&self) -> OnProgress {
         let bar = self.bar.clone();
         let dry_run = self.dry_run;
-        move |p: &Progress| {
+        Box::new(move |p: &Progress| {
             bar.set_length(p.report.total.max(p.report.scanned));
             bar.set_position(p.report.scanned);
             bar.set_message(format!(
@@ -262,7 +358,22 @@ impl Ui {
                 )
             };
             match p.action {
-                Action::WouldReplay => bar.suspend(|| println!("would replay {}", describe())),
+                Action::WouldReplay => {
+                    bar.suspend(|| match l.verdict.filter(|v| *v != Verdict::Unknown) {
+                        Some(v) => println!("would replay {}: {}", describe(), v.as_str()),
+                        None => println!("would replay {}", describe()),
+                    })
+                }
+                Action::Refused => bar.suspend(|| {
+                    println!(
+                        "refused {}: older than the dedup retention of its scope",
+                        describe()
+                    );
+                }),
+                Action::Parked => bar.suspend(|| {
+                    let would = if dry_run { "would park" } else { "parked" };
+                    println!("{would} {} after {} replays", describe(), l.replays);
+                }),
                 Action::Failed => bar.suspend(|| {
                     eprintln!(
                         "failed {}: {}",
@@ -272,16 +383,11 @@ impl Ui {
                 }),
                 _ => {}
             }
-        }
+        })
     }
 
-    fn finish(
-        self,
-        source: &str,
-        report: Result<ReplayReport, onceonly::ops::replay::ReplayError>,
-    ) -> Result<(), BoxError> {
+    fn finish(self, source: &str, r: ReplayReport) -> Result<(), BoxError> {
         self.bar.finish_and_clear();
-        let r = report?;
         let mut line = format!(
             "{source}: scanned {}, {} {}, skipped {}, failed {}",
             r.scanned,
@@ -294,6 +400,13 @@ impl Ui {
             r.skipped,
             r.failed
         );
+        if r.refused > 0 {
+            line.push_str(&format!(", refused {}", r.refused));
+        }
+        if r.parked > 0 {
+            let parked = if r.dry_run { "would park" } else { "parked" };
+            line.push_str(&format!(", {parked} {}", r.parked));
+        }
         if r.uncommitted > 0 {
             line.push_str(&format!(
                 ", {} replayed but not committed (behind a skipped or failed record)",
@@ -304,6 +417,33 @@ impl Ui {
             line.push_str(" (dry run: nothing changed)");
         }
         println!("{line}");
+        let v = r.verdicts;
+        if r.replayed > 0 {
+            println!(
+                "{}: {} new, {} duplicates (answered, no effect), {} conflicts, {} unknown{}",
+                if r.dry_run { "would be" } else { "were" },
+                v.new,
+                v.duplicates,
+                v.conflicts,
+                v.unknown,
+                if v.unknown == r.replayed && v.unknown > 0 {
+                    " (pass --database-url to look the keys up)"
+                } else {
+                    ""
+                }
+            );
+        }
+        if !r.groups.is_empty() {
+            crate::dlq::print_groups(&r.groups, true);
+        }
+        if r.refused > 0 {
+            println!(
+                "refused {} dead letter(s) older than the dedup retention of their scope: their \
+                 records may be gone, so a duplicate could run again (--beyond-retention replays \
+                 them)",
+                r.refused
+            );
+        }
         if r.failed > 0 {
             let first = r
                 .failures
@@ -313,6 +453,13 @@ impl Ui {
             return Err(format!(
                 "{} dead letter(s) could not be replayed and stay in the {source}{first}",
                 r.failed
+            )
+            .into());
+        }
+        if r.refused > 0 {
+            return Err(format!(
+                "{} dead letter(s) refused (older than the dedup retention) stay in the {source}",
+                r.refused
             )
             .into());
         }

@@ -3,7 +3,7 @@
 use clap::Args;
 use onceonly::store::admin::{AGE_BUCKET_LABELS, AdminStore, ScopeStats};
 
-use crate::db::{Db, with_store};
+use crate::db::with_store;
 use crate::time::{age, now_ms, rfc3339_seconds};
 use crate::{CliResult, DbArgs, out};
 
@@ -27,7 +27,7 @@ pub struct StatsArgs {
 }
 
 pub async fn run(args: StatsArgs) -> CliResult {
-    let db = Db::open(&args.db.database_url, &args.db.table, false).await?;
+    let db = args.db.open().await?;
     let now = now_ms();
     let (stats, table) = with_store!(&db, |store| (
         store.stats(args.scope.as_deref(), now).await?,

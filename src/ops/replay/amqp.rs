@@ -14,7 +14,7 @@ use lapin::{BasicProperties, Channel, Connection};
 
 use super::options::{ReplayOptions, required};
 use super::report::{Action, Letter, ProgressFn, ReplayReport, record};
-use super::{REPLAYED_FROM, ReplayError};
+use super::{ORIGIN, PARKED_SUFFIX, REPLAYED_FROM, REPLAYS, ReplayError};
 use crate::amqp::message::{header_text, set_text};
 use crate::amqp::publish::publish_confirmed;
 use crate::amqp::{AmqpTls, headers};
@@ -200,6 +200,7 @@ impl AmqpReplay {
         // delivered again, to this run or anyone else, until it is requeued.
         let mut held: Vec<Delivery> = Vec::new();
         let mut acted = 0u64;
+        let mut parking_declared = false;
         let outcome: Result<(), ReplayError> = async {
             while report.scanned < total && !self.options.limit_reached(acted) {
                 let got = bounded(
@@ -212,15 +213,6 @@ impl AmqpReplay {
                 report.scanned += 1;
                 let props = &delivery.properties;
                 let h = props.headers().as_ref();
-                let letter = Letter {
-                    position: format!("{}#{}", self.queue, report.scanned),
-                    reason: header_text(h, headers::REASON),
-                    key: header_text(h, headers::IDEMPOTENCY_KEY),
-                    target: destination(h, self.to_queue).map(|(e, r)| {
-                        let e = if e.is_empty() { "(default exchange)" } else { e.as_str() };
-                        format!("{e}/{r}")
-                    }),
-                };
                 let first_seen = header_text(h, headers::FIRST_SEEN)
                     .and_then(|t| t.parse().ok())
                     .or_else(|| {
@@ -229,10 +221,24 @@ impl AmqpReplay {
                             .and_then(|s| i64::try_from(s).ok())
                             .map(|s| s.saturating_mul(1000))
                     });
+                let mut letter = Letter::new(
+                    format!("{}#{}", self.queue, report.scanned),
+                    header_text(h, headers::REASON),
+                    header_text(h, headers::IDEMPOTENCY_KEY),
+                    destination(h, self.to_queue).map(|(e, r)| {
+                        let e = if e.is_empty() { "(default exchange)" } else { e.as_str() };
+                        format!("{e}/{r}")
+                    }),
+                    header_text(h, headers::SCOPE),
+                    header_text(h, headers::ERROR),
+                    first_seen,
+                    header_text(h, REPLAYS).and_then(|n| n.parse().ok()).unwrap_or(0),
+                );
                 let selected = self.options.matches(
                     letter.reason.as_deref(),
                     letter.key.as_deref(),
                     first_seen,
+                    &letter.group,
                 );
                 if !selected {
                     held.push(delivery);
@@ -240,6 +246,55 @@ impl AmqpReplay {
                     continue;
                 }
                 acted += 1;
+                let screening = self
+                    .options
+                    .screen
+                    .check(
+                        letter.scope.as_deref(),
+                        letter.key.as_deref(),
+                        first_seen,
+                        &delivery.data,
+                    )
+                    .await?;
+                letter.verdict = Some(screening.verdict);
+                if screening.refused {
+                    held.push(delivery);
+                    record(&mut report, self.progress.as_ref(), letter, Action::Refused, None);
+                    continue;
+                }
+                if self.options.park(letter.replays) {
+                    let parking = format!("{}{PARKED_SUFFIX}", self.queue);
+                    letter.target = Some(format!("(default exchange)/{parking}"));
+                    let Some(channel) = publisher.as_mut() else {
+                        held.push(delivery);
+                        record(&mut report, self.progress.as_ref(), letter, Action::Parked, None);
+                        continue;
+                    };
+                    if !parking_declared {
+                        declare_parking(channel, &parking).await?;
+                        parking_declared = true;
+                    }
+                    let sent = tokio::time::timeout(
+                        self.options.timeout(),
+                        publish_confirmed(channel, "", &parking, &delivery.data, props.clone()),
+                    )
+                    .await;
+                    match sent {
+                        Ok(Ok(())) => {
+                            ack(&delivery, &letter).await?;
+                            record(&mut report, self.progress.as_ref(), letter, Action::Parked, None);
+                        }
+                        Ok(Err(e)) => {
+                            held.push(delivery);
+                            record(&mut report, self.progress.as_ref(), letter, Action::Failed, Some(format!("parking in {parking}: {e}")));
+                        }
+                        Err(_) => {
+                            held.push(delivery);
+                            record(&mut report, self.progress.as_ref(), letter, Action::Failed, Some(format!("parking in {parking}: not confirmed within {:?}", self.options.timeout())));
+                        }
+                    }
+                    continue;
+                }
                 let Some((exchange, routing_key)) = destination(h, self.to_queue) else {
                     held.push(delivery);
                     let error = if self.to_queue {
@@ -256,7 +311,7 @@ impl AmqpReplay {
                     continue;
                 };
                 pacer.wait().await;
-                let copy = replay_properties(props, &self.queue);
+                let copy = replay_properties(props, &self.queue, letter.replays);
                 let sent = tokio::time::timeout(
                     self.options.timeout(),
                     publish_confirmed(channel, &exchange, &routing_key, &delivery.data, copy),
@@ -280,16 +335,7 @@ impl AmqpReplay {
                     }
                     continue;
                 }
-                match delivery.acker.ack(BasicAckOptions::default()).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        return Err(ReplayError::ConnectionLost(format!(
-                            "{} was republished but could not be acked (channel closed); it is requeued and will be offered again (the consumer sees a duplicate)",
-                            letter.position
-                        )));
-                    }
-                    Err(e) => return Err(ReplayError::Amqp(e)),
-                }
+                ack(&delivery, &letter).await?;
                 record(&mut report, self.progress.as_ref(), letter, Action::Replayed, None);
             }
             Ok(())
@@ -321,8 +367,35 @@ impl AmqpReplay {
             );
         }
         drop(held);
-        outcome.map(|()| report)
+        outcome.map(|()| report.finish())
     }
+}
+
+/// Acks a dead letter whose copy (replayed or parked) was confirmed.
+async fn ack(delivery: &Delivery, letter: &Letter) -> Result<(), ReplayError> {
+    match delivery.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(ReplayError::ConnectionLost(format!(
+            "{} was republished but could not be acked (channel closed); it is requeued and \
+             will be offered again (the consumer sees a duplicate)",
+            letter.position
+        ))),
+        Err(e) => Err(ReplayError::Amqp(e)),
+    }
+}
+
+/// Declares the parking queue (durable), if missing.
+async fn declare_parking(channel: &Channel, queue: &str) -> Result<(), ReplayError> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    bounded(
+        "declaring the parking queue",
+        channel.queue_declare(queue.into(), durable, FieldTable::default()),
+    )
+    .await??;
+    Ok(())
 }
 
 async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> Result<T, ReplayError> {
@@ -391,7 +464,7 @@ const DROPPED: [&str; 3] = [headers::REASON, headers::ERROR, headers::ATTEMPTS];
 /// The replayed copy's properties: the dead letter's (persistent, without
 /// `user_id`, see [`copy_properties`](crate::amqp::publish::copy_properties)),
 /// without the dropped headers, with `x-onceonly-replayed-from`.
-fn replay_properties(original: &BasicProperties, queue: &str) -> BasicProperties {
+fn replay_properties(original: &BasicProperties, queue: &str, replays: u32) -> BasicProperties {
     let kept: BTreeMap<ShortString, AMQPValue> = original
         .headers()
         .as_ref()
@@ -405,6 +478,16 @@ fn replay_properties(original: &BasicProperties, queue: &str) -> BasicProperties
         .unwrap_or_default();
     let mut h = FieldTable::from(kept);
     set_text(&mut h, REPLAYED_FROM, queue);
+    set_text(&mut h, REPLAYS, &replays.saturating_add(1).to_string());
+    if header_text(Some(&h), ORIGIN).is_none() {
+        // The source the consumer stored with the claim.
+        let origin = crate::amqp::message::source(
+            &header_text(Some(&h), headers::QUEUE).unwrap_or_default(),
+            &header_text(Some(&h), headers::ORIGINAL_EXCHANGE).unwrap_or_default(),
+            &header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).unwrap_or_default(),
+        );
+        set_text(&mut h, ORIGIN, &origin);
+    }
     h.insert(
         ShortString::from("x-onceonly-replayed-at"),
         AMQPValue::LongString(LongString::from(now_ms().to_string())),
@@ -474,7 +557,7 @@ mod tests {
             .with_reply_to("replies".into())
             .with_content_type("application/json".into())
             .with_user_id("guest".into());
-        let copy = replay_properties(&original, "orders.dlq");
+        let copy = replay_properties(&original, "orders.dlq", 1);
         let ch = copy.headers().as_ref();
         assert_eq!(header_text(ch, headers::REASON), None);
         assert_eq!(header_text(ch, headers::ERROR), None);
@@ -498,6 +581,8 @@ mod tests {
             Some("replies")
         );
         assert_eq!(copy.delivery_mode(), &Some(2));
+        assert_eq!(header_text(ch, REPLAYS).as_deref(), Some("2"));
+        assert_eq!(header_text(ch, ORIGIN).as_deref(), Some("/"));
         assert_eq!(copy.user_id(), &None);
     }
 }

@@ -25,6 +25,9 @@ pub enum ReplayError {
     /// The connection or channel closed under the run.
     #[error("connection lost: {0}")]
     ConnectionLost(String),
+    /// The dedup table could not be read (screening letters).
+    #[error("dedup table: {0}")]
+    Store(#[from] crate::store::StoreError),
     /// A broker call did not answer in time.
     #[error("timed out: {0}")]
     Timeout(String),

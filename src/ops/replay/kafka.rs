@@ -17,7 +17,7 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use super::options::{ReplayOptions, required};
 use super::report::{Action, Letter, ProgressFn, ReplayReport, record};
-use super::{REPLAYED_FROM, ReplayError};
+use super::{ORIGIN, PARKED_SUFFIX, REPLAYED_FROM, REPLAYS, ReplayError};
 use crate::kafka::headers;
 
 /// The consumer group a replay commits its dead-letter offsets under,
@@ -311,10 +311,14 @@ impl KafkaReplay {
                     continue;
                 }
                 report.scanned += 1;
-                let (action, error) = self.handle(&m, &mut pacer, &mut acted).await;
+                let (action, error, letter) = self.handle(&m, &mut pacer, &mut acted).await?;
                 match action {
-                    Action::Replayed if p.contiguous => p.next_commit = m.offset() + 1,
-                    Action::Replayed => report.uncommitted += 1,
+                    Action::Replayed | Action::Parked if !self.options.dry_run && p.contiguous => {
+                        p.next_commit = m.offset() + 1;
+                    }
+                    Action::Replayed | Action::Parked if !self.options.dry_run => {
+                        report.uncommitted += 1;
+                    }
                     Action::Skipped if p.contiguous && self.commit_skipped => {
                         p.next_commit = m.offset() + 1;
                     }
@@ -327,13 +331,7 @@ impl KafkaReplay {
                 if m.offset() + 1 >= p.end {
                     p.done = true;
                 }
-                record(
-                    &mut report,
-                    self.progress.as_ref(),
-                    letter(&m),
-                    action,
-                    error,
-                );
+                record(&mut report, self.progress.as_ref(), letter, action, error);
                 since_commit += 1;
                 if since_commit >= COMMIT_EVERY {
                     since_commit = 0;
@@ -347,7 +345,7 @@ impl KafkaReplay {
         let _ = self.consumer.unassign();
         result?;
         committed?;
-        Ok(report)
+        Ok(report.finish())
     }
 
     /// Partitions, their high watermarks and the group's offsets.
@@ -404,38 +402,89 @@ impl KafkaReplay {
         Ok(out)
     }
 
-    /// Filters one record and republishes it if selected.
+    /// Filters and screens one record, and republishes (or parks) it if
+    /// selected. `Err` only when the dedup table cannot be read.
     async fn handle(
         &self,
         m: &BorrowedMessage<'_>,
         pacer: &mut super::options::Pacer,
         acted: &mut u64,
-    ) -> (Action, Option<String>) {
-        let first_seen = text(m, headers::FIRST_SEEN)
-            .and_then(|t| t.parse().ok())
-            .or_else(|| m.timestamp().to_millis());
+    ) -> Result<(Action, Option<String>, Letter), ReplayError> {
+        let mut letter = letter(m);
         let selected = self.options.matches(
-            text(m, headers::REASON),
-            text(m, headers::IDEMPOTENCY_KEY),
-            first_seen,
+            letter.reason.as_deref(),
+            letter.key.as_deref(),
+            letter.first_seen_ms,
+            &letter.group,
         );
         if !selected {
-            return (Action::Skipped, None);
+            return Ok((Action::Skipped, None, letter));
         }
         *acted += 1;
+        let screening = self
+            .options
+            .screen
+            .check(
+                letter.scope.as_deref(),
+                letter.key.as_deref(),
+                letter.first_seen_ms,
+                m.payload().unwrap_or_default(),
+            )
+            .await?;
+        letter.verdict = Some(screening.verdict);
+        if screening.refused {
+            return Ok((Action::Refused, None, letter));
+        }
+        if self.options.park(letter.replays) {
+            let parking = format!("{}{PARKED_SUFFIX}", self.topic);
+            letter.target = Some(parking.clone());
+            if self.options.dry_run {
+                return Ok((Action::Parked, None, letter));
+            }
+            let (action, error) = self.park(m, &parking).await;
+            return Ok((action, error, letter));
+        }
         let Some(topic) = text(m, headers::ORIGINAL_TOPIC) else {
-            return (
-                Action::Failed,
-                Some(format!(
-                    "no {} header: unknown destination",
-                    headers::ORIGINAL_TOPIC
-                )),
-            );
+            let error = format!("no {} header: unknown destination", headers::ORIGINAL_TOPIC);
+            return Ok((Action::Failed, Some(error), letter));
         };
         if self.options.dry_run {
-            return (Action::WouldReplay, None);
+            return Ok((Action::WouldReplay, None, letter));
         }
         pacer.wait().await;
+        let (action, error) = self.republish(m, topic, letter.replays).await;
+        Ok((action, error, letter))
+    }
+
+    /// Sends the record as it is (verdict headers included) to the parking
+    /// topic.
+    async fn park(&self, m: &BorrowedMessage<'_>, parking: &str) -> (Action, Option<String>) {
+        let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(parking);
+        if let Some(h) = m.headers() {
+            out = out.headers(h.detach());
+        }
+        if let Some(payload) = m.payload() {
+            out = out.payload(payload);
+        }
+        if let Some(key) = m.key() {
+            out = out.key(key);
+        }
+        match self.producer.send(out, self.options.timeout()).await {
+            Ok(_) => (Action::Parked, None),
+            Err((e, _)) => (
+                Action::Failed,
+                Some(format!("parking in {parking} failed: {e}")),
+            ),
+        }
+    }
+
+    /// Republishes the record to `topic`, its replay count raised.
+    async fn republish(
+        &self,
+        m: &BorrowedMessage<'_>,
+        topic: &str,
+        replays: u32,
+    ) -> (Action, Option<String>) {
         let from = format!("{}/{}/{}", self.topic, m.partition(), m.offset());
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
@@ -445,7 +494,9 @@ impl KafkaReplay {
                 // `--since` means the same there. Everything else stays:
                 // the user's headers and the outbox's message and
                 // causation ids, which downstream consumers key on.
-                let verdict = headers::is_written(header.key) || header.key == REPLAYED_FROM;
+                let verdict = headers::is_written(header.key)
+                    || header.key == REPLAYED_FROM
+                    || header.key == REPLAYS;
                 if !verdict || header.key == headers::FIRST_SEEN {
                     h = h.insert(header);
                 }
@@ -455,6 +506,22 @@ impl KafkaReplay {
             key: REPLAYED_FROM,
             value: Some(from.as_bytes()),
         });
+        let count = replays.saturating_add(1).to_string();
+        h = h.insert(Header {
+            key: REPLAYS,
+            value: Some(count.as_bytes()),
+        });
+        let origin = format!(
+            "{topic}/{}@{}",
+            text(m, headers::ORIGINAL_PARTITION).unwrap_or("?"),
+            text(m, headers::ORIGINAL_OFFSET).unwrap_or("?"),
+        );
+        if text(m, ORIGIN).is_none() {
+            h = h.insert(Header {
+                key: ORIGIN,
+                value: Some(origin.as_bytes()),
+            });
+        }
         let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(h);
         if let Some(payload) = m.payload() {
             out = out.payload(payload);
@@ -510,10 +577,17 @@ fn letter(m: &BorrowedMessage<'_>) -> Letter {
             Some(p) => format!("{t}/{p}"),
             None => t.to_owned(),
         });
-    Letter {
-        position: format!("{}/{}@{}", m.topic(), m.partition(), m.offset()),
-        reason: text(m, headers::REASON).map(str::to_owned),
-        key: text(m, headers::IDEMPOTENCY_KEY).map(str::to_owned),
+    let owned = |name| text(m, name).map(str::to_owned);
+    Letter::new(
+        format!("{}/{}@{}", m.topic(), m.partition(), m.offset()),
+        owned(headers::REASON),
+        owned(headers::IDEMPOTENCY_KEY),
         target,
-    }
+        owned(headers::SCOPE),
+        owned(headers::ERROR),
+        text(m, headers::FIRST_SEEN)
+            .and_then(|t| t.parse().ok())
+            .or_else(|| m.timestamp().to_millis()),
+        text(m, REPLAYS).and_then(|n| n.parse().ok()).unwrap_or(0),
+    )
 }

@@ -41,22 +41,44 @@
 #[cfg(feature = "amqp")]
 mod amqp;
 mod error;
+mod group;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod options;
 mod report;
+mod screen;
 
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub use amqp::{AmqpReplay, AmqpReplayBuilder};
 pub use error::ReplayError;
+pub use group::{FailureGroup, error_pattern, group_id};
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use kafka::{DEFAULT_GROUP, KafkaReplay, KafkaReplayBuilder};
-pub use options::ReplayOptions;
-pub use report::{Action, Letter, Progress, ProgressFn, ReplayFailure, ReplayReport};
+pub use options::{DEFAULT_MAX_REPLAYS, ReplayOptions};
+pub use report::{
+    Action, Letter, Progress, ProgressFn, ReplayFailure, ReplayReport, VerdictCounts,
+};
+pub use screen::{DedupLookup, Screen, Verdict};
 
 /// Header added to every replayed copy: where it was replayed from (the
 /// dead-letter queue, or `<topic>/<partition>/<offset>` of the dead-letter
 /// topic).
 pub const REPLAYED_FROM: &str = "x-onceonly-replayed-from";
+
+/// Header of every replayed copy: how often the message was replayed,
+/// this copy included. Kept when the copy is dead-lettered again, so that a
+/// letter replayed [`ReplayOptions::max_replays`] times is parked instead
+/// of cycling.
+pub const REPLAYS: &str = "x-onceonly-replays";
+
+/// Header of every replayed copy: where the message was first consumed
+/// from, kept across replays: `topic/partition@offset` (Kafka), or the
+/// source the AMQP consumer stores (`queue/exchange/routing-key`,
+/// `queue/routing-key` through the default exchange).
+pub const ORIGIN: &str = "x-onceonly-origin";
+
+/// Suffix of the parking queue or topic: letters replayed too often go to
+/// `<dead-letter queue or topic>.parked`.
+pub const PARKED_SUFFIX: &str = ".parked";

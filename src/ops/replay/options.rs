@@ -3,6 +3,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::ReplayError;
+use super::screen::Screen;
 
 /// Settings shared by the AMQP and Kafka replays. All filters must match
 /// for a dead letter to be replayed; repeated values of one filter are
@@ -17,7 +18,14 @@ pub struct ReplayOptions {
     pub(crate) rate: Option<f64>,
     pub(crate) dry_run: bool,
     pub(crate) publish_timeout: Option<Duration>,
+    pub(crate) groups: Vec<String>,
+    pub(crate) screen: Screen,
+    pub(crate) max_replays: Option<u32>,
 }
+
+/// Replays after which a letter that failed again is parked instead of
+/// replayed (see [`ReplayOptions::max_replays`]).
+pub const DEFAULT_MAX_REPLAYS: u32 = 5;
 
 impl ReplayOptions {
     /// Replays everything, as fast as the broker confirms.
@@ -48,6 +56,38 @@ impl ReplayOptions {
     pub fn since(mut self, since: SystemTime) -> Self {
         self.since = Some(since);
         self
+    }
+
+    /// Only dead letters of this failure group (call again to allow
+    /// several); ids come from `onceonly dlq groups` or
+    /// [`ReplayReport::groups`](super::ReplayReport::groups).
+    #[must_use]
+    pub fn group(mut self, id: impl Into<String>) -> Self {
+        self.groups.push(id.into());
+        self
+    }
+
+    /// How matching letters are screened: looked up in the dedup table
+    /// (verdicts) and refused when older than their scope's retention.
+    /// Default: no lookup, the default retention (7 days), refused.
+    #[must_use]
+    pub fn screen(mut self, screen: Screen) -> Self {
+        self.screen = screen;
+        self
+    }
+
+    /// A letter already replayed `n` times (`x-onceonly-replays`) is moved
+    /// to the parking queue or topic (`<source>.parked`) instead of being
+    /// replayed again (default [`DEFAULT_MAX_REPLAYS`]).
+    #[must_use]
+    pub fn max_replays(mut self, n: u32) -> Self {
+        self.max_replays = Some(n);
+        self
+    }
+
+    /// Whether a letter replayed `replays` times before is to be parked.
+    pub(crate) fn park(&self, replays: u32) -> bool {
+        replays >= self.max_replays.unwrap_or(DEFAULT_MAX_REPLAYS)
     }
 
     /// Acts on at most `n` matching dead letters (replayed or failed), then
@@ -110,9 +150,13 @@ impl ReplayOptions {
         reason: Option<&str>,
         key: Option<&str>,
         first_seen_ms: Option<i64>,
+        group: &str,
     ) -> bool {
         if !self.reasons.is_empty() && !reason.is_some_and(|r| self.reasons.iter().any(|x| x == r))
         {
+            return false;
+        }
+        if !self.groups.is_empty() && !self.groups.iter().any(|g| g == group) {
             return false;
         }
         if !self.keys.is_empty() && !key.is_some_and(|k| self.keys.iter().any(|x| x == k)) {
@@ -176,18 +220,24 @@ mod tests {
         let o = ReplayOptions::new()
             .reason("handler_error")
             .reason("decode_error");
-        assert!(o.matches(Some("decode_error"), None, None));
-        assert!(!o.matches(Some("fingerprint_mismatch"), None, None));
-        assert!(!o.matches(None, None, None), "no reason header: no match");
+        assert!(o.matches(Some("decode_error"), None, None, "g"));
+        assert!(!o.matches(Some("fingerprint_mismatch"), None, None, "g"));
+        assert!(
+            !o.matches(None, None, None, "g"),
+            "no reason header: no match"
+        );
         let o = o.key("K-1");
-        assert!(o.matches(Some("handler_error"), Some("K-1"), None));
-        assert!(!o.matches(Some("handler_error"), Some("K-2"), None));
+        assert!(o.matches(Some("handler_error"), Some("K-1"), None, "g"));
+        assert!(!o.matches(Some("handler_error"), Some("K-2"), None, "g"));
         let since = UNIX_EPOCH + Duration::from_millis(10_000);
         let o = ReplayOptions::new().since(since);
-        assert!(o.matches(None, None, Some(10_000)));
-        assert!(!o.matches(None, None, Some(9_999)));
-        assert!(!o.matches(None, None, None), "undated: no match");
-        assert!(ReplayOptions::new().matches(None, None, None));
+        assert!(o.matches(None, None, Some(10_000), "g"));
+        assert!(!o.matches(None, None, Some(9_999), "g"));
+        assert!(!o.matches(None, None, None, "g"), "undated: no match");
+        assert!(ReplayOptions::new().matches(None, None, None, "g"));
+        let o = ReplayOptions::new().group("abc");
+        assert!(o.matches(None, None, None, "abc"));
+        assert!(!o.matches(None, None, None, "abd"));
     }
 
     #[test]

@@ -1,0 +1,343 @@
+//! The database checks: tables and indexes, the connecting role's
+//! privileges, whether the server takes writes, and its clock.
+
+use onceonly::store::TableName;
+
+use super::finding::Finding;
+
+/// The index names a backend's DDL creates on `on` (the table as the DDL
+/// quotes it: `CREATE INDEX IF NOT EXISTS "name" ON "table" ...`), unquoted.
+pub fn index_names(ddl: &[String], on: &str) -> Vec<String> {
+    ddl.iter()
+        .filter_map(|s| {
+            let rest = s.split("CREATE INDEX IF NOT EXISTS ").nth(1)?;
+            let (name, target) = rest.split_once(" ON ")?;
+            target
+                .starts_with(&format!("{on} "))
+                .then(|| name.trim_matches(|c| c == '"' || c == '`').to_owned())
+        })
+        .collect()
+}
+
+/// The finding on `table`'s expected indexes, given those present.
+pub fn indexes_finding(table: &TableName, expected: &[String], present: &[String]) -> Finding {
+    let missing: Vec<&String> = expected.iter().filter(|i| !present.contains(i)).collect();
+    if missing.is_empty() {
+        Finding::ok("indexes", format!("{table}: {}", expected.join(", ")))
+    } else {
+        Finding::fail(
+            "indexes",
+            format!(
+                "{table} lacks {}: purges and claims scan the table",
+                missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            "onceonly migrate (creates what is missing)",
+        )
+    }
+}
+
+/// The finding on the privileges the role lacks on `table`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub fn privileges_finding(role: &str, table: &str, missing: &[&str], needed: &[&str]) -> Finding {
+    if missing.is_empty() {
+        Finding::ok(
+            "privileges",
+            format!("{role} may {} on {table}", needed.join(", ")),
+        )
+    } else {
+        Finding::fail(
+            "privileges",
+            format!(
+                "{role} lacks {} on {table}: claims, purges or the relay fail and deliveries wait",
+                missing.join(", ")
+            ),
+            format!("GRANT {} ON {table} TO {role}", missing.join(", ")),
+        )
+    }
+}
+
+/// The finding on the clock: the database's `db_ms` read between `before`
+/// and `after` on the host (ms since the Unix epoch).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub fn clock_finding(db_ms: i64, before: i64, after: i64) -> Finding {
+    let host = before + (after - before) / 2;
+    let skew = db_ms - host;
+    let detail = format!("database clock {skew:+} ms from this host's");
+    if skew.abs() > 10_000 {
+        Finding::fail(
+            "clock",
+            detail,
+            "synchronise both clocks (NTP): expiry and retention are decided by the hosts' \
+             clocks, purges and statistics by the same numbers",
+        )
+    } else if skew.abs() > 1_000 {
+        Finding::warn("clock", detail, "synchronise both clocks (NTP)")
+    } else {
+        Finding::ok("clock", detail)
+    }
+}
+
+/// Now on the host, ms since the Unix epoch.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub fn host_now() -> i64 {
+    crate::time::now_ms()
+}
+
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    //! PostgreSQL: the catalog and `has_table_privilege`.
+
+    use onceonly::store::TableName;
+    use sqlx::PgPool;
+
+    use super::{Finding, clock_finding, index_names, indexes_finding, privileges_finding};
+
+    const NEEDED: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+
+    /// Indexes, privileges, writability and clock of `tables` (with the
+    /// DDL that creates them).
+    pub async fn check(pool: &PgPool, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+        let mut out = Vec::new();
+        let role: String = match sqlx::query_scalar("SELECT current_user::text")
+            .fetch_one(pool)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                out.push(Finding::fail(
+                    "connect",
+                    e.to_string(),
+                    "check --database-url",
+                ));
+                return out;
+            }
+        };
+        for (table, ddl) in tables {
+            let schema = table.schema().map(str::to_owned);
+            let present: Vec<String> = sqlx::query_scalar(
+                "SELECT indexname::text FROM pg_indexes \
+                 WHERE schemaname = COALESCE($1, current_schema()) AND tablename = $2",
+            )
+            .bind(&schema)
+            .bind(table.table())
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            let name = table.quoted('"');
+            out.push(indexes_finding(table, &index_names(ddl, &name), &present));
+            let mut missing = Vec::new();
+            for privilege in NEEDED {
+                let has: Result<bool, _> =
+                    sqlx::query_scalar("SELECT has_table_privilege(current_user, $1, $2)")
+                        .bind(&name)
+                        .bind(privilege)
+                        .fetch_one(pool)
+                        .await;
+                if !has.unwrap_or(false) {
+                    missing.push(privilege);
+                }
+            }
+            out.push(privileges_finding(&role, &name, &missing, &NEEDED));
+        }
+        out.push(writable(pool).await);
+        let before = super::host_now();
+        let db: Result<i64, _> =
+            sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+                .fetch_one(pool)
+                .await;
+        let after = super::host_now();
+        if let Ok(db) = db {
+            out.push(clock_finding(db, before, after));
+        }
+        out
+    }
+
+    async fn writable(pool: &PgPool) -> Finding {
+        let row: Result<(bool, String, String), _> = sqlx::query_as(
+            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), \
+             current_database()::text",
+        )
+        .fetch_one(pool)
+        .await;
+        match row {
+            Ok((true, _, _)) => Finding::fail(
+                "writable",
+                "the server is a read-only standby (pg_is_in_recovery): every claim fails and \
+                 deliveries wait",
+                "point --database-url (and the services) at the primary",
+            ),
+            Ok((false, read_only, db)) if read_only == "on" => Finding::fail(
+                "writable",
+                format!(
+                    "sessions of database {db} are read-only (transaction_read_only = on): every \
+                     claim fails and deliveries wait"
+                ),
+                format!(
+                    "ALTER DATABASE {db} SET default_transaction_read_only = off (or the role's \
+                     setting), or point --database-url at the primary"
+                ),
+            ),
+            Ok(_) => Finding::ok("writable", "the server takes writes"),
+            Err(e) => Finding::fail("writable", e.to_string(), "check --database-url"),
+        }
+    }
+}
+
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    //! MySQL and MariaDB: `information_schema`, and privileges probed with
+    //! statements that touch no row, in a transaction rolled back.
+
+    use onceonly::store::TableName;
+    use sqlx::MySqlPool;
+
+    use super::{Finding, clock_finding, index_names, indexes_finding, privileges_finding};
+
+    const NEEDED: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+
+    /// Indexes, privileges, writability and clock of `tables`.
+    pub async fn check(pool: &MySqlPool, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+        let mut out = Vec::new();
+        let role: String = match sqlx::query_scalar("SELECT CURRENT_USER()")
+            .fetch_one(pool)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                out.push(Finding::fail(
+                    "connect",
+                    e.to_string(),
+                    "check --database-url",
+                ));
+                return out;
+            }
+        };
+        for (table, ddl) in tables {
+            let present: Vec<String> = sqlx::query_scalar(
+                "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
+                 WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?",
+            )
+            .bind(table.schema())
+            .bind(table.table())
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            let name = table.quoted('`');
+            out.push(indexes_finding(table, &index_names(ddl, &name), &present));
+            let probes = [
+                ("SELECT", format!("SELECT 1 FROM {name} LIMIT 0")),
+                (
+                    "INSERT",
+                    format!("INSERT INTO {name} SELECT * FROM {name} WHERE 1 = 0"),
+                ),
+                (
+                    "UPDATE",
+                    format!("UPDATE {name} SET scope = scope WHERE 1 = 0"),
+                ),
+                ("DELETE", format!("DELETE FROM {name} WHERE 1 = 0")),
+            ];
+            let mut missing = Vec::new();
+            if let Ok(mut tx) = pool.begin().await {
+                for (privilege, sql) in &probes {
+                    // 1142: command denied to user for table.
+                    if let Err(sqlx::Error::Database(e)) = sqlx::query(sql).execute(&mut *tx).await
+                        && e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                            .is_some_and(|m| m.number() == 1142)
+                    {
+                        missing.push(*privilege);
+                    }
+                }
+                let _ = tx.rollback().await;
+            }
+            out.push(privileges_finding(&role, &name, &missing, &NEEDED));
+        }
+        let read_only: Result<i64, _> = sqlx::query_scalar("SELECT @@global.read_only + 0")
+            .fetch_one(pool)
+            .await;
+        out.push(match read_only {
+            Ok(0) => Finding::ok("writable", "the server takes writes"),
+            Ok(_) => Finding::fail(
+                "writable",
+                "the server is read-only (read_only = ON): every claim fails and deliveries wait",
+                "SET GLOBAL read_only = OFF on the primary, or point --database-url at it",
+            ),
+            Err(e) => Finding::fail("writable", e.to_string(), "check --database-url"),
+        });
+        let before = super::host_now();
+        let db: Result<i64, _> =
+            sqlx::query_scalar("SELECT CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)")
+                .fetch_one(pool)
+                .await;
+        let after = super::host_now();
+        if let Ok(db) = db {
+            out.push(clock_finding(db, before, after));
+        }
+        out
+    }
+}
+
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    //! SQLite: its catalog; no roles, no server clock.
+
+    use onceonly::store::TableName;
+    use sqlx::SqlitePool;
+
+    use super::{Finding, index_names, indexes_finding};
+
+    /// Indexes and writability of `tables`.
+    pub async fn check(pool: &SqlitePool, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+        let mut out = Vec::new();
+        for (table, ddl) in tables {
+            let present: Vec<String> = sqlx::query_scalar(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?",
+            )
+            .bind(table.table())
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            let on = table.quoted('"');
+            out.push(indexes_finding(table, &index_names(ddl, &on), &present));
+        }
+        let query_only: Result<i64, _> = sqlx::query_scalar("PRAGMA query_only")
+            .fetch_one(pool)
+            .await;
+        out.push(match query_only {
+            Ok(0) => Finding::ok("writable", "the database file takes writes"),
+            Ok(_) => Finding::fail(
+                "writable",
+                "the connection is query-only",
+                "open the database without query_only / mode=ro",
+            ),
+            Err(e) => Finding::fail("writable", e.to_string(), "check --database-url"),
+        });
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn index_names_come_from_the_ddl() {
+        let ddl = vec![
+            "CREATE TABLE IF NOT EXISTS \"k\" (a int)".to_owned(),
+            "CREATE INDEX IF NOT EXISTS \"k_expires_at\" ON \"k\" (expires_at_ms)".to_owned(),
+            "CREATE INDEX IF NOT EXISTS `o_pending` ON `o` (order_key, id)".to_owned(),
+        ];
+        assert_eq!(super::index_names(&ddl, "\"k\""), ["k_expires_at"]);
+        assert_eq!(super::index_names(&ddl, "`o`"), ["o_pending"]);
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn clock_skew_thresholds() {
+        use super::super::finding::Status;
+        assert_eq!(super::clock_finding(1_000, 900, 1_100).status, Status::Ok);
+        assert_eq!(super::clock_finding(5_000, 0, 0).status, Status::Warn);
+        assert_eq!(super::clock_finding(-20_000, 0, 0).status, Status::Fail);
+    }
+}
