@@ -75,12 +75,12 @@ pub use message::{
     CAUSATION_HEADER, Destination, Kind, MESSAGE_ID_HEADER, OutboxMessage, SIGNATURE_HEADER,
     TRACEPARENT_HEADER, message_id,
 };
-#[cfg(feature = "amqp")]
-pub use publish::AmqpPublisher;
 #[cfg(feature = "kafka")]
 pub use publish::KafkaPublisher;
 #[cfg(feature = "webhook")]
 pub use publish::WebhookPublisher;
+#[cfg(feature = "amqp")]
+pub use publish::{AmqpPublisher, DEFAULT_AMQP_CHANNELS};
 pub use publish::{Outgoing, PublishError, Publisher};
 pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;
