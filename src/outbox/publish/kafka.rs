@@ -322,7 +322,8 @@ mod tests {
         assert!(runs(&[]).is_empty());
     }
 
-    /// A fatal producer error fails the messages after it (none is
+    /// A request that fails for good is a fatal producer error (the
+    /// gapless guarantee): the messages behind it fail too (none is
     /// reported delivered), and the publisher carries on with a new
     /// producer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -341,19 +342,11 @@ mod tests {
         let before = publisher.publish_ordered(&out[..5], far).await;
         assert!(before.iter().all(Result::is_ok), "{before:?}");
 
-        let producer = Arc::clone(&publisher.current().producer);
-        // SAFETY: the client pointer is valid while `producer` lives; the
-        // call only raises a (test) fatal error on it.
-        let raised = unsafe {
-            rdkafka::bindings::rd_kafka_test_fatal_error(
-                producer.client().native_ptr(),
-                rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
-                c"injected by the test".as_ptr(),
-            )
-        };
-        assert_eq!(
-            raised,
-            rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+        // The next produce request fails permanently: with the gapless
+        // guarantee, a fatal error.
+        mock.request_errors(
+            rdkafka::types::RDKafkaApiKey::Produce,
+            &[rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_RECORD],
         );
         let during = publisher.publish_ordered(&out[5..15], far).await;
         assert!(
