@@ -56,7 +56,8 @@
 //! `onceonly_outbox_oldest_pending_seconds{table}`,
 //! `onceonly_outbox_published_total{kind}`,
 //! `onceonly_outbox_publish_seconds{kind}` (publish latency, confirm
-//! included), `onceonly_outbox_failures_total{kind,destination,permanent}`.
+//! included: for pipelined messages the time until their key's last
+//! confirm), `onceonly_outbox_failures_total{kind,destination,permanent}`.
 
 mod admin;
 mod backend;

@@ -529,9 +529,10 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     /// How long the keys a round took stay its own (default
     /// [`DEFAULT_LEASE`], at least 1 s). A round takes its rows in a short
     /// transaction and publishes them with no transaction open; meanwhile
-    /// the lease keeps other relays off those keys. A round publishes a
-    /// key's rows for at most half the lease (the rest wait for the next
-    /// round). If a relay dies mid-round, its keys are taken up again when
+    /// the lease keeps other relays off those keys. A round starts no
+    /// message of a key after half the lease (the rest wait for the next
+    /// round; Kafka and AMQP send a key's partition or channel run at
+    /// once, bounded by their timeouts). If a relay dies mid-round, its keys are taken up again when
     /// the lease ends, and their unconfirmed rows are sent again with the
     /// same message ids: the lease is how long a crash delays them. A
     /// publish that outlasts the lease (a broker that answers after the
