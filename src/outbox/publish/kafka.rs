@@ -33,8 +33,12 @@ const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
 /// guarantee, a failure that would leave a gap in a partition's sequence
 /// is a fatal producer error instead of a silent skip: every message after
 /// it fails too, and the publisher replaces the producer (a fatal error
-/// ends a producer for good). Messages without a message key may land on
-/// any partition, so each waits for the one before it.
+/// ends a producer for good). A message that times out
+/// (`message.timeout.ms`) is outside that guarantee: one of its key's
+/// messages already in flight behind it may still be written, ahead of
+/// it; the relay leaves it pending and sends it again after the failed
+/// one, with the same id. Messages without a message key may land on any
+/// partition, so each waits for the one before it.
 pub struct KafkaPublisher {
     config: ClientConfig,
     producer: Mutex<Current>,
