@@ -361,6 +361,133 @@ mod amqp_confirms {
     }
 }
 
+/// The same with the messages of each ordering key pipelined: routable
+/// and unroutable messages share four keys, so every relay round has many
+/// publishes of one key in flight on one channel, and the broker confirms
+/// them in `multiple` batches right after the returns. Each return is
+/// matched to its own message: exactly the routable ones are marked sent,
+/// the unroutable ones are parked, and a routable message confirmed
+/// behind an unroutable one is sent again (the same id) after it.
+mod amqp_pipelined_confirms {
+    use super::*;
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use onceonly_integration_tests::amqp::{connect, take, url};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn pipelined_publishes_match_each_return_to_its_own_message() {
+        let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+        let exchange = unique("edge_pipe_ex");
+        let queue = unique("edge_pipe_routed");
+        let (_conn, channel) = connect().await;
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                lapin::ExchangeKind::Direct,
+                ExchangeDeclareOptions {
+                    auto_delete: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("exchange");
+        // Transient, as in `amqp_confirms`: acks come in batches.
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    auto_delete: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue");
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "routed".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind");
+        let store = pg_store(&pg_url(), &unique("edge_keys")).await;
+        let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("edge_ob")).expect("table");
+        outbox.migrate(store.pool()).await.expect("migrate");
+        let n = 300;
+        for i in 0..n {
+            let ex = exchange.clone();
+            enqueue_for(&store, &outbox, &format!("P-{i:03}"), move |no| {
+                // Every third message unroutable, four ordering keys.
+                let routing = if i % 3 == 1 { "nowhere" } else { "routed" };
+                let key = format!("key-{}", i % 4);
+                vec![OutboxMessage::amqp(&ex, routing, no.as_bytes().to_vec()).order_by(key)]
+            })
+            .await;
+        }
+        let relay = Relay::builder(store.pool().clone(), outbox.clone())
+            // One channel: every key's pipeline on it in turn.
+            .publisher(AmqpPublisher::new(url()).with_channels(1))
+            .batch(300)
+            .max_attempts(1)
+            .poll_interval(Duration::from_millis(20))
+            .build()
+            .expect("relay");
+        let pool = store.pool().clone();
+        let ob = outbox.clone();
+        let stats = relay_until(relay, Duration::from_secs(60), async || {
+            let s = ob.stats(&pool).await.expect("stats");
+            s.rows(Status::Pending) == 0
+        })
+        .await;
+        let rows = |status| {
+            let (outbox, pool) = (outbox.clone(), store.pool().clone());
+            async move {
+                let mut bodies: Vec<String> = outbox
+                    .list(&pool, status, 1000)
+                    .await
+                    .expect("list")
+                    .iter()
+                    .map(|r| String::from_utf8_lossy(&r.row.payload).into_owned())
+                    .collect();
+                bodies.sort();
+                bodies
+            }
+        };
+        let routable: Vec<String> = (0..n)
+            .filter(|i| i % 3 != 1)
+            .map(|i| format!("P-{i:03}"))
+            .collect();
+        let unroutable: Vec<String> = (0..n)
+            .filter(|i| i % 3 == 1)
+            .map(|i| format!("P-{i:03}"))
+            .collect();
+        assert_eq!(rows(Status::Sent).await, routable, "{stats:?}");
+        assert_eq!(rows(Status::Dead).await, unroutable, "{stats:?}");
+        // Copies of a routable message confirmed behind an unroutable one
+        // arrive more than once, with one message id.
+        let got = take(&channel, &queue, 2 * n, Duration::from_secs(5)).await;
+        let mut ids: BTreeMap<String, String> = BTreeMap::new();
+        for m in &got {
+            let body = String::from_utf8_lossy(&m.delivery.data).into_owned();
+            let id = m
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.as_str().to_owned())
+                .expect("message id");
+            let first = ids.entry(body.clone()).or_insert_with(|| id.clone());
+            assert_eq!(*first, id, "{body}: one id on every copy");
+        }
+        let arrived: Vec<String> = ids.into_keys().collect();
+        assert_eq!(arrived, routable, "each routable message arrived");
+    }
+}
+
 /// A broker that stops answering (no FIN, no RST: a memory alarm, a dead
 /// link) does not hold a relay round for ever: the publish fails after its
 /// timeout, the row stays pending with the reason, the relay stops when

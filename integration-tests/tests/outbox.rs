@@ -610,3 +610,276 @@ async fn a_postgres_relay_wakes_when_a_claim_commits() {
     relay.stop().await;
     eprintln!("commit to publish: {waits:?}");
 }
+
+/// Many messages of few keys through one relay round after another, to
+/// tansu (a Kafka record per payment) and RabbitMQ (an AMQP message per
+/// payment, one queue per key), with the keys' messages pipelined:
+/// consumed back, each key's sequence is strictly increasing, nothing is
+/// lost, and a copy beyond the first has the first's message id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pipelined_relay_keeps_each_keys_order_on_kafka_and_amqp() {
+    use onceonly::outbox::{AmqpPublisher, KafkaPublisher};
+    use onceonly_integration_tests::amqp;
+
+    let (keys, per_key) = (4usize, 150usize);
+    let topic = unique("ob_order");
+    k::create_topic(&topic, 3).await;
+    let (_conn, channel) = amqp::connect().await;
+    let queues: Vec<String> = (0..keys)
+        .map(|k| unique(&format!("ob_order_{k}")))
+        .collect();
+    for q in &queues {
+        amqp::declare_queue(&channel, q).await;
+    }
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let engine = Engine::builder(store.clone())
+        .scope("order")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("engine");
+    let handler = {
+        let (outbox, topic, queues) = (outbox.clone(), topic.clone(), queues.clone());
+        handler_fn(move |tx: Tx<sqlx::Postgres>, Json(p): Json<Pay>| {
+            let (outbox, topic, queues) = (outbox.clone(), topic.clone(), queues.clone());
+            async move {
+                let mut conn = tx.lock().await?;
+                let account = p.account.clone().unwrap_or_default();
+                let key: usize = account.trim_start_matches('k').parse().unwrap_or(0);
+                let body = serde_json::json!({ "key": key, "seq": p.seq }).to_string();
+                outbox
+                    .enqueue(
+                        &mut conn,
+                        OutboxMessage::kafka(&topic, account, body.clone()),
+                    )
+                    .await?;
+                outbox
+                    .enqueue(&mut conn, OutboxMessage::amqp("", &queues[key], body))
+                    .await?;
+                Ok(())
+            }
+        })
+    };
+    for seq in 0..per_key {
+        for key in 0..keys {
+            let p = pay(&format!("O-{key}-{seq}"), 1)
+                .account(&format!("k{key}"))
+                .seq(seq as i64);
+            let report = engine.process(&handler, &Delivery::new(p.body())).await;
+            assert!(
+                matches!(report.outcome, Outcome::Processed { .. }),
+                "{report:?}"
+            );
+        }
+    }
+    let total = keys * per_key;
+    // Rounds of 100 rows: every key has dozens of rows in flight per round.
+    let relay = Relay::builder(store.pool().clone(), outbox.clone())
+        .publisher(KafkaPublisher::new(&k::brokers()).expect("producer"))
+        .publisher(AmqpPublisher::new(amqp::url()))
+        .batch(100)
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .expect("relay")
+        .spawn();
+    wait_sent(
+        &outbox,
+        store.pool(),
+        2 * total as i64,
+        Duration::from_secs(90),
+        "the relay did not send everything",
+    )
+    .await;
+    let stats = relay.stop().await;
+    assert_eq!((stats.failed, stats.dead), (0, 0), "{stats:?}");
+
+    /// Checks one key's arrivals: first copies strictly increasing and
+    /// complete, later copies repeats of an id seen before.
+    fn check(what: &str, arrivals: &[(String, i64)], per_key: usize) {
+        let mut first: BTreeMap<&str, i64> = BTreeMap::new();
+        let mut sequence = Vec::new();
+        for (id, seq) in arrivals {
+            match first.get(id.as_str()) {
+                Some(earlier) => assert_eq!(earlier, seq, "{what}: one id, one message"),
+                None => {
+                    first.insert(id, *seq);
+                    sequence.push(*seq);
+                }
+            }
+        }
+        let expected: Vec<i64> = (0..per_key as i64).collect();
+        assert_eq!(sequence, expected, "{what}: in order, none lost");
+    }
+
+    let read = k::read_all(&topic, 3, total, Duration::from_secs(30));
+    let mut kafka: BTreeMap<String, Vec<(String, i64)>> = BTreeMap::new();
+    for m in &read {
+        use rdkafka::Message as _;
+        let body: serde_json::Value =
+            serde_json::from_slice(m.payload().unwrap_or_default()).expect("json");
+        let key = String::from_utf8(m.key().unwrap_or_default().to_vec()).expect("key");
+        let id = header(m, MESSAGE_ID_HEADER).expect("id").to_owned();
+        kafka
+            .entry(key)
+            .or_default()
+            .push((id, body["seq"].as_i64().expect("seq")));
+    }
+    assert_eq!(kafka.len(), keys, "every key arrived on Kafka");
+    for (key, arrivals) in &kafka {
+        check(&format!("kafka key {key}"), arrivals, per_key);
+    }
+    for (key, queue) in queues.iter().enumerate() {
+        let got = amqp::take(&channel, queue, per_key, Duration::from_secs(30)).await;
+        let arrivals: Vec<(String, i64)> = got
+            .iter()
+            .map(|m| {
+                let body: serde_json::Value =
+                    serde_json::from_slice(&m.delivery.data).expect("json");
+                let id = m
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|id| id.as_str().to_owned())
+                    .expect("message id");
+                (id, body["seq"].as_i64().expect("seq"))
+            })
+            .collect();
+        check(&format!("amqp key {key}"), &arrivals, per_key);
+    }
+}
+
+/// A publisher that pipelines like Kafka's or AMQP's: the head of key
+/// `k0` fails while it is `failing`, and the messages behind it are
+/// confirmed anyway (they were in flight). Records each call's rows.
+struct PipelinedFlaky {
+    failing: std::sync::atomic::AtomicBool,
+    calls: Mutex<Vec<(String, Vec<i64>)>>,
+}
+
+#[async_trait]
+impl Publisher for PipelinedFlaky {
+    fn kind(&self) -> Kind {
+        Kind::Kafka
+    }
+
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError> {
+        let far = Instant::now() + Duration::from_secs(5);
+        self.publish_ordered(std::slice::from_ref(message), far)
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(PublishError::retryable("nothing")))
+    }
+
+    async fn publish_ordered(
+        &self,
+        messages: &[Outgoing<'_>],
+        _deadline: Instant,
+    ) -> Vec<Result<(), PublishError>> {
+        let key = messages
+            .first()
+            .and_then(|m| m.row.message_key.clone())
+            .map(|k| String::from_utf8(k).unwrap_or_default())
+            .unwrap_or_default();
+        let ids = messages.iter().map(|m| m.row.id).collect();
+        self.calls.lock().expect("lock").push((key.clone(), ids));
+        let fail_head = key == "k0" && self.failing.load(std::sync::atomic::Ordering::SeqCst);
+        messages
+            .iter()
+            .enumerate()
+            .map(|(i, _)| {
+                if fail_head && i == 0 {
+                    Err(PublishError::retryable("the head's request failed"))
+                } else {
+                    Ok(())
+                }
+            })
+            .collect()
+    }
+}
+
+/// A failed head blocks its key's followers even when a pipelining
+/// publisher got them confirmed: none is marked sent before the head, and
+/// once the head goes through they all leave again behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_head_blocks_its_followers_even_when_they_were_confirmed() {
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let (keys, per_key) = (2, 5);
+    fill(&store, &outbox, keys, per_key).await;
+    let publisher = Arc::new(PipelinedFlaky {
+        failing: std::sync::atomic::AtomicBool::new(true),
+        calls: Mutex::new(Vec::new()),
+    });
+    let relay = Relay::builder(store.pool().clone(), outbox.clone())
+        .publisher(Arc::clone(&publisher))
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_millis(50), Duration::from_millis(100))
+        .build()
+        .expect("relay")
+        .spawn();
+    // k1 goes through; k0's head fails round after round.
+    wait_sent(
+        &outbox,
+        store.pool(),
+        per_key as i64,
+        Duration::from_secs(20),
+        "k1 not sent",
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while publisher
+        .calls
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter(|(k, _)| k == "k0")
+        .count()
+        < 3
+    {
+        assert!(Instant::now() < deadline, "k0's head was not retried");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pending = outbox
+        .list(store.pool(), Status::Pending, 100)
+        .await
+        .expect("list");
+    assert_eq!(
+        pending.len(),
+        per_key,
+        "none of k0's confirmed followers is marked sent while its head fails"
+    );
+    let head = pending.iter().map(|r| r.row.id).min().expect("head");
+    for r in &pending {
+        if r.row.id == head {
+            assert!(r.row.attempts >= 2 && r.last_error.is_some(), "{r:?}");
+        } else {
+            assert_eq!(
+                (r.row.attempts, r.last_error.as_deref()),
+                (0, None),
+                "a follower is not charged with its head's failure"
+            );
+        }
+    }
+    publisher
+        .failing
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_sent(
+        &outbox,
+        store.pool(),
+        (keys * per_key) as i64,
+        Duration::from_secs(20),
+        "k0 not sent after its head healed",
+    )
+    .await;
+    relay.stop().await;
+    // Every call for k0 started at its head, with the whole key behind it.
+    let calls = publisher.calls.lock().expect("lock");
+    for (key, ids) in calls.iter().filter(|(k, _)| k == "k0") {
+        assert_eq!(ids.first(), Some(&head), "{key}: {ids:?}");
+        assert_eq!(ids.len(), per_key, "{key}: {ids:?}");
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "{key}: {ids:?}");
+    }
+}

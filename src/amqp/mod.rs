@@ -82,6 +82,7 @@ mod consumer;
 mod error;
 pub mod headers;
 pub(crate) mod message;
+pub(crate) mod pipeline;
 pub(crate) mod publish;
 mod topology;
 mod worker;

@@ -21,7 +21,8 @@ use super::message::set_text;
 ///
 /// After a publish timed out, its confirm (or return) may still arrive and
 /// be taken for the next publish's: a caller that can should replace the
-/// channel (the outbox publisher does).
+/// channel. The outbox publisher pipelines instead (see
+/// [`pipeline`](super::pipeline)): it matches returns by message id.
 #[derive(Debug)]
 pub(crate) struct Confirms {
     one_at_a_time: tokio::sync::Mutex<()>,
@@ -39,14 +40,9 @@ impl Confirms {
         }
     }
 
-    /// How long one publish may wait for its confirm.
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// Waits for this channel's turn: no other publish of this `Confirms`
     /// in flight until the guard drops.
-    pub(crate) async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+    async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
         self.one_at_a_time.lock().await
     }
 
@@ -74,7 +70,7 @@ impl Confirms {
     /// channel must be replaced: after a timeout (a late confirm or return
     /// would be taken for the next publish's) or a channel error; a nack or
     /// a return leaves it in order.
-    pub(crate) async fn publish_in_turn(
+    async fn publish_in_turn(
         &self,
         _turn: &tokio::sync::MutexGuard<'_, ()>,
         channel: &Channel,

@@ -56,7 +56,8 @@
 //! `onceonly_outbox_oldest_pending_seconds{table}`,
 //! `onceonly_outbox_published_total{kind}`,
 //! `onceonly_outbox_publish_seconds{kind}` (publish latency, confirm
-//! included), `onceonly_outbox_failures_total{kind,destination,permanent}`.
+//! included: for pipelined messages the time until their key's last
+//! confirm), `onceonly_outbox_failures_total{kind,destination,permanent}`.
 
 mod admin;
 mod backend;
@@ -75,12 +76,12 @@ pub use message::{
     CAUSATION_HEADER, Destination, Kind, MESSAGE_ID_HEADER, OutboxMessage, SIGNATURE_HEADER,
     TRACEPARENT_HEADER, message_id,
 };
-#[cfg(feature = "amqp")]
-pub use publish::AmqpPublisher;
 #[cfg(feature = "kafka")]
 pub use publish::KafkaPublisher;
 #[cfg(feature = "webhook")]
 pub use publish::WebhookPublisher;
+#[cfg(feature = "amqp")]
+pub use publish::{AmqpPublisher, DEFAULT_AMQP_CHANNELS};
 pub use publish::{Outgoing, PublishError, Publisher};
 pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;

@@ -184,8 +184,8 @@ impl<DB: OutboxBackend> Relay<DB> {
         if rows.is_empty() {
             return Ok(0);
         }
-        // Keys in parallel, each key's rows one after the other, within
-        // half the lease.
+        // Keys in parallel, each key's rows in order (pipelined where the
+        // publisher can), within half the lease.
         let deadline = Instant::now() + self.lease / 2;
         let mut by_key: BTreeMap<&str, Vec<&OutboxRow>> = BTreeMap::new();
         for row in &rows {
@@ -279,30 +279,37 @@ impl<DB: OutboxBackend> Relay<DB> {
         Ok(())
     }
 
-    /// Publishes one key's rows in order, stopping at the first failure,
-    /// or before a row once `deadline` passed (the rest stay pending, due
-    /// at once, for the next round).
+    /// Publishes one key's rows in order through its publisher's
+    /// [`Publisher::publish_ordered`] (pipelined where the destination
+    /// keeps order in flight), starting none after `deadline`. Returns the
+    /// rows confirmed before the first failure, and that failure: every
+    /// row after it stays pending, confirmed or not, and leaves again
+    /// after it (a failed row blocks the rows behind it).
     async fn publish_in_order<'r>(
         &self,
         queue: Vec<&'r OutboxRow>,
         deadline: Instant,
     ) -> (Vec<i64>, Option<(&'r OutboxRow, PublishError)>) {
-        let mut sent = Vec::with_capacity(queue.len());
-        for row in queue {
-            if !sent.is_empty() && Instant::now() >= deadline {
-                break;
-            }
-            let kind = Kind::parse(&row.kind);
-            let Some(publisher) = kind.and_then(|k| self.publishers.get(&k)) else {
-                let error =
-                    PublishError::permanent(format!("no publisher for kind {:?}", row.kind));
-                return (sent, Some((row, error)));
-            };
-            let started = Instant::now();
-            let published = publisher.publish(&Outgoing::new(row)).await;
+        let Some(head) = queue.first().copied() else {
+            return (Vec::new(), None);
+        };
+        let kind = Kind::parse(&head.kind);
+        let Some(publisher) = kind.and_then(|k| self.publishers.get(&k)) else {
+            let error = PublishError::permanent(format!("no publisher for kind {:?}", head.kind));
+            return (Vec::new(), Some((head, error)));
+        };
+        // An ordering key names its kind, so its rows share one; the rest
+        // would wait for the next round.
+        let same_kind = queue.iter().take_while(|r| r.kind == head.kind).count();
+        let rows = &queue[..same_kind];
+        let messages: Vec<Outgoing<'_>> = rows.iter().map(|r| Outgoing::new(r)).collect();
+        let started = Instant::now();
+        let results = publisher.publish_ordered(&messages, deadline).await;
+        let took = started.elapsed().as_secs_f64();
+        let mut sent = Vec::with_capacity(results.len());
+        for (row, published) in rows.iter().copied().zip(results) {
             let kind = row.kind.clone();
-            histogram!("onceonly_outbox_publish_seconds", "kind" => kind.clone())
-                .record(started.elapsed().as_secs_f64());
+            histogram!("onceonly_outbox_publish_seconds", "kind" => kind.clone()).record(took);
             match published {
                 Ok(()) => {
                     counter!("onceonly_outbox_published_total", "kind" => kind).increment(1);
@@ -524,9 +531,10 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     /// How long the keys a round took stay its own (default
     /// [`DEFAULT_LEASE`], at least 1 s). A round takes its rows in a short
     /// transaction and publishes them with no transaction open; meanwhile
-    /// the lease keeps other relays off those keys. A round publishes a
-    /// key's rows for at most half the lease (the rest wait for the next
-    /// round). If a relay dies mid-round, its keys are taken up again when
+    /// the lease keeps other relays off those keys. A round starts no
+    /// message of a key after half the lease (the rest wait for the next
+    /// round; Kafka and AMQP send a key's partition or channel run at
+    /// once, bounded by their timeouts). If a relay dies mid-round, its keys are taken up again when
     /// the lease ends, and their unconfirmed rows are sent again with the
     /// same message ids: the lease is how long a crash delays them. A
     /// publish that outlasts the lease (a broker that answers after the

@@ -181,11 +181,21 @@ impl OutboxSql {
             // One writer at a time: the relay's transaction is BEGIN IMMEDIATE.
             Dialect::Sqlite => "",
         };
+        // Each key's first pending row, found in one pass over the pending
+        // index (a `NOT EXISTS` per row made this quadratic in a key's
+        // backlog: 20 ms for 5,000 rows of 32 keys, against 2 ms).
+        // PostgreSQL: as an array computed once, whatever the statistics
+        // (on a table not analyzed yet, `IN (..)` was planned as a nested
+        // loop re-running the aggregate per row).
+        let first_of_keys =
+            format!("SELECT MIN(e.id) FROM {t} e WHERE e.status = 0 GROUP BY e.order_key");
+        let is_head = match dialect {
+            Dialect::Postgres => format!("o.id = ANY(ARRAY({first_of_keys}))"),
+            Dialect::MySql | Dialect::Sqlite => format!("o.id IN ({first_of_keys})"),
+        };
         let heads = format!(
-            "SELECT {ROW_COLS}, order_key FROM {t} o WHERE o.status = 0 \
-             AND o.kind IN ({{kinds}}) AND o.next_attempt_at_ms <= {} \
-             AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.status = 0 \
-             AND e.order_key = o.order_key AND e.id < o.id) \
+            "SELECT {ROW_COLS}, order_key FROM {t} o WHERE {is_head} \
+             AND o.status = 0 AND o.kind IN ({{kinds}}) AND o.next_attempt_at_ms <= {} \
              ORDER BY o.id LIMIT {}{lock}",
             p(1),
             p(2)
