@@ -40,6 +40,7 @@ enum Inner<DB: Database> {
     /// Begun, committed and rolled back by sqlx.
     Sqlx(Transaction<'static, DB>),
     /// Begun by the backend on this connection (`None` once ended).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     Raw(RawTx<DB>),
 }
 
@@ -74,6 +75,7 @@ impl<DB: Database> ClaimTx<DB> {
 
     /// `conn`, inside a transaction begun by hand at `began`; `rollback`
     /// ends it, bounded by `bound` when the transaction is dropped.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn raw(
         conn: PoolConnection<DB>,
         rollback: RollbackFn<DB>,
@@ -92,6 +94,7 @@ impl<DB: Database> ClaimTx<DB> {
     }
 
     /// The connection of a transaction begun by hand; `None` for sqlx's.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn raw_conn(&mut self) -> Option<&mut PoolConnection<DB>> {
         match &mut self.inner {
             Inner::Raw(raw) => raw.conn(),
@@ -148,12 +151,14 @@ pub(crate) enum Parts<DB: Database> {
 
 impl<DB: Database> RawTx<DB> {
     /// The connection, for the statements that end the transaction.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn conn(&mut self) -> Option<&mut PoolConnection<DB>> {
         self.conn.as_mut()
     }
 
     /// The transaction ended on the server (committed, or rolled back by
     /// it): the connection goes back to the pool as it is.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn ended(mut self) {
         drop(self.conn.take());
     }
