@@ -135,6 +135,28 @@ impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
     }
 }
 
+/// [`Publisher::publish`] of a publisher whose one path is
+/// [`publish_ordered`](Publisher::publish_ordered): `message` alone, by
+/// `timeout` from now (`what` names the publisher in the error when
+/// nothing was tried).
+#[cfg(any(feature = "amqp", feature = "kafka"))]
+pub(crate) async fn publish_alone<P: Publisher + ?Sized>(
+    publisher: &P,
+    message: &Outgoing<'_>,
+    timeout: std::time::Duration,
+    what: &'static str,
+) -> Result<(), PublishError> {
+    let deadline = Instant::now() + timeout;
+    let mut results = publisher
+        .publish_ordered(std::slice::from_ref(message), deadline)
+        .await;
+    results.pop().unwrap_or_else(|| {
+        Err(PublishError::retryable(format!(
+            "{what}: nothing was published"
+        )))
+    })
+}
+
 #[cfg(feature = "amqp")]
 mod amqp;
 #[cfg(feature = "kafka")]

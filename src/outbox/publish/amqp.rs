@@ -185,13 +185,7 @@ impl Publisher for AmqpPublisher {
     }
 
     async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError> {
-        let far = Instant::now() + self.timeout;
-        let mut results = self
-            .publish_ordered(std::slice::from_ref(message), far)
-            .await;
-        results
-            .pop()
-            .unwrap_or_else(|| Err(PublishError::retryable("amqp: nothing was published")))
+        super::publish_alone(self, message, self.timeout, "amqp").await
     }
 
     /// Publishes the key's messages on its slot's channel, all before
