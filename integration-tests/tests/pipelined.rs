@@ -461,10 +461,16 @@ async fn pipelined_statements_use_the_primary_key() {
     let db = pool(&app, 2).await;
     let observer = pool(&unique("observer"), 1).await;
     let table = unique("pipe_index");
-    let store = store(&db, &table, true).await;
-    // Enough rows that a scan would cost the planner more than the index,
-    // written by a pool closed before the count starts.
+    // The table, its indexes and enough rows that a scan would cost the
+    // planner more than the index, all written by a pool closed before the
+    // count starts: building an index counts as a sequential scan, and a
+    // backend may hold its counts back until it exits.
     let setup = pool(&unique("pipe_setup"), 1).await;
+    store(&setup, &table, true).await;
+    let store = PgStore::new(db.clone())
+        .with_table(&table)
+        .expect("valid table")
+        .pipelined(true);
     sqlx::query(&format!(
         "INSERT INTO \"{table}\" (scope, idem_key, created_at_ms, expires_at_ms) \
          SELECT 's', 'filler-' || g, 0, 9000000000000 FROM generate_series(1, 5000) g"
