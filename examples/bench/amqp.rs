@@ -21,6 +21,7 @@ use super::common::{
     Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, columns,
     drain_backlog, latencies, ledger_counts, payload, pool,
 };
+use super::scale::{self, ScaleRun, ScaleTable};
 use super::stats::Table;
 
 /// Unacked messages the broker sends ahead (both consumers).
@@ -89,7 +90,83 @@ pub async fn run(b: &mut Bench) -> Res<()> {
         }
         b.table(table);
     }
+    scale_out(b).await
+}
+
+/// Scale-out: 1, 2 and 4 onceonly consumer processes competing for one
+/// queue drain one backlog (no duplicates); see [`scale`](super::scale).
+async fn scale_out(b: &mut Bench) -> Res<()> {
+    let backlog = scale::backlog(b);
+    let mut table = ScaleTable::new(format!(
+        "AMQP → Postgres scale-out ({backlog} backlog msgs, one queue, competing consumers, prefetch {PREFETCH}, concurrency {CONCURRENCY} each)"
+    ));
+    for procs in scale::PROCESSES {
+        let mut runs = Vec::new();
+        let mut counts = String::new();
+        for r in 0..b.runs {
+            let (run, rows) = scale_run(b, procs, backlog, 3000 + r as u64).await?;
+            runs.push(run);
+            counts = rows;
+        }
+        table.row(procs, &runs, counts);
+    }
+    table.finish(b);
     Ok(())
+}
+
+/// One scale-out run; returns its measures and the ledger counts.
+async fn scale_run(
+    b: &mut Bench,
+    procs: usize,
+    backlog: usize,
+    seed: u64,
+) -> Res<(ScaleRun, String)> {
+    let queue = b.unique("ascale");
+    let schema = b.schema("ascale").await?;
+    let client = b.db_client(&schema.url, false)?;
+    let (conn, channel) = connect(&b.services.amqp_url).await?;
+    let result = async {
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        declare(&channel, &queue, false).await?;
+        let db = pool(&schema.url, 4).await?;
+        business_tables(&db).await?;
+        PgStore::new(db.clone()).migrate().await?;
+        let plan = Plan::new(backlog, 0, &queue, seed);
+        publish(&channel, &queue, &plan.keys).await?;
+        let observer = Observer::start(db.clone());
+        let spec = ChildSpec::Amqp {
+            dedup: true,
+            url: b.services.amqp_url.clone(),
+            queue: queue.clone(),
+            db_url: client.url.clone(),
+            prefetch: PREFETCH,
+            concurrency: CONCURRENCY,
+        };
+        let run = scale::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
+        observer.stop().await?;
+        let left = declare(&channel, &queue, true).await?;
+        let (rows, distinct) = ledger_counts(&db).await?;
+        Ok::<_, super::common::BoxError>((
+            run,
+            format!("{} / {rows} / {distinct}", plan.keys.len()),
+            rows == plan.distinct as i64 && distinct == rows && left == 0,
+        ))
+    }
+    .await;
+    for q in [queue.clone(), format!("{queue}.dlq")] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    b.drop_schema(&schema).await;
+    let (run, counts, exact) = result?;
+    b.check(exact, || {
+        format!("amqp scale-out {procs} processes: ledger {counts}, or messages left in the queue")
+    });
+    Ok((run, counts))
 }
 
 pub async fn connect(url: &str) -> Res<(Connection, Channel)> {

@@ -20,6 +20,7 @@ use super::common::{
     Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
     business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
+use super::scale::{self, ScaleRun, ScaleTable};
 use super::stats::Table;
 
 /// A `max_in_flight` larger than any backlog: the partition is never held
@@ -125,66 +126,41 @@ const SCALE_PARTITIONS: i32 = 12;
 
 /// Scale-out: 1, 2 and 4 onceonly consumer processes of one group, started
 /// together, drain one backlog from a 12-partition topic (batch 100, no
-/// duplicates). Reported
-/// with the machine's CPU use during the drain, which tells where the bound
-/// is: near 100 % the consumers and the database share the cores; well
-/// below, the broker or a lock is.
+/// duplicates); see [`scale`](super::scale).
 async fn scale_out(b: &mut Bench) -> Res<()> {
-    // Long enough that joins and rebalances do not dominate (a smoke run
-    // only checks that it works).
-    let backlog = if b.mode == super::common::Mode::Quick {
-        b.sizes.backlog
+    let backlog = scale::backlog(b);
+    let broker = if b.services.kafka_mock.is_some() {
+        "mock cluster"
     } else {
-        b.sizes.backlog * 8
+        "broker"
     };
-    let mut table = Table::new(
-        format!(
-            "Kafka → Postgres scale-out ({backlog} backlog msgs, {SCALE_PARTITIONS} partitions, batch 100, one group)"
-        ),
-        &[
-            "processes",
-            "msgs/s",
-            "vs 1 process",
-            "CPU busy (all cores)",
-            "msgs / rows / distinct keys",
-        ],
-    );
-    let mut single = None;
-    for procs in [1usize, 2, 4] {
-        let mut rates = Vec::new();
-        let mut cpu = Vec::new();
+    let mut table = ScaleTable::new(format!(
+        "Kafka → Postgres scale-out ({backlog} backlog msgs, {SCALE_PARTITIONS} partitions, batch 100, one group, {broker})"
+    ));
+    for procs in scale::PROCESSES {
+        let mut runs = Vec::new();
         let mut counts = String::new();
         for r in 0..b.runs {
-            let (rate, busy, rows) = scale_run(b, procs, backlog, 2000 + r as u64).await?;
-            rates.push(rate);
-            cpu.push(busy);
+            let (run, rows) = scale_run(b, procs, backlog, 2000 + r as u64).await?;
+            runs.push(run);
             counts = rows;
         }
-        rates.sort_by(f64::total_cmp);
-        cpu.sort_by(f64::total_cmp);
-        let rate = rates[rates.len() / 2];
-        let base = *single.get_or_insert(rate);
-        table.row(vec![
-            procs.to_string(),
-            format!("{rate:.0}"),
-            format!("{:.2}×", rate / base),
-            format!("{:.0} %", cpu[cpu.len() / 2]),
-            counts,
-        ]);
+        table.row(procs, &runs, counts);
     }
-    b.table(table);
+    table.finish(b);
     Ok(())
 }
 
-/// One scale-out run; returns msgs/s, CPU busy % and the ledger counts.
+/// One scale-out run; returns its measures and the ledger counts.
 async fn scale_run(
     b: &mut Bench,
     procs: usize,
     backlog: usize,
     seed: u64,
-) -> Res<(f64, f64, String)> {
+) -> Res<(ScaleRun, String)> {
     let topic = b.unique("kscale");
     let schema = b.schema("kscale").await?;
+    let client = b.db_client(&schema.url, false)?;
     let result = async {
         create_topics_with(
             &b.services,
@@ -205,41 +181,20 @@ async fn scale_run(
         produce_keyed(&producer, &topic, &plan.keys, account_of).await?;
         let observer = Observer::start(db.clone());
         let group = format!("{topic}-group");
-        let cpu_before = cpu_ticks();
-        let mut children = Vec::new();
-        for _ in 0..procs {
-            children.push(
-                Child::spawn(&ChildSpec::Kafka(KafkaSpec {
-                    dedup: true,
-                    brokers: b.services.brokers.clone(),
-                    topic: topic.clone(),
-                    group: group.clone(),
-                    db_url: schema.url.clone(),
-                    batch: 100,
-                    max_in_flight: None,
-                }))
-                .await?,
-            );
-        }
-        // The rate runs from the first commit to the last, so the first
-        // join does not count; rebalances as the others join do, as when a
-        // group scales out on a backlog.
-        let first = children.first_mut().ok_or("no consumer")?;
-        let rate = drain_backlog(&observer, &plan, true, first).await?;
-        let busy = match (cpu_before, cpu_ticks()) {
-            (Some((busy0, all0)), Some((busy1, all1))) if all1 > all0 => {
-                100.0 * (busy1 - busy0) as f64 / (all1 - all0) as f64
-            }
-            _ => f64::NAN,
-        };
-        for child in children {
-            child.stop().await?;
-        }
+        let spec = ChildSpec::Kafka(KafkaSpec {
+            dedup: true,
+            brokers: b.services.brokers.clone(),
+            topic: topic.clone(),
+            group: group.clone(),
+            db_url: client.url.clone(),
+            batch: 100,
+            max_in_flight: None,
+        });
+        let run = scale::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
         observer.stop().await?;
         let (rows, distinct) = ledger_counts(&db).await?;
         Ok::<_, super::common::BoxError>((
-            rate,
-            busy,
+            run,
             format!("{} / {rows} / {distinct}", plan.keys.len()),
             rows == plan.distinct as i64,
         ))
@@ -247,26 +202,11 @@ async fn scale_run(
     .await;
     b.drop_schema(&schema).await;
     delete_topics(&b.services, &[&topic, &format!("{topic}.dlt")]).await;
-    let (rate, busy, counts, exact) = result?;
+    let (run, counts, exact) = result?;
     b.check(exact, || {
         format!("kafka scale-out {procs} processes: ledger {counts}")
     });
-    Ok((rate, busy, counts))
-}
-
-/// `(busy, total)` jiffies of all cores from `/proc/stat`.
-fn cpu_ticks() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu = stat.lines().next()?;
-    let v: Vec<u64> = cpu
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    let total: u64 = v.iter().sum();
-    // idle + iowait
-    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
-    Some((total - idle, total))
+    Ok((run, counts))
 }
 
 /// One consumer run on a fresh topic and schema: drain a backlog (rate),

@@ -53,6 +53,7 @@ mod memory;
 mod meter;
 mod mock;
 mod outbox;
+mod scale;
 mod variant;
 
 use std::process::ExitCode;

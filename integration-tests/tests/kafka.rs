@@ -174,6 +174,44 @@ async fn duplicates_within_and_across_batches_are_charged_once() {
     assert_eq!(rows as usize, 2 * expected.len());
 }
 
+/// After an assignment a lane goes record by record only until its first
+/// record commits (those are the suspects of a crash loop); the rest of a
+/// backlog goes in batches. Before, the whole first batch the lane had
+/// gathered (up to `batch_size` records) ran one transaction per record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backlog_goes_in_batches_once_the_first_record_committed() {
+    let s = setup("kbatch", 1).await;
+    let mut records = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..600 {
+        let no = format!("T-{i:04}");
+        let account = format!("acct-{i}");
+        records.push(Record::new(no.clone(), pay(&no, 5).account(&account)));
+        expected.insert(no, (account, 5));
+    }
+    let ends = produce(&s.topic, &records).await;
+    let stats = drain(
+        consumer(&s)
+            .batch_size(100)
+            .linger(Duration::from_millis(50)),
+        Arc::new(Ledger::default()),
+    )
+    .await;
+    assert_exact(&s.pool, &expected).await;
+    assert_eq!(stats.processed, 600, "{stats:?}");
+    assert_no_lag(&s.group, &s.topic, &ends, 1);
+    // Rows written by one transaction share its id (`xmin`).
+    let transactions: i64 = sqlx::query_scalar("SELECT COUNT(DISTINCT xmin::text) FROM ledger")
+        .fetch_one(&s.pool)
+        .await
+        .unwrap();
+    println!("600 backlog records at batch size 100: {transactions} transactions");
+    assert!(
+        transactions <= 30,
+        "600 records of a backlog took {transactions} transactions at batch size 100"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn key_concurrency_keeps_each_key_in_order() {
     let s = setup("kord", 2).await;

@@ -78,7 +78,10 @@ pub(crate) async fn run_lane<S, H>(
             },
         };
         let mut batch = vec![first];
-        if env.batch_size > 1 {
+        // A suspect lane takes one record at a time: it goes record by
+        // record anyway, and a batch gathered now would still go record by
+        // record after its first one committed.
+        if env.batch_size > 1 && !suspect {
             let now = Instant::now();
             let deadline = now.checked_add(env.linger).unwrap_or(now);
             while batch.len() < env.batch_size {
