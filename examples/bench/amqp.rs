@@ -21,7 +21,7 @@ use super::common::{
     Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, columns,
     drain_backlog, latencies, ledger_counts, payload, pool,
 };
-use super::scale::{self, ScaleRun, ScaleTable};
+use super::scale_out::{self as scale, ScaleRun, ScaleTable};
 use super::stats::Table;
 
 /// Unacked messages the broker sends ahead (both consumers).
@@ -94,7 +94,7 @@ pub async fn run(b: &mut Bench) -> Res<()> {
 }
 
 /// Scale-out: 1, 2 and 4 onceonly consumer processes competing for one
-/// queue drain one backlog (no duplicates); see [`scale`](super::scale).
+/// queue drain one backlog (no duplicates); see [`scale_out`](super::scale_out).
 async fn scale_out(b: &mut Bench) -> Res<()> {
     let backlog = scale::backlog(b);
     let mut table = ScaleTable::new(format!(

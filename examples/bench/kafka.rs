@@ -20,7 +20,7 @@ use super::common::{
     Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
     business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
-use super::scale::{self, ScaleRun, ScaleTable};
+use super::scale_out::{self as scale, ScaleRun, ScaleTable};
 use super::stats::Table;
 
 /// A `max_in_flight` larger than any backlog: the partition is never held
@@ -126,7 +126,7 @@ const SCALE_PARTITIONS: i32 = 12;
 
 /// Scale-out: 1, 2 and 4 onceonly consumer processes of one group, started
 /// together, drain one backlog from a 12-partition topic (batch 100, no
-/// duplicates); see [`scale`](super::scale).
+/// duplicates); see [`scale_out`](super::scale_out).
 async fn scale_out(b: &mut Bench) -> Res<()> {
     let backlog = scale::backlog(b);
     let broker = if b.services.kafka_mock.is_some() {

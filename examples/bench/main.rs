@@ -53,7 +53,7 @@ mod memory;
 mod meter;
 mod mock;
 mod outbox;
-mod scale;
+mod scale_out;
 mod variant;
 
 use std::process::ExitCode;
