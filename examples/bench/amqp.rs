@@ -21,7 +21,7 @@ use super::common::{
     Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, columns,
     drain_backlog, latencies, ledger_counts, payload, pool,
 };
-use super::scale_out::{self as scale, ScaleRun, ScaleTable};
+use super::scale_out::{self, ScaleRun, ScaleTable};
 use super::stats::Table;
 
 /// Unacked messages the broker sends ahead (both consumers).
@@ -96,11 +96,11 @@ pub async fn run(b: &mut Bench) -> Res<()> {
 /// Scale-out: 1, 2 and 4 onceonly consumer processes competing for one
 /// queue drain one backlog (no duplicates); see [`scale_out`](super::scale_out).
 async fn scale_out(b: &mut Bench) -> Res<()> {
-    let backlog = scale::backlog(b);
+    let backlog = scale_out::backlog(b);
     let mut table = ScaleTable::new(format!(
         "AMQP → Postgres scale-out ({backlog} backlog msgs, one queue, competing consumers, prefetch {PREFETCH}, concurrency {CONCURRENCY} each)"
     ));
-    for procs in scale::PROCESSES {
+    for procs in scale_out::PROCESSES {
         let mut runs = Vec::new();
         let mut counts = String::new();
         for r in 0..b.runs {
@@ -144,7 +144,7 @@ async fn scale_run(
             prefetch: PREFETCH,
             concurrency: CONCURRENCY,
         };
-        let run = scale::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
+        let run = scale_out::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
         observer.stop().await?;
         let left = declare(&channel, &queue, true).await?;
         let (rows, distinct) = ledger_counts(&db).await?;

@@ -20,7 +20,7 @@ use super::common::{
     Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
     business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
-use super::scale_out::{self as scale, ScaleRun, ScaleTable};
+use super::scale_out::{self, ScaleRun, ScaleTable};
 use super::stats::Table;
 
 /// A `max_in_flight` larger than any backlog: the partition is never held
@@ -128,7 +128,7 @@ const SCALE_PARTITIONS: i32 = 12;
 /// together, drain one backlog from a 12-partition topic (batch 100, no
 /// duplicates); see [`scale_out`](super::scale_out).
 async fn scale_out(b: &mut Bench) -> Res<()> {
-    let backlog = scale::backlog(b);
+    let backlog = scale_out::backlog(b);
     let broker = if b.services.kafka_mock.is_some() {
         "mock cluster"
     } else {
@@ -137,7 +137,7 @@ async fn scale_out(b: &mut Bench) -> Res<()> {
     let mut table = ScaleTable::new(format!(
         "Kafka → Postgres scale-out ({backlog} backlog msgs, {SCALE_PARTITIONS} partitions, batch 100, one group, {broker})"
     ));
-    for procs in scale::PROCESSES {
+    for procs in scale_out::PROCESSES {
         let mut runs = Vec::new();
         let mut counts = String::new();
         for r in 0..b.runs {
@@ -190,7 +190,7 @@ async fn scale_run(
             batch: 100,
             max_in_flight: None,
         });
-        let run = scale::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
+        let run = scale_out::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
         observer.stop().await?;
         let (rows, distinct) = ledger_counts(&db).await?;
         Ok::<_, super::common::BoxError>((
