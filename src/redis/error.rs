@@ -7,6 +7,17 @@ pub enum RedisError {
     /// Redis is unreachable or answered with an error.
     #[error("Redis error: {0}")]
     Redis(#[from] ::redis::RedisError),
+    /// Fewer replicas than asked for
+    /// ([`RedisStore::with_replica_acks`](super::RedisStore::with_replica_acks))
+    /// acknowledged a write in time: a failover could lose it, so it does
+    /// not count (a claim is not held).
+    #[error("the write reached {acked} of {wanted} replicas in time")]
+    NotReplicated {
+        /// Replicas that acknowledged the write.
+        acked: u32,
+        /// Replicas asked for.
+        wanted: u32,
+    },
     /// A value under one of our keys is not in our format. The Redis key
     /// is not part of the error: it holds the business key.
     #[error("unexpected value in Redis: {detail}")]
@@ -17,16 +28,32 @@ pub enum RedisError {
 }
 
 impl RedisError {
-    /// Whether Redis is unreachable (I/O error, timeout, refused or dropped
-    /// connection), as opposed to answering with an error.
+    /// Whether Redis is unreachable or cannot serve right now (I/O error,
+    /// timeout, refused or dropped connection; a cluster that is down,
+    /// electing a master or moving a slot: `CLUSTERDOWN`, `MASTERDOWN`,
+    /// `TRYAGAIN`, `LOADING`, no connection to the slot's node; replicas
+    /// that did not acknowledge in time), as opposed to answering with an
+    /// error.
     pub fn is_infrastructure(&self) -> bool {
+        use ::redis::{ErrorKind, ServerErrorKind};
         match self {
             Self::Redis(e) => {
                 e.is_io_error()
                     || e.is_timeout()
                     || e.is_connection_refusal()
                     || e.is_connection_dropped()
+                    || matches!(
+                        e.kind(),
+                        ErrorKind::ClusterConnectionNotFound
+                            | ErrorKind::Server(
+                                ServerErrorKind::ClusterDown
+                                    | ServerErrorKind::MasterDown
+                                    | ServerErrorKind::TryAgain
+                                    | ServerErrorKind::BusyLoading
+                            )
+                    )
             }
+            Self::NotReplicated { .. } => true,
             Self::Corrupt { .. } => false,
         }
     }
