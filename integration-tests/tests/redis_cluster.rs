@@ -1,0 +1,115 @@
+//! The Redis tier on a real Redis Cluster (3 masters, 3 replicas on
+//! loopback, started by `onceonly_integration_tests::redis_cluster`): the
+//! keys of one scope spread over every master, and both stores work
+//! through the cluster client (`redis+cluster://`).
+
+#[path = "../../examples/support/ledger.rs"]
+mod ledger;
+
+use std::time::Duration;
+
+use onceonly::redis::{CachedStore, RedisClaim, RedisConnection, RedisStore};
+use onceonly::{Delivery, Engine, Outcome, SqlStore};
+use onceonly_integration_tests::kafka::pg_schema;
+use onceonly_integration_tests::redis_cluster::RedisCluster;
+use onceonly_integration_tests::{pay, unique};
+
+/// Asserts every master holds at least a quarter of `total` keys under
+/// `prefix` (a fair share is a third) and that they add up; returns the
+/// counts per master port.
+fn assert_spread(cluster: &RedisCluster, prefix: &str, total: usize) -> Vec<(u16, usize)> {
+    let masters = cluster.masters();
+    assert_eq!(masters.len(), 3, "{:?}", cluster.nodes_info());
+    let counts: Vec<(u16, usize)> = masters
+        .iter()
+        .map(|&p| (p, cluster.keys_on(p, prefix)))
+        .collect();
+    eprintln!("{prefix}: {total} keys, per master (port, keys): {counts:?}");
+    assert_eq!(
+        counts.iter().map(|(_, n)| n).sum::<usize>(),
+        total,
+        "every key is on exactly one master: {counts:?}"
+    );
+    for &(port, n) in &counts {
+        assert!(
+            n * 4 >= total,
+            "master 127.0.0.1:{port} holds {n} of {total} keys (a fair share is {}): the keys of \
+             one scope are not spread over the cluster ({counts:?})",
+            total / 3
+        );
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_of_one_scope_spread_over_every_master() {
+    let cluster = RedisCluster::start();
+    let prefix = format!("{}:", unique("spread"));
+    let store = RedisStore::connect(&cluster.url())
+        .await
+        .expect("connect to the cluster")
+        .with_prefix(&prefix)
+        .with_replica_acks(1, Duration::from_millis(500));
+    const KEYS: usize = 3000;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(100) {
+        let claims = chunk.iter().map(|i| {
+            let store = store.clone();
+            async move {
+                let key = format!("order-{i}");
+                match store.claim("sms", &key, None).await.expect("claim") {
+                    RedisClaim::Claimed(lease) => {
+                        if i % 2 == 0 {
+                            assert!(store.complete(&lease, b"\"sent\"").await.expect("complete"));
+                        }
+                    }
+                    other => panic!("{key} is new: {other:?}"),
+                }
+            }
+        });
+        futures_util::future::join_all(claims).await;
+    }
+    assert_spread(&cluster, &prefix, KEYS);
+    // The fence and the results hold across the cluster's slots.
+    for i in [0usize, 1, 998, 999, 2999] {
+        let again = store.claim("sms", &format!("order-{i}"), None).await.unwrap();
+        if i % 2 == 0 {
+            assert_eq!(again, RedisClaim::Done(b"\"sent\"".to_vec()), "order-{i}");
+        } else {
+            assert!(matches!(again, RedisClaim::Busy { .. }), "order-{i}: {again:?}");
+        }
+    }
+
+    // The two-tier store through the same kind of connection, built with
+    // the builder: committed keys spread too, and duplicates come back from
+    // the cluster.
+    let url = pg_schema("rcluster").await;
+    let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(sql.pool()).await.unwrap();
+    let tier_prefix = format!("{}:", unique("tier"));
+    let conn = RedisConnection::builder()
+        .cluster(cluster.node_urls())
+        .connect()
+        .await
+        .expect("cluster connection");
+    assert!(conn.is_cluster());
+    let cached = CachedStore::new(sql, conn).with_prefix(&tier_prefix);
+    let engine = Engine::builder(cached.clone())
+        .scope("payments")
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    const PAYMENTS: usize = 600;
+    for i in 0..PAYMENTS {
+        let d = Delivery::new(pay(&format!("P-{i}"), 5).account("ann"));
+        let r = engine.process(&ledger::postgres::Ledger, &d).await;
+        assert!(matches!(r.outcome, Outcome::Processed { .. }), "{:?}", r.outcome);
+    }
+    for i in 0..PAYMENTS {
+        let d = Delivery::new(pay(&format!("P-{i}"), 5).account("ann"));
+        let r = engine.process(&ledger::postgres::Ledger, &d).await;
+        assert_eq!(r.outcome.kind().as_str(), "duplicate");
+    }
+    assert_eq!(cached.hits(), PAYMENTS as u64, "every duplicate answered by the cluster");
+    assert_eq!(cached.errors(), 0);
+    assert_spread(&cluster, &tier_prefix, PAYMENTS);
+}
