@@ -150,8 +150,18 @@ impl<S: SqlStore> CachedStore<S> {
         let mut conn = self.conn.clone();
         let get = conn.get::<_, Option<Vec<u8>>>(&redis_key);
         match tokio::time::timeout(OP_TIMEOUT, get).await {
-            Ok(value) => Ok(value?),
+            Ok(value) => value.map_err(|e| self.classify(e)),
             Err(_) => Err(timed_out()),
+        }
+    }
+
+    /// A cluster redirection on a single-server connection says so.
+    fn classify(&self, e: ::redis::RedisError) -> RedisError {
+        let e = RedisError::from(e);
+        if self.conn.is_cluster() {
+            e
+        } else {
+            e.on_single_server()
         }
     }
 }
@@ -272,7 +282,7 @@ impl<S: SqlStore> CacheTier for CachedStore<S> {
         cmd.arg(&redis_key).arg(value).arg("PX").arg(ttl_ms);
         let set = cmd.query_async::<()>(&mut conn);
         let written = match tokio::time::timeout(OP_TIMEOUT, set).await {
-            Ok(result) => result.map_err(RedisError::from),
+            Ok(result) => result.map_err(|e| self.classify(e)),
             Err(_) => Err(timed_out()),
         };
         if let Err(e) = written {

@@ -70,6 +70,28 @@ impl RedisConnection {
     pub fn is_cluster(&self) -> bool {
         matches!(self.inner, Inner::Cluster(_))
     }
+
+    /// Makes a cluster connection rebuild its slot map after a write to
+    /// `key` reached a replica (`READONLY`). redis-rs sends `READONLY` on
+    /// every node connection, so a node the client still takes for the
+    /// slot's master, which came back from a crash as a replica of its
+    /// successor, runs a script there (a script without flags is not a
+    /// write command) and fails at its first write instead of redirecting
+    /// it: the client never sees a `MOVED` and never learns the new
+    /// master. `SETRANGE key 0 ""` is a write command that changes nothing
+    /// (an empty range neither creates nor modifies a key); the replica
+    /// answers it with the `MOVED` that makes the client rebuild its map.
+    /// A no-op on one server.
+    pub(crate) async fn refresh_slot_of(&self, key: &str) {
+        let Inner::Cluster(conn) = &self.inner else {
+            return;
+        };
+        let mut probe = ::redis::cmd("SETRANGE");
+        probe.arg(key).arg(0).arg("");
+        if let Err(e) = probe.query_async::<Value>(&mut conn.clone()).await {
+            tracing::debug!(error = %e, "slot map refresh probe failed");
+        }
+    }
 }
 
 impl From<ConnectionManager> for RedisConnection {

@@ -87,9 +87,6 @@ mod tests {
     fn the_scope_tagged_layout_of_before() {
         let k = KeyLayout::new("onceonly:");
         assert_eq!(k.scope_tagged_key("sms", "u-1"), "onceonly:{sms}:u-1");
-        assert_eq!(
-            k.scope_tagged_key("a{b}%", "x"),
-            "onceonly:{a%7Bb%7D%25}:x"
-        );
+        assert_eq!(k.scope_tagged_key("a{b}%", "x"), "onceonly:{a%7Bb%7D%25}:x");
     }
 }

@@ -61,7 +61,24 @@ impl Lua {
         replicas: Option<Replicas>,
     ) -> Result<(T, Option<i64>), RedisError> {
         let mut conn = conn.clone();
-        match self.try_run(&mut conn, true, key, args, replicas).await? {
+        let first = match self.try_run(&mut conn, true, key, args, replicas).await {
+            // The script's first write failed on a replica: nothing was
+            // written; once the client knows the slot's master, run it
+            // there.
+            Err(e) if e.is_read_only() && conn.is_cluster() => {
+                conn.refresh_slot_of(key).await;
+                self.try_run(&mut conn, true, key, args, replicas).await
+            }
+            other => other,
+        };
+        let first = first.map_err(|e| {
+            if conn.is_cluster() {
+                e
+            } else {
+                e.on_single_server()
+            }
+        });
+        match first? {
             Some(done) => Ok(done),
             None => self
                 .try_run(&mut conn, false, key, args, replicas)
@@ -92,10 +109,11 @@ impl Lua {
             };
         };
         let mut pipe = Pipeline::new();
-        pipe.add_command(cmd)
-            .cmd("WAIT")
-            .arg(wait.count)
-            .arg(u64::try_from(wait.timeout.as_millis()).unwrap_or(u64::MAX).max(1));
+        pipe.add_command(cmd).cmd("WAIT").arg(wait.count).arg(
+            u64::try_from(wait.timeout.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+        );
         let mut replies = conn.req_packed_commands(&pipe, 0, 2).await?.into_iter();
         let (Some(reply), Some(acked)) = (replies.next(), replies.next()) else {
             return Err(RedisError::Corrupt {
@@ -107,7 +125,8 @@ impl Lua {
         {
             return Ok(None);
         }
-        let reply = T::from_redis_value(reply.extract_error()?).map_err(::redis::RedisError::from)?;
+        let reply =
+            T::from_redis_value(reply.extract_error()?).map_err(::redis::RedisError::from)?;
         let acked =
             i64::from_redis_value(acked.extract_error()?).map_err(::redis::RedisError::from)?;
         Ok(Some((reply, Some(acked))))

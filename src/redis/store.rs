@@ -356,7 +356,12 @@ impl RedisStore {
             .run(
                 &self.conn,
                 &lease.key,
-                &[&lease.owner, &ms(self.retention), &result, &lease.fingerprint],
+                &[
+                    &lease.owner,
+                    &ms(self.retention),
+                    &result,
+                    &lease.fingerprint,
+                ],
                 self.replicas,
             )
             .await?;
