@@ -174,7 +174,11 @@ impl RedisCluster {
 
     /// `redis+cluster://127.0.0.1:p1,…,127.0.0.1:p6`.
     pub fn url(&self) -> String {
-        let hosts: Vec<String> = self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let hosts: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
         format!("redis+cluster://{}", hosts.join(","))
     }
 
@@ -198,10 +202,9 @@ impl RedisCluster {
 
     /// Whether the node on `port` answers `cluster_state:ok`.
     pub fn state_ok(&self, port: u16) -> bool {
-        cli(port)
-            .args(["cluster", "info"])
-            .output()
-            .is_ok_and(|o| field(&String::from_utf8_lossy(&o.stdout), "cluster_state") == Some("ok"))
+        cli(port).args(["cluster", "info"]).output().is_ok_and(|o| {
+            field(&String::from_utf8_lossy(&o.stdout), "cluster_state") == Some("ok")
+        })
     }
 
     /// `CLUSTER NODES` as seen by the first running node that answers.
@@ -237,9 +240,13 @@ impl RedisCluster {
             .collect();
         replicas.len() == 3
             && replicas.iter().all(|&p| {
-                cli(p).args(["info", "replication"]).output().is_ok_and(|o| {
-                    field(&String::from_utf8_lossy(&o.stdout), "master_link_status") == Some("up")
-                })
+                cli(p)
+                    .args(["info", "replication"])
+                    .output()
+                    .is_ok_and(|o| {
+                        field(&String::from_utf8_lossy(&o.stdout), "master_link_status")
+                            == Some("up")
+                    })
             })
     }
 
@@ -260,6 +267,37 @@ impl RedisCluster {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Starts the node on `port` again (after [`kill`](Self::kill)), with
+    /// its old `nodes.conf`: a failed-over master comes back as a replica
+    /// of the node that replaced it.
+    pub fn restart(&self, port: u16) {
+        self.spawn(port);
+    }
+
+    /// Waits until the node on `port` is a replica whose link to its
+    /// master is up (in sync); how long it took. Panics after `limit`.
+    pub fn wait_in_sync(&self, port: u16, limit: Duration) -> Duration {
+        let start = Instant::now();
+        let synced = wait_until(limit, || {
+            self.nodes_info()
+                .iter()
+                .any(|n| n.port == port && !n.master && !n.failed)
+                && cli(port)
+                    .args(["info", "replication"])
+                    .output()
+                    .is_ok_and(|o| {
+                        field(&String::from_utf8_lossy(&o.stdout), "master_link_status")
+                            == Some("up")
+                    })
+        });
+        assert!(
+            synced,
+            "the node on port {port} is not an in-sync replica within {limit:?}: {:?}",
+            self.nodes_info()
+        );
+        start.elapsed()
     }
 
     /// The node id of the node on `port`.
@@ -358,6 +396,12 @@ mod tests {
         )
         .unwrap();
         assert!(f.master && f.failed);
-        assert_eq!(field("cluster_state:ok\r\ncluster_slots_ok:16384", "cluster_state"), Some("ok"));
+        assert_eq!(
+            field(
+                "cluster_state:ok\r\ncluster_slots_ok:16384",
+                "cluster_state"
+            ),
+            Some("ok")
+        );
     }
 }

@@ -8,7 +8,7 @@ mod ledger;
 
 use std::time::Duration;
 
-use onceonly::redis::{CachedStore, RedisClaim, RedisConnection, RedisStore};
+use onceonly::redis::{CachedStore, RedisClaim, RedisConnection, RedisError, RedisStore};
 use onceonly::{Delivery, Engine, Outcome, SqlStore};
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::redis_cluster::RedisCluster;
@@ -71,13 +71,39 @@ async fn claims_of_one_scope_spread_over_every_master() {
     assert_spread(&cluster, &prefix, KEYS);
     // The fence and the results hold across the cluster's slots.
     for i in [0usize, 1, 998, 999, 2999] {
-        let again = store.claim("sms", &format!("order-{i}"), None).await.unwrap();
+        let again = store
+            .claim("sms", &format!("order-{i}"), None)
+            .await
+            .unwrap();
         if i % 2 == 0 {
             assert_eq!(again, RedisClaim::Done(b"\"sent\"".to_vec()), "order-{i}");
         } else {
-            assert!(matches!(again, RedisClaim::Busy { .. }), "order-{i}: {again:?}");
+            assert!(
+                matches!(again, RedisClaim::Busy { .. }),
+                "order-{i}: {again:?}"
+            );
         }
     }
+
+    // A single-server connection to a cluster node says what to do,
+    // instead of looking like an outage (which would fail open).
+    let single = RedisStore::connect(&cluster.node_urls()[0])
+        .await
+        .expect("connect to one node")
+        .with_prefix(&prefix);
+    let mut redirected = None;
+    for i in 0..50 {
+        if let Err(e) = single.claim("sms", &format!("other-{i}"), None).await {
+            redirected = Some(e);
+            break;
+        }
+    }
+    let e = redirected.expect("of 50 keys, some live on another master");
+    assert!(
+        matches!(e, RedisError::NotClusterConnection { .. }) && !e.is_infrastructure(),
+        "{e}"
+    );
+    assert!(e.to_string().contains("redis+cluster://"), "{e}");
 
     // The two-tier store through the same kind of connection, built with
     // the builder: committed keys spread too, and duplicates come back from
@@ -102,14 +128,22 @@ async fn claims_of_one_scope_spread_over_every_master() {
     for i in 0..PAYMENTS {
         let d = Delivery::new(pay(&format!("P-{i}"), 5).account("ann"));
         let r = engine.process(&ledger::postgres::Ledger, &d).await;
-        assert!(matches!(r.outcome, Outcome::Processed { .. }), "{:?}", r.outcome);
+        assert!(
+            matches!(r.outcome, Outcome::Processed { .. }),
+            "{:?}",
+            r.outcome
+        );
     }
     for i in 0..PAYMENTS {
         let d = Delivery::new(pay(&format!("P-{i}"), 5).account("ann"));
         let r = engine.process(&ledger::postgres::Ledger, &d).await;
         assert_eq!(r.outcome.kind().as_str(), "duplicate");
     }
-    assert_eq!(cached.hits(), PAYMENTS as u64, "every duplicate answered by the cluster");
+    assert_eq!(
+        cached.hits(),
+        PAYMENTS as u64,
+        "every duplicate answered by the cluster"
+    );
     assert_eq!(cached.errors(), 0);
     assert_spread(&cluster, &tier_prefix, PAYMENTS);
 }
