@@ -36,6 +36,8 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
 #[derive(Clone)]
 pub struct RedisConnection {
     inner: Inner,
+    /// The per-reply timeout, when this crate's builder set it.
+    response_timeout: Option<Duration>,
 }
 
 #[derive(Clone)]
@@ -71,6 +73,16 @@ impl RedisConnection {
         matches!(self.inner, Inner::Cluster(_))
     }
 
+    /// The per-reply timeout, if this crate's builder made the connection.
+    pub(crate) fn response_timeout(&self) -> Option<Duration> {
+        self.response_timeout
+    }
+
+    fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = Some(timeout);
+        self
+    }
+
     /// Makes a cluster connection rebuild its slot map after a write to
     /// `key` reached a replica (`READONLY`). redis-rs sends `READONLY` on
     /// every node connection, so a node the client still takes for the
@@ -98,6 +110,7 @@ impl From<ConnectionManager> for RedisConnection {
     fn from(conn: ConnectionManager) -> Self {
         Self {
             inner: Inner::Single(conn),
+            response_timeout: None,
         }
     }
 }
@@ -106,6 +119,7 @@ impl From<ClusterConnection> for RedisConnection {
     fn from(conn: ClusterConnection) -> Self {
         Self {
             inner: Inner::Cluster(conn),
+            response_timeout: None,
         }
     }
 }
@@ -214,12 +228,18 @@ impl RedisConnectionBuilder {
             Resolved::Single(url) => {
                 let client = ::redis::Client::open(url.as_str())?;
                 let conn = ConnectionManager::new_with_config(client, self.single_config());
-                Ok(bounded(self.connection_timeout * 2, conn).await??.into())
+                Ok(
+                    RedisConnection::from(bounded(self.connection_timeout * 2, conn).await??)
+                        .with_response_timeout(self.response_timeout),
+                )
             }
             Resolved::Cluster(nodes) => {
                 let client = self.cluster_client(&nodes)?;
                 let conn = client.get_async_connection();
-                Ok(bounded(self.connection_timeout * 2, conn).await??.into())
+                Ok(
+                    RedisConnection::from(bounded(self.connection_timeout * 2, conn).await??)
+                        .with_response_timeout(self.response_timeout),
+                )
             }
         }
     }
@@ -231,13 +251,20 @@ impl RedisConnectionBuilder {
         match self.resolve()? {
             Resolved::Single(url) => {
                 let client = ::redis::Client::open(url.as_str())?;
-                Ok(ConnectionManager::new_lazy_with_config(client, self.single_config())?.into())
+                Ok(
+                    RedisConnection::from(ConnectionManager::new_lazy_with_config(
+                        client,
+                        self.single_config(),
+                    )?)
+                    .with_response_timeout(self.response_timeout),
+                )
             }
             Resolved::Cluster(nodes) => {
                 let client = self.cluster_client(&nodes)?;
-                Ok(client
-                    .get_pending_async_connection_with_config(ClusterConfig::new())
-                    .into())
+                Ok(RedisConnection::from(
+                    client.get_pending_async_connection_with_config(ClusterConfig::new()),
+                )
+                .with_response_timeout(self.response_timeout))
             }
         }
     }

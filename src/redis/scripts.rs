@@ -108,9 +108,16 @@ impl Lua {
                 Err(e) => Err(e.into()),
             };
         };
+        // The WAIT must answer before the reply times out: a timed-out
+        // claim is one the caller does not know it holds, and nobody
+        // releases it.
+        let timeout = match conn.response_timeout() {
+            Some(reply) => wait.timeout.min(reply * 4 / 5),
+            None => wait.timeout,
+        };
         let mut pipe = Pipeline::new();
         pipe.add_command(cmd).cmd("WAIT").arg(wait.count).arg(
-            u64::try_from(wait.timeout.as_millis())
+            u64::try_from(timeout.as_millis())
                 .unwrap_or(u64::MAX)
                 .max(1),
         );

@@ -216,7 +216,12 @@ impl RedisStore {
     /// ([`RedisError::NotReplicated`]; a claim is then released, best
     /// effort). Off by default (a server without replicas would never
     /// acknowledge); with one replica per master, `1` and a timeout of a
-    /// few hundred milliseconds. `count` 0 turns it off.
+    /// few hundred milliseconds. The wait is cut to 4/5 of the connection's
+    /// response timeout (500 ms by default) when this crate built the
+    /// connection, since the reply must come before that timeout (a claim
+    /// that timed out is held by nobody who knows it, until its lease
+    /// ends); give your own connection a response timeout above `timeout`.
+    /// `count` 0 turns it off.
     #[must_use]
     pub fn with_replica_acks(mut self, count: u32, timeout: Duration) -> Self {
         self.replicas = (count > 0).then_some(Replicas {
@@ -399,7 +404,8 @@ impl RedisStore {
     /// Runs `effect` unless `key` is done or held (within the limits of the
     /// type's guarantee: not atomic with the effect): claim, renew the lease
     /// every third of it while the effect runs, record the JSON result on
-    /// success, release on failure so it can be retried.
+    /// success (retrying a failing Redis until the lease would have ended,
+    /// at least three times), release on failure so it can be retried.
     ///
     /// Dropping the returned future mid-effect leaves the claim until its
     /// lease runs out (the effect may have partly run).
@@ -462,15 +468,24 @@ impl RedisStore {
         match outcome {
             Ok(value) => {
                 let bytes = serde_json::to_vec(&value)?;
-                // A transient error is retried a few times: giving up too
-                // early would report a loss that did not happen.
-                for attempt in 0..3u64 {
+                // A transient error (a failover, a restart) is retried while
+                // the lease surely lasts, at least three times: giving up
+                // earlier would report a loss that did not happen. The
+                // completion is idempotent, so a retry of one that did go
+                // through still answers true.
+                let mut attempt = 0u64;
+                loop {
                     match self.complete(&lease, &bytes).await {
                         Ok(true) => return Ok(Once::Ran(value)),
                         Ok(false) => break,
                         Err(e) => {
+                            attempt += 1;
                             tracing::warn!(key = %self.redaction.show(key), error = %e, attempt, "recording the result failed");
-                            tokio::time::sleep(Duration::from_millis(100 * (attempt + 1))).await;
+                            if attempt >= 3 && tokio::time::Instant::now() >= held_until {
+                                break;
+                            }
+                            let pause = Duration::from_millis(100 * attempt.min(5));
+                            tokio::time::sleep(pause).await;
                         }
                     }
                 }
