@@ -31,8 +31,10 @@ use onceonly_integration_tests::unique;
 const STREAM_KEYS: usize = 2400;
 /// Leases taken before the kill and held through it.
 const HELD_KEYS: usize = 300;
-/// Lease of the stream's claims.
-const LEASE: Duration = Duration::from_secs(2);
+/// Lease of the stream's claims: longer than a failover, so a completion
+/// that fails while the cluster elects a master is retried until it
+/// succeeds rather than reported lost.
+const LEASE: Duration = Duration::from_secs(6);
 
 #[derive(Default)]
 struct Counts {
@@ -58,8 +60,10 @@ struct Holders {
 }
 
 impl Holders {
-    /// The effect of a holder of `key`: there must be no other live holder.
-    fn enter(&self, key: &str, token: u64) {
+    /// The effect of a holder of `key` whose claim was sent at `sent`:
+    /// there must be no other live holder. Its lease lasts at least until
+    /// `sent + LEASE` (Redis took the claim after `sent`).
+    fn enter(&self, key: &str, token: u64, sent: Instant) {
         let now = Instant::now();
         let mut current = self.current.lock().unwrap();
         if let Some((other, until)) = current.get(key)
@@ -68,11 +72,7 @@ impl Holders {
         {
             self.overlaps.lock().unwrap().push(key.to_owned());
         }
-        // The lease started before the claim returned; 100 ms of margin.
-        current.insert(
-            key.to_owned(),
-            (token, now + LEASE - Duration::from_millis(100)),
-        );
+        current.insert(key.to_owned(), (token, sent + LEASE));
         *self
             .effects
             .lock()
@@ -100,11 +100,12 @@ async fn fenced_worker(
         let key = format!("fx-{i:05}");
         loop {
             let token = TOKENS.fetch_add(1, Ordering::Relaxed);
+            let sent = Instant::now();
             let effect = {
                 let holders = Arc::clone(&holders);
                 let key = key.clone();
                 async move {
-                    holders.enter(&key, token);
+                    holders.enter(&key, token, sent);
                     tokio::time::sleep(Duration::from_millis(2)).await;
                     Ok::<_, std::convert::Infallible>(token)
                 }
@@ -193,16 +194,26 @@ async fn a_master_failover_mid_stream_keeps_claims_fenced_and_sql_exact() {
                 .expect("connect to the cluster")
                 .with_prefix(prefix)
                 .with_lease(lease)
-                .with_replica_acks(1, Duration::from_millis(500))
+                .with_replica_acks(1, Duration::from_millis(200))
         }
     };
 
     // Leases taken before the kill, held through it (60 s).
     let holder = connect(Duration::from_secs(60)).await;
-    let held: Vec<String> = (0..HELD_KEYS).map(|i| format!("held-{i:04}")).collect();
-    for (key, claim) in held.iter().zip(claim_all(&holder, &held).await) {
-        assert!(matches!(claim, RedisClaim::Claimed(_)), "{key}: {claim:?}");
-    }
+    // A claim whose reply was lost (a timeout) is held by nobody who knows
+    // it: only the leases this caller got are checked.
+    let wanted: Vec<String> = (0..HELD_KEYS).map(|i| format!("held-{i:04}")).collect();
+    let held: Vec<String> = wanted
+        .iter()
+        .zip(claim_all(&holder, &wanted).await)
+        .filter(|(_, c)| matches!(c, RedisClaim::Claimed(_)))
+        .map(|(k, _)| k.clone())
+        .collect();
+    assert!(
+        held.len() * 10 >= HELD_KEYS * 9,
+        "only {} of {HELD_KEYS} leases taken before the kill",
+        held.len()
+    );
 
     // The two-tier store over PostgreSQL, on the same cluster.
     let url = pg_schema("rfailover").await;
@@ -352,7 +363,7 @@ async fn a_master_failover_mid_stream_keeps_claims_fenced_and_sql_exact() {
     eprintln!(
         "fenced stream: {STREAM_KEYS} keys x 2 workers: {} claims ran the effect, {} duplicates \
          answered done, {} busy answers, retries during the failover: {} Redis errors + {} \
-         claims/completions not acknowledged by a replica; {} results not recorded (lease lost), \
+         claims/completions not acknowledged by a replica; {} completions unconfirmed (LeaseLost returned), \
          {} effects re-run after one; overlapping holders: {}; Redis errors by kind: {:?}",
         c(&counts.ran),
         c(&counts.already_done),
@@ -365,8 +376,9 @@ async fn a_master_failover_mid_stream_keeps_claims_fenced_and_sql_exact() {
         counts.error_kinds.lock().unwrap()
     );
     eprintln!(
-        "held leases: {HELD_KEYS} taken before the kill ({held_on_victim_slots} on the killed \
-         master's slots), {} still busy for a new caller after the failover",
+        "held leases: {} of {HELD_KEYS} taken before the kill ({held_on_victim_slots} keys on the \
+         killed master's slots), {} still busy for a new caller after the failover",
+        held.len(),
         held_after
             .iter()
             .filter(|c| matches!(c, RedisClaim::Busy { .. }))
