@@ -314,3 +314,145 @@ async fn two_tier_works_under_the_amqp_consumer() {
     assert_exact(store.pool(), &expected).await;
     assert_eq!(depth(&channel, &queue).await, 0);
 }
+
+/// Sets `key` to `value` for a minute on the shared Redis, as a process of
+/// the earlier version (scope-tagged layout) left it.
+async fn set_raw(key: &str, value: &[u8]) {
+    let client = redis::Client::open(redis_url()).unwrap_or_else(|e| redis_unreachable(e));
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| redis_unreachable(e));
+    redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("PX")
+        .arg(60_000)
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_of_the_scope_tagged_layout_are_honoured_with_the_upgrade_fallback() {
+    let prefix = format!("{}:", unique("upgrade"));
+    let fp = Fingerprint([3; 32]);
+    // Left by the earlier version: a completed key (with a fingerprint) and
+    // a claim in progress.
+    set_raw(
+        &format!("{prefix}{{sms}}:done-1"),
+        format!("d\n{}\n\"sent\"", fp.to_hex()).as_bytes(),
+    )
+    .await;
+    set_raw(&format!("{prefix}{{sms}}:held-1"), b"c\nold-owner\n").await;
+    let plain = RedisStore::connect(&redis_url())
+        .await
+        .unwrap_or_else(|e| redis_unreachable(e))
+        .with_prefix(&prefix);
+    let upgrading = plain.clone().with_scope_tagged_fallback(true);
+
+    // With the fallback: done stays done, a conflict stays a conflict, a
+    // held claim stays busy, and a key unknown there is claimed as usual.
+    assert_eq!(
+        upgrading.claim("sms", "done-1", Some(&fp)).await.unwrap(),
+        RedisClaim::Done(b"\"sent\"".to_vec())
+    );
+    assert_eq!(
+        upgrading
+            .claim("sms", "done-1", Some(&Fingerprint([4; 32])))
+            .await
+            .unwrap(),
+        RedisClaim::Conflict
+    );
+    let busy = upgrading.claim("sms", "held-1", None).await.unwrap();
+    assert!(
+        matches!(busy, RedisClaim::Busy { retry_after } if retry_after > Duration::from_secs(50)),
+        "{busy:?}"
+    );
+    let RedisClaim::Claimed(lease) = upgrading.claim("sms", "new-1", None).await.unwrap() else {
+        panic!("a key unknown to both layouts is claimed")
+    };
+    assert_eq!(lease.redis_key(), format!("{prefix}sms:new-1"));
+    assert!(upgrading.complete(&lease, b"1").await.unwrap());
+    assert_eq!(
+        plain.claim("sms", "new-1", None).await.unwrap(),
+        RedisClaim::Done(b"1".to_vec()),
+        "new keys are written in the new layout only"
+    );
+
+    // Without it the earlier keys are invisible: the hazard the upgrade
+    // notes describe (the effect of done-1 would run again).
+    assert!(matches!(
+        plain.claim("sms", "done-1", Some(&fp)).await.unwrap(),
+        RedisClaim::Claimed(_)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_no_replica_acknowledged_is_an_error_and_is_released() {
+    // The shared Redis has no replica: WAIT 1 always times out.
+    let store = redis_store(Duration::from_secs(30))
+        .await
+        .with_replica_acks(1, Duration::from_millis(50));
+    let err = store.claim("sms", "u-1", None).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            onceonly::redis::RedisError::NotReplicated {
+                acked: 0,
+                wanted: 1
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.is_infrastructure());
+    // Released: the key is not blocked for the 30 s lease.
+    let without = store.clone().with_replica_acks(0, Duration::ZERO);
+    assert!(matches!(
+        without.claim("sms", "u-1", None).await.unwrap(),
+        RedisClaim::Claimed(_)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_tier_old_and_new_versions_side_by_side_stay_exactly_once() {
+    let url = pg_schema("rmixed").await;
+    let sql = onceonly_integration_tests::pg_store(&url, "onceonly_keys").await;
+    ledger::postgres::create_tables(sql.pool()).await.unwrap();
+    let prefix = format!("{}:", unique("mixed"));
+    let store = CachedStore::connect(sql.clone(), &redis_url())
+        .unwrap_or_else(|e| redis_unreachable(e))
+        .with_prefix(&prefix);
+    let engine = |s| {
+        Engine::builder(s)
+            .scope("payments")
+            .key_expr("json:/out_trade_no")
+            .build()
+            .unwrap()
+    };
+    // An old-version process committed M-1 and cached it under the
+    // scope-tagged key (emulated: SQL alone, then the key it wrote).
+    let old = engine(
+        CachedStore::connect(sql.clone(), &redis_url())
+            .unwrap()
+            .with_prefix(format!("{}:", unique("elsewhere"))),
+    );
+    let body = pay("M-1", 7).account("ann").body();
+    let first = old
+        .process(&ledger::postgres::Ledger, &Delivery::new(body.clone()))
+        .await;
+    assert_eq!(first.outcome.kind().as_str(), "processed");
+    set_raw(&format!("{prefix}{{payments}}:M-1"), b"d\n\n{}").await;
+    // The new version misses that key, asks SQL, and SQL says duplicate.
+    let new = engine(store.clone());
+    let dup = new
+        .process(&ledger::postgres::Ledger, &Delivery::new(body))
+        .await;
+    assert_eq!(dup.outcome.kind().as_str(), "duplicate");
+    assert_eq!((store.hits(), store.misses()), (0, 1));
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "charged once");
+}

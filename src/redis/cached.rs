@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use ::redis::AsyncCommands;
-use ::redis::aio::ConnectionManager;
 use async_trait::async_trait;
 
 use crate::store::admin::AdminStore;
 
+use super::conn::RedisConnection;
 use super::error::RedisError;
 use super::keys::KeyLayout;
 use crate::fingerprint::Fingerprint;
@@ -47,34 +47,52 @@ const OP_TIMEOUT: Duration = Duration::from_millis(500);
 /// - Redis down: every lookup falls through to SQL (logged, counted in
 ///   [`errors`](Self::errors)); exactly-once still holds, through SQL.
 ///
+/// On a Redis Cluster (`redis+cluster://`) keys spread over every master
+/// (`<prefix><scope>:<key>`, no hash tag). Upgrading from the earlier
+/// scope-tagged layout (`<prefix>{<scope>}:<key>`) needs nothing: the new
+/// keys start empty, so duplicates are answered by SQL until Redis learns
+/// them again, and the old keys expire with their records. Old and new
+/// versions can run side by side during a rolling upgrade: each misses the
+/// other's keys and asks SQL, which decides as always.
+///
 /// Its log lines name no key: they are emitted inside the delivery's
 /// `onceonly.delivery` span, whose `key` field shows it as the engine's
 /// [`KeyRedaction`](crate::KeyRedaction) says.
 #[derive(Clone)]
 pub struct CachedStore<S> {
     sql: S,
-    conn: ConnectionManager,
+    conn: RedisConnection,
     keys: KeyLayout,
     counters: Arc<Counters>,
 }
 
 impl<S: SqlStore> CachedStore<S> {
-    /// Puts Redis at `url` in front of `sql`. Connects lazily: a Redis that
-    /// is down at startup only means lookups go to SQL until it is up.
+    /// Puts Redis at `url` in front of `sql`: one server
+    /// (`redis://127.0.0.1:6379`) or a Redis Cluster
+    /// (`redis+cluster://10.0.0.1:7000,10.0.0.2:7000`; see
+    /// [`RedisConnection`]). Connects lazily: a Redis that is down at
+    /// startup only means lookups go to SQL until it is up.
     pub fn connect(sql: S, url: &str) -> Result<Self, RedisError> {
-        Ok(Self::new(sql, super::connect_lazy(url)?))
+        Ok(Self::new(
+            sql,
+            RedisConnection::builder().url(url).connect_lazy()?,
+        ))
     }
 
-    /// Uses an existing connection manager. Keys go under
+    /// Uses an existing connection: a [`RedisConnection`] (e.g. from
+    /// [`RedisConnection::builder`]`.cluster(nodes).connect_lazy()`), a
+    /// [`ConnectionManager`](::redis::aio::ConnectionManager) or a
+    /// [`ClusterConnection`](::redis::cluster_async::ClusterConnection).
+    /// Keys go under
     /// `onceonly:sql:<table>:`: stores of different tables sharing one
     /// Redis never answer for each other. Two databases with the same table
     /// name (staging and production) need different prefixes, and a Redis
     /// tier must be flushed when its database is restored from a backup.
-    pub fn new(sql: S, conn: ConnectionManager) -> Self {
+    pub fn new(sql: S, conn: impl Into<RedisConnection>) -> Self {
         let keys = KeyLayout::new(format!("onceonly:sql:{}:", sql.table()));
         Self {
             sql,
-            conn,
+            conn: conn.into(),
             keys,
             counters: Arc::default(),
         }
@@ -132,8 +150,18 @@ impl<S: SqlStore> CachedStore<S> {
         let mut conn = self.conn.clone();
         let get = conn.get::<_, Option<Vec<u8>>>(&redis_key);
         match tokio::time::timeout(OP_TIMEOUT, get).await {
-            Ok(value) => Ok(value?),
+            Ok(value) => value.map_err(|e| self.classify(e)),
             Err(_) => Err(timed_out()),
+        }
+    }
+
+    /// A cluster redirection on a single-server connection says so.
+    fn classify(&self, e: ::redis::RedisError) -> RedisError {
+        let e = RedisError::from(e);
+        if self.conn.is_cluster() {
+            e
+        } else {
+            e.on_single_server()
         }
     }
 }
@@ -254,7 +282,7 @@ impl<S: SqlStore> CacheTier for CachedStore<S> {
         cmd.arg(&redis_key).arg(value).arg("PX").arg(ttl_ms);
         let set = cmd.query_async::<()>(&mut conn);
         let written = match tokio::time::timeout(OP_TIMEOUT, set).await {
-            Ok(result) => result.map_err(RedisError::from),
+            Ok(result) => result.map_err(|e| self.classify(e)),
             Err(_) => Err(timed_out()),
         };
         if let Err(e) = written {
