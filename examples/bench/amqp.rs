@@ -21,7 +21,7 @@ use super::common::{
     Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, columns,
     drain_backlog, latencies, ledger_counts, payload, pool,
 };
-use super::scale_out::{self, ScaleRun, ScaleTable};
+use super::scale_out::{self, ScaleRun};
 use super::stats::Table;
 
 /// Unacked messages the broker sends ahead (both consumers).
@@ -96,22 +96,12 @@ pub async fn run(b: &mut Bench) -> Res<()> {
 /// Scale-out: 1, 2 and 4 onceonly consumer processes competing for one
 /// queue drain one backlog (no duplicates); see [`scale_out`](super::scale_out).
 async fn scale_out(b: &mut Bench) -> Res<()> {
-    let backlog = scale_out::backlog(b);
-    let mut table = ScaleTable::new(format!(
-        "AMQP → Postgres scale-out ({backlog} backlog msgs, one queue, competing consumers, prefetch {PREFETCH}, concurrency {CONCURRENCY} each)"
-    ));
-    for procs in scale_out::PROCESSES {
-        let mut runs = Vec::new();
-        let mut counts = String::new();
-        for r in 0..b.runs {
-            let (run, rows) = scale_run(b, procs, backlog, 3000 + r as u64).await?;
-            runs.push(run);
-            counts = rows;
-        }
-        table.row(procs, &runs, counts);
-    }
-    table.finish(b);
-    Ok(())
+    let title = |backlog| {
+        format!(
+            "AMQP → Postgres scale-out ({backlog} backlog msgs, one queue, competing consumers, prefetch {PREFETCH}, concurrency {CONCURRENCY} each)"
+        )
+    };
+    scale_out::measure(b, title, 3000, scale_run).await
 }
 
 /// One scale-out run; returns its measures and the ledger counts.

@@ -20,7 +20,7 @@ use super::common::{
     Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
     business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
-use super::scale_out::{self, ScaleRun, ScaleTable};
+use super::scale_out::{self, ScaleRun};
 use super::stats::Table;
 
 /// A `max_in_flight` larger than any backlog: the partition is never held
@@ -128,27 +128,17 @@ const SCALE_PARTITIONS: i32 = 12;
 /// together, drain one backlog from a 12-partition topic (batch 100, no
 /// duplicates); see [`scale_out`](super::scale_out).
 async fn scale_out(b: &mut Bench) -> Res<()> {
-    let backlog = scale_out::backlog(b);
     let broker = if b.services.kafka_mock.is_some() {
         "mock cluster"
     } else {
         "broker"
     };
-    let mut table = ScaleTable::new(format!(
-        "Kafka → Postgres scale-out ({backlog} backlog msgs, {SCALE_PARTITIONS} partitions, batch 100, one group, {broker})"
-    ));
-    for procs in scale_out::PROCESSES {
-        let mut runs = Vec::new();
-        let mut counts = String::new();
-        for r in 0..b.runs {
-            let (run, rows) = scale_run(b, procs, backlog, 2000 + r as u64).await?;
-            runs.push(run);
-            counts = rows;
-        }
-        table.row(procs, &runs, counts);
-    }
-    table.finish(b);
-    Ok(())
+    let title = |backlog| {
+        format!(
+            "Kafka → Postgres scale-out ({backlog} backlog msgs, {SCALE_PARTITIONS} partitions, batch 100, one group, {broker})"
+        )
+    };
+    scale_out::measure(b, title, 2000, scale_run).await
 }
 
 /// One scale-out run; returns its measures and the ledger counts.

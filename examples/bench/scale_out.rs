@@ -15,7 +15,7 @@ use super::meter::DbClient;
 use super::stats::{Table, median};
 
 /// Process counts of a scale-out table.
-pub const PROCESSES: [usize; 3] = [1, 2, 4];
+const PROCESSES: [usize; 3] = [1, 2, 4];
 
 /// One drain by `procs` processes.
 #[derive(Clone, Copy, Debug)]
@@ -82,13 +82,13 @@ pub async fn drain(
 
 /// A scale-out table: one row per process count, medians of the runs,
 /// with ratios to the single process.
-pub struct ScaleTable {
+struct ScaleTable {
     table: Table,
     single: Option<ScaleRun>,
 }
 
 impl ScaleTable {
-    pub fn new(title: String) -> Self {
+    fn new(title: String) -> Self {
         Self {
             table: Table::new(
                 title,
@@ -108,7 +108,7 @@ impl ScaleTable {
     }
 
     /// Adds the row of `procs` processes from its runs.
-    pub fn row(&mut self, procs: usize, runs: &[ScaleRun], counts: String) {
+    fn row(&mut self, procs: usize, runs: &[ScaleRun], counts: String) {
         let pick = |f: fn(&ScaleRun) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
         let m = ScaleRun {
             rate: pick(|r| r.rate),
@@ -133,19 +133,44 @@ impl ScaleTable {
         ]);
     }
 
-    pub fn finish(self, b: &mut Bench) {
+    fn finish(self, b: &mut Bench) {
         b.table(self.table);
     }
 }
 
 /// Messages a scale-out run drains: long enough that joins and rebalances
 /// do not dominate (a smoke run only checks that it works).
-pub fn backlog(b: &Bench) -> usize {
+fn backlog(b: &Bench) -> usize {
     if b.mode == super::common::Mode::Quick {
         b.sizes.backlog
     } else {
         b.sizes.backlog * 8
     }
+}
+
+/// Runs `run(bench, processes, backlog, seed)` `b.runs` times for every
+/// process count and prints the table titled `title(backlog)`; `run`
+/// returns its measures and the ledger counts.
+pub async fn measure(
+    b: &mut Bench,
+    title: impl FnOnce(usize) -> String,
+    seed: u64,
+    mut run: impl AsyncFnMut(&mut Bench, usize, usize, u64) -> Res<(ScaleRun, String)>,
+) -> Res<()> {
+    let backlog = backlog(b);
+    let mut table = ScaleTable::new(title(backlog));
+    for procs in PROCESSES {
+        let mut runs = Vec::new();
+        let mut counts = String::new();
+        for r in 0..b.runs {
+            let (measured, rows) = run(b, procs, backlog, seed + r as u64).await?;
+            runs.push(measured);
+            counts = rows;
+        }
+        table.row(procs, &runs, counts);
+    }
+    table.finish(b);
+    Ok(())
 }
 
 /// `(busy, total)` jiffies of all cores from `/proc/stat`.
