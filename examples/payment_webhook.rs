@@ -87,6 +87,11 @@ struct Args {
     /// Shared secret: enables HMAC signature checks on the callback route.
     #[arg(long, env = "WEBHOOK_SECRET")]
     secret: Option<String>,
+    /// Optimistic claims on `POST /orders`: the key looked up first, the
+    /// handler run, then the key claimed with the response before `COMMIT`
+    /// (`IdempotencyLayerBuilder::optimistic`).
+    #[arg(long, env = "OPTIMISTIC")]
+    optimistic: bool,
     /// Verify, key and answer callbacks as this payment provider does
     /// (instead of `--secret`).
     #[cfg(feature = "providers")]
@@ -150,8 +155,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let store = onceonly::PgStore::connect(&args.database_url).await?;
             webhook_app::postgres::migrate(&store).await?;
             let (notify, relay) = notify(&args, store.pool()).await?;
+            let optimistic = args.optimistic;
             let app =
-                webhook_app::postgres::router_notifying(store, args.secret.clone(), notify, |b| b)?;
+                webhook_app::postgres::router_notifying(store, args.secret.clone(), notify, |b| {
+                    b.optimistic(optimistic)
+                })?;
             (app, relay)
         }
         #[cfg(not(feature = "postgres"))]
@@ -160,7 +168,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let store = onceonly::SqliteStore::connect(&args.database_url).await?;
         webhook_app::sqlite::migrate(&store).await?;
         let (notify, relay) = notify(&args, onceonly::SqlStore::pool(&store)).await?;
-        let app = webhook_app::sqlite::router_notifying(store, args.secret.clone(), notify, |b| b)?;
+        let optimistic = args.optimistic;
+        let app = webhook_app::sqlite::router_notifying(store, args.secret.clone(), notify, |b| {
+            b.optimistic(optimistic)
+        })?;
         (app, relay)
     };
     serve(&args, app, relay).await

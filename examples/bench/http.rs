@@ -30,7 +30,7 @@ use super::stats::Table;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Server {
     BaselinePg,
-    OnceonlyPg,
+    OnceonlyPgOptimistic,
     OnceonlyPgStatements,
     OnceonlyRedis,
     BaselineSqlite,
@@ -41,7 +41,7 @@ impl Server {
     fn name(self) -> &'static str {
         match self {
             Self::BaselinePg => "baseline, Postgres (no dedup)",
-            Self::OnceonlyPg => "onceonly, Postgres (pipelined)",
+            Self::OnceonlyPgOptimistic => "onceonly, Postgres (optimistic)",
             Self::OnceonlyPgStatements => "onceonly, Postgres (default: a statement per step)",
             Self::OnceonlyRedis => "onceonly, Redis two-tier + Postgres",
             Self::BaselineSqlite => "baseline, SQLite (no dedup)",
@@ -61,7 +61,7 @@ impl Server {
 const SERVERS: [Server; 6] = [
     Server::BaselinePg,
     Server::OnceonlyPgStatements,
-    Server::OnceonlyPg,
+    Server::OnceonlyPgOptimistic,
     Server::OnceonlyRedis,
     Server::BaselineSqlite,
     Server::OnceonlySqlite,
@@ -365,18 +365,22 @@ pub async fn serve(
         Server::BaselinePg => Router::new()
             .route("/orders", post(baseline_pg))
             .with_state(pool(db_url, 10).await?),
-        Server::OnceonlyPg | Server::OnceonlyPgStatements => {
-            let pipelined = server == Server::OnceonlyPg;
-            let store = super::variant::pg_store(db_url, pipelined).await?;
+        Server::OnceonlyPgOptimistic | Server::OnceonlyPgStatements => {
+            let optimistic = server == Server::OnceonlyPgOptimistic || super::variant::optimistic();
+            let store = super::variant::pg_store(db_url, false).await?;
             store.migrate().await?;
-            let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+            let layer = IdempotencyLayer::idempotency_key(store, "orders")
+                .optimistic(optimistic)
+                .build()?;
             Router::new().route("/orders", post(onceonly_pg).layer(layer))
         }
         Server::OnceonlyRedis => {
             let sql = super::variant::pg_store(db_url, false).await?;
             sql.migrate().await?;
             let store = CachedStore::connect(sql, redis_url)?.with_prefix(redis_prefix);
-            let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+            let layer = IdempotencyLayer::idempotency_key(store, "orders")
+                .optimistic(super::variant::optimistic())
+                .build()?;
             Router::new().route("/orders", post(onceonly_pg).layer(layer))
         }
         Server::BaselineSqlite | Server::OnceonlySqlite => {
@@ -388,7 +392,9 @@ pub async fn serve(
                     .route("/orders", post(baseline_sqlite))
                     .with_state(store.pool().clone())
             } else {
-                let layer = IdempotencyLayer::idempotency_key(store, "orders").build()?;
+                let layer = IdempotencyLayer::idempotency_key(store, "orders")
+                    .optimistic(super::variant::optimistic())
+                    .build()?;
                 Router::new().route("/orders", post(onceonly_sqlite).layer(layer))
             }
         }

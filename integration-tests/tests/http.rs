@@ -274,6 +274,137 @@ macro_rules! http_suite {
                 assert_eq!(ok.status(), 201);
             }
 
+            /// Optimistic requests (`IdempotencyLayerBuilder::optimistic`):
+            /// a retry is replayed from the look-up without running the
+            /// handler, a reused key with another payload is 422, 50
+            /// concurrent copies of one key leave one order (the losers
+            /// roll back and replay, or get 409 while it is in flight), a
+            /// slow copy whose twin committed meanwhile replays the twin's
+            /// answer, and a 5xx stores nothing.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn optimistic_requests_replay_conflict_and_commit_once() {
+                let store = store().await;
+                let app = webhook_app::$app::router(store.clone(), None, |b| b.optimistic(true))
+                    .unwrap()
+                    .layer(middleware::from_fn(tenant));
+                let base = serve(app).await;
+                let c = Client::new();
+                let orders_before = count(&store, "orders").await;
+                let key = uuid::Uuid::new_v4().to_string();
+                let body = r#"{"account":"olga","amount":70}"#;
+                let first = post_order(&c, &base, Some(&key), body).await;
+                assert_eq!(first.status(), 201);
+                assert!(first.headers().get("idempotent-replayed").is_none());
+                let first_body = first.bytes().await.unwrap();
+                let again = post_order(&c, &base, Some(&key), body).await;
+                assert_eq!(again.status(), 201);
+                assert_eq!(again.headers()["idempotent-replayed"], "true");
+                assert_eq!(
+                    again.bytes().await.unwrap(),
+                    first_body,
+                    "byte-identical replay"
+                );
+                let reused =
+                    post_order(&c, &base, Some(&key), r#"{"account":"olga","amount":71}"#).await;
+                assert_eq!(reused.status(), 422);
+                assert!(is_problem(&reused));
+                assert_eq!(count(&store, "orders").await, orders_before + 1);
+
+                let key = uuid::Uuid::new_v4().to_string();
+                let sends = (0..50).map(|_| {
+                    let (c, base, key) = (c.clone(), base.clone(), key.clone());
+                    async move {
+                        let r =
+                            post_order(&c, &base, Some(&key), r#"{"account":"pia","amount":9}"#)
+                                .await;
+                        let replayed = r.headers().get("idempotent-replayed").is_some();
+                        (r.status().as_u16(), replayed, r.bytes().await.unwrap())
+                    }
+                });
+                let results = futures_util::future::join_all(sends).await;
+                let originals: Vec<_> = results.iter().filter(|r| r.0 == 201 && !r.1).collect();
+                assert_eq!(
+                    originals.len(),
+                    1,
+                    "exactly one request committed: {results:?}"
+                );
+                for (status, _, body) in &results {
+                    match status {
+                        201 => {
+                            assert_eq!(body, &originals[0].2, "replays carry the committed body")
+                        }
+                        409 => {}
+                        other => panic!("unexpected status {other}"),
+                    }
+                }
+                assert_eq!(
+                    count(&store, "orders").await,
+                    orders_before + 2,
+                    "one order per key"
+                );
+
+                // A slow request and its retry 200 ms later: both run, the
+                // first commits, the retry rolls back and replays it.
+                sqlx::query("CREATE TABLE IF NOT EXISTS slow_opt (n INTEGER NOT NULL)")
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+                let ran = Arc::new(AtomicUsize::new(0));
+                let r2 = Arc::clone(&ran);
+                let slow = move |tx: Tx<$db>| {
+                    let ran = Arc::clone(&r2);
+                    async move {
+                        let n = ran.fetch_add(1, Ordering::SeqCst);
+                        let mut tx = tx.lock().await.unwrap();
+                        sqlx::query("INSERT INTO slow_opt (n) VALUES (1)")
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                        if n > 0 {
+                            return (StatusCode::BAD_GATEWAY, "second copy").into_response();
+                        }
+                        (StatusCode::CREATED, "made").into_response()
+                    }
+                };
+                let layer = IdempotencyLayer::idempotency_key(store.clone(), "slow-opt")
+                    .optimistic(true)
+                    .in_flight(InFlight::WaitThenReplay {
+                        bound: Duration::from_secs(5),
+                    })
+                    .build()
+                    .unwrap();
+                let slow_base = serve(Router::new().route("/slow", post(slow).layer(layer))).await;
+                let send = || {
+                    c.post(format!("{slow_base}/slow"))
+                        .header("Idempotency-Key", "same")
+                        .body("{}")
+                        .send()
+                };
+                let first = tokio::spawn(send());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let second = send().await.unwrap();
+                let first = first.await.unwrap().unwrap();
+                assert_eq!(first.status(), 201);
+                assert_eq!(
+                    second.status(),
+                    201,
+                    "the copy that failed after its twin committed gets the twin's answer"
+                );
+                assert_eq!(second.headers()["idempotent-replayed"], "true");
+                assert_eq!(second.text().await.unwrap(), "made");
+                // Both ran unless the machine held the retry back until the
+                // first had committed (then its look-up answered it).
+                assert!(ran.load(Ordering::SeqCst) >= 1);
+                assert_eq!(
+                    count(&store, "slow_opt").await,
+                    1,
+                    "the copy's write rolled back"
+                );
+                let r = send().await.unwrap();
+                assert_eq!(r.headers()["idempotent-replayed"], "true");
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn tenants_never_see_each_others_responses() {
                 let store = store().await;

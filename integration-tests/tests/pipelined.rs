@@ -10,7 +10,8 @@
 //!   it rolls back and its connection goes back to the pool idle; a failed
 //!   finish (the claim's row gone, a deferred constraint at `COMMIT`)
 //!   commits nothing and leaves the connection idle; a connection killed
-//!   under an open claim is never handed out again.
+//!   under an open claim is never handed out again;
+//! - optimistic batches write each key once, its result in the insert.
 
 use std::time::{Duration, Instant};
 
@@ -511,6 +512,77 @@ async fn pipelined_statements_use_the_primary_key() {
         after.0 - before.0
     );
     drop_tables(&observer, &table).await;
+}
+
+/// An optimistic batch writes each new key once, its result in the claim's
+/// insert; a claim-first batch inserts the keys, then updates every row
+/// with its result (each update a new row version, indexes written again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optimistic_batches_insert_each_key_with_its_result_and_update_nothing() {
+    let observer = pool(&unique("observer"), 1).await;
+    for optimistic in [true, false] {
+        let app = unique("opt_batch");
+        let db = pool(&app, 2).await;
+        let table = unique("opt_batch");
+        let store = store(&db, &table, false).await;
+        let engine = onceonly::Engine::builder(store)
+            .scope("s")
+            .key_expr("json:/k")
+            .optimistic(optimistic)
+            .build()
+            .expect("engine");
+        let handler = onceonly::handler_fn(
+            |_tx: onceonly::Tx<Postgres>, d: onceonly::Delivery| async move { Ok(d.payload().len()) },
+        );
+        let batch: Vec<onceonly::Delivery> = (0..200)
+            .map(|i| onceonly::Delivery::new(format!(r#"{{"k":"b-{i}"}}"#).into_bytes()))
+            .collect();
+        let reports = engine.process_batch(&handler, &batch).await;
+        assert!(
+            reports
+                .iter()
+                .all(|r| matches!(r.outcome, onceonly::Outcome::Processed { .. })),
+            "optimistic {optimistic}: {:?}",
+            reports.iter().map(|r| r.outcome.kind()).collect::<Vec<_>>()
+        );
+        let again = engine.process_batch(&handler, &batch[..10]).await;
+        assert!(
+            again
+                .iter()
+                .all(|r| matches!(r.outcome, onceonly::Outcome::Duplicate { result: Some(_) })),
+            "optimistic {optimistic}: redeliveries are duplicates with their results"
+        );
+        // A backend's statistics reach the server's views when it exits.
+        db.close().await;
+        let (inserted, updated) = writes(&observer, &table, 200).await;
+        assert_eq!(inserted, 200, "optimistic {optimistic}: one insert per key");
+        let expected = if optimistic { 0 } else { 200 };
+        assert_eq!(
+            updated, expected,
+            "optimistic {optimistic}: {updated} result updates for 200 keys"
+        );
+        drop_tables(&observer, &table).await;
+    }
+}
+
+/// `(n_tup_ins, n_tup_upd)` of `table` once `n_tup_ins` reached `inserts`,
+/// or after 15 s.
+async fn writes(observer: &PgPool, table: &str, inserts: i64) -> (i64, i64) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let row = sqlx::query(
+            "SELECT n_tup_ins AS ins, n_tup_upd AS upd FROM pg_stat_user_tables WHERE relname = $1",
+        )
+        .bind(table)
+        .fetch_one(observer)
+        .await
+        .expect("pg_stat_user_tables");
+        let (ins, upd): (i64, i64) = (row.get("ins"), row.get("upd"));
+        if ins >= inserts || Instant::now() > deadline {
+            return (ins, upd);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `(seq_scan, idx_scan)` of `table` once `ready(idx_scan, n_tup_ins)`

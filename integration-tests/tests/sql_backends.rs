@@ -839,10 +839,18 @@ macro_rules! backend_suite {
                 ctx.drop_tables().await;
             }
 
+            /// Claimed first, and [optimistic](onceonly::EngineBuilder::optimistic)
+            /// (looked up, then claimed with the results): the same outcomes.
             #[tokio::test]
             async fn batches_commit_once_and_a_poison_message_neither_blocks_nor_doubles() {
+                for optimistic in [false, true] {
+                    batch_outcomes(optimistic).await;
+                }
+            }
+
+            async fn batch_outcomes(optimistic: bool) {
                 let ctx = ctx().await;
-                let engine = ctx.engine().build().unwrap();
+                let engine = ctx.engine().optimistic(optimistic).build().unwrap();
                 let probe = Probe { poison: Some("P-poison"), ..Probe::default() };
                 let handler = ctx.handler(&probe);
                 engine.process(&handler, &Delivery::new(pay("P-done", 1))).await;
@@ -863,7 +871,8 @@ macro_rules! backend_suite {
                 let kinds: Vec<&str> = reports.iter().map(|r| r.outcome.kind().as_str()).collect();
                 assert_eq!(
                     kinds,
-                    ["processed", "processed", "duplicate", "rejected", "duplicate", "conflict", "conflict"]
+                    ["processed", "processed", "duplicate", "rejected", "duplicate", "conflict", "conflict"],
+                    "optimistic: {optimistic}"
                 );
                 assert!(
                     matches!(&reports[2].outcome, Outcome::Duplicate { result: Some((k, 1)) } if k == "P-a"),
@@ -878,7 +887,7 @@ macro_rules! backend_suite {
                     [pay("P-1", 1), pay("P-poison", 1), pay("P-2", 1)].into_iter().map(Delivery::new).collect();
                 let reports = engine.process_batch(&handler, &batch).await;
                 let kinds: Vec<&str> = reports.iter().map(|r| r.outcome.kind().as_str()).collect();
-                assert_eq!(kinds, ["processed", "failed", "processed"]);
+                assert_eq!(kinds, ["processed", "failed", "processed"], "optimistic: {optimistic}");
                 assert_eq!(ctx.rows().await, 6, "P-1 and P-2 once each, nothing of the poison");
                 assert_eq!(ctx.store.get("payments", "P-poison").await.unwrap(), None);
                 let again = engine.process_batch(&handler, &batch[..1]).await;
@@ -890,8 +899,14 @@ macro_rules! backend_suite {
             /// with the stored record, B is its duplicate.
             #[tokio::test]
             async fn in_batch_repeats_meet_the_record_their_key_ends_up_with() {
+                for optimistic in [false, true] {
+                    in_batch_repeats(optimistic).await;
+                }
+            }
+
+            async fn in_batch_repeats(optimistic: bool) {
                 let ctx = ctx().await;
-                let engine = ctx.engine().build().unwrap();
+                let engine = ctx.engine().optimistic(optimistic).build().unwrap();
                 let probe = Probe::default();
                 let handler = ctx.handler(&probe);
                 let first = engine
@@ -917,6 +932,60 @@ macro_rules! backend_suite {
                 assert!(matches!(reports[1].outcome, Outcome::Conflict { .. }));
                 assert_eq!(ctx.rows().await, 2, "one charge per key");
                 assert_eq!(probe.runs.load(Ordering::SeqCst), 2);
+                ctx.drop_tables().await;
+            }
+
+            /// Optimistic batches: an expired key is claimed again with its
+            /// result; two concurrent batches that share keys apply each key
+            /// once (the later batch's claim finds the keys the earlier one
+            /// committed, rolls back, and its deliveries go one by one).
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn optimistic_batches_reclaim_expired_keys_and_yield_to_concurrent_commits() {
+                let ctx = ctx().await;
+                let clock = ManualClock::starting_now();
+                let engine = ctx
+                    .engine()
+                    .optimistic(true)
+                    .retention(Duration::from_secs(3600))
+                    .clock(clock.clone())
+                    .build()
+                    .unwrap();
+                let probe = Probe { delay_ms: 20, ..Probe::default() };
+                let handler = ctx.handler(&probe);
+                let old = engine.process_batch(&handler, &[Delivery::new(pay("X-old", 1))]).await;
+                assert!(matches!(old[0].outcome, Outcome::Processed { .. }), "{:?}", old[0].outcome);
+                clock.advance_ms(3_601_000);
+                let again = engine
+                    .process_batch(&handler, &[Delivery::new(pay("X-old", 1)), Delivery::new(pay("X-new", 1))])
+                    .await;
+                let kinds: Vec<&str> = again.iter().map(|r| r.outcome.kind().as_str()).collect();
+                assert_eq!(kinds, ["processed", "processed"], "an expired key is new work");
+                let record = ctx.store.get("payments", "X-old").await.unwrap().unwrap();
+                assert_eq!(record.created_at_ms, clock.now_ms(), "reclaimed at the batch's time");
+                assert!(record.result.is_some(), "the reclaimed key carries its result");
+                assert_eq!(ctx.rows().await, 3);
+
+                // Keys 0..10 and 5..15, in two batches at once.
+                let batch = |from: usize, to: usize| -> Vec<Delivery> {
+                    (from..to).map(|i| Delivery::new(pay(&format!("C-{i:02}"), 7))).collect()
+                };
+                let (a, b) = (batch(0, 10), batch(5, 15));
+                let (ra, rb) = tokio::join!(engine.process_batch(&handler, &a), engine.process_batch(&handler, &b));
+                let mut tally = Tally::default();
+                for report in ra.iter().chain(&rb) {
+                    tally.add(&report.outcome);
+                }
+                assert_eq!(
+                    tally,
+                    Tally { processed: 15, duplicate: 5, ..Tally::default() },
+                    "each shared key processed by one batch, a duplicate in the other"
+                );
+                assert_eq!(ctx.rows().await, 3 + 15, "one charge per key");
+                assert_eq!(
+                    ctx.scalar(&ctx.sql.distinct).await,
+                    2 + 15,
+                    "no key charged twice"
+                );
                 ctx.drop_tables().await;
             }
 

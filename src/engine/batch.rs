@@ -180,11 +180,19 @@ impl<S: SqlStore> Engine<S> {
                     lock_wait: None,
                 })
                 .collect();
-            match inner
-                .store
-                .claim_batch(&mut tx, &inner.scope, times, &reqs)
-                .await
-            {
+            // Optimistic: only looked up now, claimed with the results.
+            let claims = if inner.optimistic {
+                inner
+                    .store
+                    .lookup_batch(&mut tx, &inner.scope, times, &reqs)
+                    .await
+            } else {
+                inner
+                    .store
+                    .claim_batch(&mut tx, &inner.scope, times, &reqs)
+                    .await
+            };
+            match claims {
                 Ok(claims) => {
                     inner.telemetry.claim_time(began.elapsed());
                     claims
@@ -266,22 +274,38 @@ impl<S: SqlStore> Engine<S> {
         // A handler that kept the transaction: it rolls back when let go.
         let mut tx = tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await?;
         // Every new key's result in one statement where the backend can.
-        let results: Vec<(&str, &[u8])> = ready
+        // Borrows of the items' fields, not of the items: inputs need not
+        // be `Sync`.
+        let processed: Vec<(ClaimRequest<'_>, &[u8])> = ready
             .iter()
             .zip(&stored)
             .zip(&outcomes)
             .filter_map(|((item, bytes), outcome)| match (bytes, outcome) {
-                (Some(bytes), Outcome::Processed { .. }) => {
-                    Some((item.key.as_str(), bytes.as_slice()))
-                }
+                (Some(bytes), Outcome::Processed { .. }) => Some((
+                    ClaimRequest {
+                        key: item.key.as_str(),
+                        fingerprint: item.fingerprint.as_ref(),
+                        source: item.delivery.source(),
+                        lock_wait: None,
+                    },
+                    bytes.as_slice(),
+                )),
                 _ => None,
             })
             .collect();
-        if let Err(e) = inner
-            .store
-            .complete_many(&mut tx, &inner.scope, &results)
-            .await
-        {
+        let recorded = if inner.optimistic {
+            self.claim_processed(&mut tx, times, &processed).await
+        } else {
+            let results: Vec<(&str, &[u8])> = processed
+                .iter()
+                .map(|(req, bytes)| (req.key, *bytes))
+                .collect();
+            inner
+                .store
+                .complete_many(&mut tx, &inner.scope, &results)
+                .await
+        };
+        if let Err(e) = recorded {
             tracing::debug!(error = %e, "recording a batch's results failed, processing one by one");
             self.rollback(tx).await;
             return None;
@@ -314,5 +338,29 @@ impl<S: SqlStore> Engine<S> {
             .await;
         }
         Some(outcomes)
+    }
+
+    /// An optimistic batch's claim, after its handlers ran: every processed
+    /// key with its result ([`SqlStore::claim_completed_batch`]). A key
+    /// committed meanwhile by another transaction is an error here: the
+    /// batch rolls back, and one by one that delivery is a duplicate.
+    async fn claim_processed(
+        &self,
+        tx: &mut ClaimTx<S::Db>,
+        times: ClaimTimes,
+        processed: &[(ClaimRequest<'_>, &[u8])],
+    ) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let reqs: Vec<ClaimRequest<'_>> = processed.iter().map(|(req, _)| *req).collect();
+        let results: Vec<&[u8]> = processed.iter().map(|(_, bytes)| *bytes).collect();
+        let claims = inner
+            .store
+            .claim_completed_batch(tx, &inner.scope, times, &reqs, &results)
+            .await?;
+        if claims.iter().all(|c| *c == Claim::Claimed) {
+            Ok(())
+        } else {
+            Err(StoreError::Contention)
+        }
     }
 }

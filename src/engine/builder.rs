@@ -174,8 +174,19 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// second one's writes are rolled back). A handler that fails is
     /// checked against the dedup table before the failure counts: a key
     /// committed meanwhile (a concurrent copy's writes made the handler's
-    /// own insert fail) is a duplicate. [`Engine::process_batch`] and the
-    /// HTTP layer claim first whatever this says.
+    /// own insert fail) is a duplicate.
+    ///
+    /// Batches ([`Engine::process_batch`], the Kafka consumer's
+    /// `batch_size`) look their keys up in one statement first, so keys
+    /// committed already are answered without their handlers, run the
+    /// handlers of the others, and claim them all with their results in
+    /// one insert before `COMMIT`; a key committed meanwhile by another
+    /// transaction rolls the batch back, and its deliveries go one by one.
+    /// [Sessions](Engine::claim_with) of an optimistic engine claim their
+    /// key in [`Session::finish`](crate::engine::Session::finish); the
+    /// HTTP layer has its own switch
+    /// (`IdempotencyLayerBuilder::optimistic`), which also looks each key
+    /// up before the handler.
     #[must_use]
     pub fn optimistic(mut self, optimistic: bool) -> Self {
         self.optimistic = optimistic;

@@ -11,7 +11,6 @@ mod builder;
 mod crash;
 mod decision;
 mod handler;
-mod optimistic;
 mod outcome;
 mod retry;
 pub(crate) mod session;
@@ -41,7 +40,7 @@ pub use handler::{
 };
 pub use outcome::{Failure, Outcome, OutcomeKind, Rejection, Report};
 pub use retry::RetryPolicy;
-pub use session::{ClaimError, ClaimSpec, Claimed, Session};
+pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
 pub use tx::{Origin, Tx, TxGone, TxGuard};
 
 /// Claims keys and runs handlers exactly once per key, over a [`SqlStore`].
@@ -335,11 +334,6 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
-        if self.inner.optimistic && !delivery.is_suspect() {
-            return self
-                .attempt_optimistic(handler, delivery, key, fingerprint, input)
-                .await;
-        }
         let spec = ClaimSpec::new(key)
             .fingerprint(fingerprint.copied())
             .source(delivery.source())
@@ -365,13 +359,16 @@ impl<S: SqlStore> Engine<S> {
             .await
         {
             Ok((output, bytes)) => match session.finish(&bytes).await {
-                Ok(()) => Outcome::Processed { result: output },
+                Ok(end) => finished(end, Some(output)),
                 Err(failure) => Outcome::Failed(failure),
             },
-            Err(failure) => {
-                session.abandon().await;
-                Outcome::Failed(failure)
-            }
+            // An optimistic session's key committed meanwhile by a
+            // concurrent copy (whose writes may be what failed this
+            // handler): a duplicate, not a failure to retry.
+            Err(failure) => match session.abandon_failed().await {
+                Some(taken) => finished(taken, None),
+                None => Outcome::Failed(failure),
+            },
         }
     }
 
@@ -401,6 +398,21 @@ impl<S: SqlStore> Engine<S> {
             .map_err(Failure::Handler)?;
         let bytes = serde_json::to_vec(&output).map_err(Failure::Encode)?;
         Ok((output, bytes))
+    }
+}
+
+/// The outcome of a session's end: `output` is the handler's, if it
+/// returned one.
+fn finished<T: serde::de::DeserializeOwned>(end: Finished, output: Option<T>) -> Outcome<T> {
+    match (end, output) {
+        (Finished::Committed, Some(result)) => Outcome::Processed { result },
+        (Finished::Committed, None) => Outcome::Failed(Failure::Store(StoreError::Corrupt(
+            "a failed session committed".into(),
+        ))),
+        (Finished::Duplicate { result }, _) => Outcome::Duplicate {
+            result: result.and_then(|bytes| decode_stored(&bytes)),
+        },
+        (Finished::Conflict { stored, received }, _) => Outcome::Conflict { stored, received },
     }
 }
 

@@ -13,7 +13,8 @@ use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdemKey, KeyError};
 use crate::store::{
-    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError, is_write_fault,
+    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError, classify_existing,
+    is_write_fault,
 };
 
 /// What to claim, for [`Engine::claim_with`]: a key, and optionally another
@@ -28,6 +29,7 @@ pub struct ClaimSpec<'a> {
     lock_wait: Option<Duration>,
     traceparent: Option<&'a str>,
     suspect: bool,
+    look_up_first: bool,
 }
 
 impl<'a> ClaimSpec<'a> {
@@ -41,7 +43,21 @@ impl<'a> ClaimSpec<'a> {
             lock_wait: None,
             traceparent: None,
             suspect: false,
+            look_up_first: false,
         }
+    }
+
+    /// On an [optimistic](crate::EngineBuilder::optimistic) engine, reads
+    /// the key's committed record before the handler runs (one statement on
+    /// the pool, no transaction), so that a committed duplicate or conflict
+    /// is answered without running the handler; worth it where duplicates
+    /// are common and indistinguishable from new work (HTTP retries). The
+    /// cache tier, if any, is asked first either way. Claim-first engines
+    /// ignore it: their claim finds committed keys at once.
+    #[must_use]
+    pub fn look_up_first(mut self, look_up: bool) -> Self {
+        self.look_up_first = look_up;
+        self
     }
 
     /// Claims a *suspect*: a delivery that may be a redelivery of a message
@@ -104,7 +120,10 @@ impl<'a> ClaimSpec<'a> {
 pub enum Claimed<S: SqlStore> {
     /// The key is new (or its record had expired): work in
     /// [`Session::tx`], then [`finish`](Session::finish) or
-    /// [`abandon`](Session::abandon).
+    /// [`abandon`](Session::abandon). On an
+    /// [optimistic](crate::EngineBuilder::optimistic) engine the key is not
+    /// claimed yet: [`finish`](Session::finish) claims it with the result,
+    /// and may find it taken meanwhile.
     New(Session<S>),
     /// The key was already committed with the same payload (or without
     /// fingerprints): nothing to do.
@@ -187,8 +206,53 @@ pub struct Session<S: SqlStore> {
     times: ClaimTimes,
     /// The counted start of a suspect's handler.
     counted: Option<Counted<S>>,
+    /// An optimistic session's claim, made by [`finish`](Session::finish)
+    /// with the result; `None` once claimed (claim-first sessions).
+    pending: Option<Pending>,
     /// Held until the session ends: exclusive for a suspect.
     _gate: Gate,
+}
+
+/// What an optimistic session claims with its result, besides the key.
+struct Pending {
+    source: Option<String>,
+    lock_wait: Option<Duration>,
+}
+
+/// How a [`Session`] ended when its result was recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Finished {
+    /// The key, its result and the work done in the session committed.
+    Committed,
+    /// An [optimistic](crate::EngineBuilder::optimistic) session's key was
+    /// committed meanwhile by another transaction with the same payload:
+    /// the session's work was rolled back; this is a duplicate.
+    Duplicate {
+        /// The stored result, `None` if none was recorded.
+        result: Option<Vec<u8>>,
+    },
+    /// An optimistic session's key was committed meanwhile with another
+    /// payload: the session's work was rolled back.
+    Conflict {
+        /// The fingerprint stored with the key.
+        stored: Option<Fingerprint>,
+        /// The fingerprint of this delivery.
+        received: Option<Fingerprint>,
+    },
+}
+
+impl Finished {
+    /// A claim that found the key taken, as a session's end.
+    fn taken(claim: Claim, received: Option<Fingerprint>) -> Result<Self, StoreError> {
+        match claim {
+            Claim::Duplicate { result } => Ok(Self::Duplicate { result }),
+            Claim::Conflict { stored } => Ok(Self::Conflict { stored, received }),
+            other => Err(StoreError::Corrupt(format!(
+                "unexpected claim {other:?} of a finished session"
+            ))),
+        }
+    }
 }
 
 /// A key claimed in a new transaction, or what the claim found instead.
@@ -247,13 +311,16 @@ impl<S: SqlStore> Engine<S> {
             tracing::debug!("answered from the cache tier");
             return Claimed::settled(hit, spec.fingerprint);
         }
+        if inner.optimistic && !spec.suspect {
+            return self.open_optimistic(scope, &spec, &req).await;
+        }
         let gate = self.shared_gate().await;
         let (tx, times) = match self.open_claim(scope, &req).await? {
             Ok(claimed) => claimed,
             Err(claim) => return Claimed::settled(claim, spec.fingerprint),
         };
         if !spec.suspect {
-            return Ok(self.session(tx, scope, &spec, times, None, gate));
+            return Ok(self.session(tx, scope, &spec, times, None, None, gate));
         }
         // A suspect with a new key: count its start alone, with no claim
         // open (see the `crash` module), then claim again.
@@ -266,7 +333,9 @@ impl<S: SqlStore> Engine<S> {
             Start::Crashed(crashes) => return Ok(Claimed::Crashed { crashes }),
         };
         match self.open_claim(scope, &req).await {
-            Ok(Ok((tx, times))) => Ok(self.session(tx, scope, &spec, times, Some(counted), gate)),
+            Ok(Ok((tx, times))) => {
+                Ok(self.session(tx, scope, &spec, times, Some(counted), None, gate))
+            }
             // Taken meanwhile: this start never ran.
             Ok(Err(claim)) => {
                 counted.undo().await;
@@ -277,6 +346,58 @@ impl<S: SqlStore> Engine<S> {
                 Err(e)
             }
         }
+    }
+
+    /// An optimistic session: the key looked up if `spec` asks, then a
+    /// plain transaction; the claim comes with the result.
+    async fn open_optimistic(
+        &self,
+        scope: &str,
+        spec: &ClaimSpec<'_>,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Claimed<S>, StoreError> {
+        let inner = &*self.inner;
+        if spec.look_up_first {
+            let record = inner.store.get(scope, spec.key).await?;
+            if let Some(record) = record.filter(|r| r.expires_at_ms > inner.clock.now_ms()) {
+                let found = classify_existing(record.fingerprint, record.result, req);
+                return Claimed::settled(found, spec.fingerprint);
+            }
+        }
+        let gate = self.shared_gate().await;
+        let began = Instant::now();
+        let tx = ClaimTx::new(inner.store.begin().await?, began);
+        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
+        let pending = Pending {
+            source: spec.source.map(str::to_owned),
+            lock_wait: spec.lock_wait,
+        };
+        Ok(self.session(tx, scope, spec, times, None, Some(pending), gate))
+    }
+
+    /// What the store holds for `key` in `scope` now, for an optimistic
+    /// session whose handler failed: a duplicate or conflict if a
+    /// concurrent copy committed the key meanwhile (its row may be what
+    /// failed this handler), `None` otherwise (or if unreadable now).
+    async fn committed_meanwhile(
+        &self,
+        scope: &str,
+        key: &str,
+        fingerprint: Option<Fingerprint>,
+    ) -> Option<Finished> {
+        let inner = &*self.inner;
+        let record = inner.store.get(scope, key).await.ok()??;
+        if record.expires_at_ms <= inner.clock.now_ms() {
+            return None;
+        }
+        let req = ClaimRequest {
+            key,
+            fingerprint: fingerprint.as_ref(),
+            source: None,
+            lock_wait: None,
+        };
+        let found = classify_existing(record.fingerprint, record.result, &req);
+        Finished::taken(found, fingerprint).ok()
     }
 
     /// Claims `req` in a new transaction (see [`SqlStore::open_claim`]):
@@ -302,6 +423,7 @@ impl<S: SqlStore> Engine<S> {
         spec: &ClaimSpec<'_>,
         times: ClaimTimes,
         counted: Option<Counted<S>>,
+        pending: Option<Pending>,
         gate: Gate,
     ) -> Claimed<S> {
         let deadline = self.inner.store.deadlines().transaction_deadline();
@@ -313,6 +435,7 @@ impl<S: SqlStore> Engine<S> {
             fingerprint: spec.fingerprint,
             times,
             counted,
+            pending,
             _gate: gate,
         })
     }
@@ -364,37 +487,51 @@ impl<S: SqlStore> Session<S> {
     /// written through [`tx`](Session::tx), and tells the cache tier. A
     /// failed commit is ambiguous (it may have reached the database):
     /// report it as a failure, and a redelivery's claim tells whether it
-    /// had committed.
-    pub async fn finish(mut self, result: &[u8]) -> Result<(), Failure> {
+    /// had committed. An [optimistic](crate::EngineBuilder::optimistic)
+    /// session claims the key here, with the result, and may find it
+    /// committed meanwhile by another transaction: then everything written
+    /// through [`tx`](Session::tx) is rolled back and the answer is
+    /// [`Finished::Duplicate`] or [`Finished::Conflict`]. A claim-first
+    /// session always ends [`Finished::Committed`] or fails.
+    pub async fn finish(mut self, result: &[u8]) -> Result<Finished, Failure> {
         let counted = self.counted.take();
         let finished = self.commit_result(result, counted.is_some()).await;
         if let Some(counted) = counted {
             match finished {
-                Ok(()) => counted.finished(),
+                Ok(Finished::Committed) => counted.finished(),
                 // The handler returned: not a crash.
-                Err(_) => counted.undo().await,
+                _ => counted.undo().await,
             }
         }
         finished
     }
 
-    /// Records the result, deletes a suspect's attempts counter, commits
-    /// ([`SqlStore::finish_claim`]).
-    async fn commit_result(&self, result: &[u8], counted: bool) -> Result<(), Failure> {
+    /// Records the result (an optimistic session: claims the key with
+    /// it), deletes a suspect's attempts counter, commits.
+    async fn commit_result(&self, result: &[u8], counted: bool) -> Result<Finished, Failure> {
         let engine = &self.engine;
         let Some(tx) = self.tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await else {
             return Err(Failure::TxHeld);
         };
         let origin = self.tx.origin();
         let (scope, key) = (origin.scope(), origin.key());
-        let started = Instant::now();
-        let finished = engine
-            .inner
-            .store
-            .finish_claim(tx, scope, key, result, counted)
-            .await;
-        engine.inner.telemetry.commit_time(started.elapsed());
-        finished.map_err(ending_failure)?;
+        match &self.pending {
+            None => {
+                let started = Instant::now();
+                let finished = engine
+                    .inner
+                    .store
+                    .finish_claim(tx, scope, key, result, counted)
+                    .await;
+                engine.inner.telemetry.commit_time(started.elapsed());
+                finished.map_err(ending_failure)?;
+            }
+            Some(pending) => {
+                if let Some(taken) = self.claim_completed(tx, pending, result).await? {
+                    return Ok(taken);
+                }
+            }
+        }
         engine
             .tell_tier(&Completed {
                 scope,
@@ -405,7 +542,47 @@ impl<S: SqlStore> Session<S> {
                 expires_at_ms: self.times.expires_at_ms,
             })
             .await;
-        Ok(())
+        Ok(Finished::Committed)
+    }
+
+    /// An optimistic session's claim with its result, then `COMMIT`:
+    /// `None` when committed, what the claim found when the key was taken
+    /// meanwhile (rolled back).
+    async fn claim_completed(
+        &self,
+        mut tx: ClaimTx<S::Db>,
+        pending: &Pending,
+        result: &[u8],
+    ) -> Result<Option<Finished>, Failure> {
+        let engine = &self.engine;
+        let origin = self.tx.origin();
+        let req = ClaimRequest {
+            key: origin.key(),
+            fingerprint: self.fingerprint.as_ref(),
+            source: pending.source.as_deref(),
+            lock_wait: pending.lock_wait,
+        };
+        let started = Instant::now();
+        let claim = engine
+            .inner
+            .store
+            .claim_completed(&mut tx, origin.scope(), self.times, &req, result)
+            .await;
+        engine.inner.telemetry.claim_time(started.elapsed());
+        match claim {
+            Ok(Claim::Claimed) => {}
+            Ok(found) => {
+                engine.rollback(tx).await;
+                let taken = Finished::taken(found, self.fingerprint).map_err(Failure::Store)?;
+                return Ok(Some(taken));
+            }
+            Err(e) => {
+                engine.rollback(tx).await;
+                return Err(ending_failure(e));
+            }
+        }
+        engine.commit(tx).await.map_err(ending_failure)?;
+        Ok(None)
     }
 
     /// Rolls the claim and everything written through
@@ -417,6 +594,27 @@ impl<S: SqlStore> Session<S> {
         if let Some(counted) = self.counted.take() {
             counted.undo().await;
         }
+    }
+
+    /// [`abandon`](Session::abandon)s a session whose work failed, then,
+    /// for an [optimistic](crate::EngineBuilder::optimistic) session,
+    /// reads whether a concurrent copy committed the key meanwhile (its
+    /// row may be what failed this one's writes): `Some` duplicate or
+    /// conflict if so, to be answered as such instead of the failure.
+    /// Claim-first sessions held the key: always `None`.
+    pub async fn abandon_failed(self) -> Option<Finished> {
+        let check = self.pending.is_some().then(|| {
+            let origin = self.tx.origin();
+            (
+                origin.scope().to_owned(),
+                origin.key().to_owned(),
+                self.fingerprint,
+            )
+        });
+        let engine = self.engine.clone();
+        self.abandon().await;
+        let (scope, key, fingerprint) = check?;
+        engine.committed_meanwhile(&scope, &key, fingerprint).await
     }
 }
 

@@ -22,7 +22,7 @@ use super::request::{bind_to_request, delivery_of, repeated_key, scope_for};
 use super::stored::{StoredResponse, read_up_to};
 use super::verify::verify;
 use crate::engine::session::traceparent_of;
-use crate::engine::{ClaimSpec, Claimed, Failure, OutcomeKind, Session};
+use crate::engine::{ClaimSpec, Claimed, Failure, Finished, OutcomeKind, Session};
 use crate::key::{KeyError, KeySpec};
 use crate::store::SqlStore;
 
@@ -268,7 +268,8 @@ where
         .fingerprint(fingerprint)
         .source(Some(&source))
         .traceparent(traceparent_of(&delivery))
-        .lock_wait(wait);
+        .lock_wait(wait)
+        .look_up_first(true);
     let session = match cfg.engine.claim_with(spec).await {
         Ok(Claimed::New(session)) => session,
         Ok(Claimed::Duplicate { result }) => {
@@ -329,7 +330,9 @@ where
         Ok(Ok(response)) => finish(cfg, session, provider_answer(http, response)).await,
         Ok(Err(never)) => match never {},
         Err(_) => {
-            session.abandon().await;
+            if let Some(taken) = session.abandon_failed().await {
+                return taken_answer(cfg, taken);
+            }
             tracing::error!("handler panicked; rolled back, nothing stored");
             answer::failed(
                 cfg,
@@ -354,8 +357,12 @@ async fn finish<S: SqlStore>(
         || (cfg.http.store_client_errors && status.is_client_error());
     if !keep {
         // 5xx (and 4xx unless stored): roll back the writes and the claim,
-        // so the client may retry with the same key.
-        session.abandon().await;
+        // so the client may retry with the same key; an optimistic
+        // request whose key a concurrent copy committed meanwhile (its
+        // row may be what failed this one) gets that copy's answer.
+        if let Some(taken) = session.abandon_failed().await {
+            return taken_answer(cfg, taken);
+        }
         let kind = if status.is_client_error() {
             OutcomeKind::Rejected
         } else {
@@ -381,7 +388,11 @@ async fn finish<S: SqlStore>(
         cfg.http.max_stored_body,
     );
     match session.finish(&stored.encode()).await {
-        Ok(()) => {}
+        Ok(Finished::Committed) => {}
+        // Optimistic: a concurrent copy committed the key meanwhile.
+        Ok(taken) => return taken_answer(cfg, taken),
+        // Optimistic: the copy in flight held the key past the wait.
+        Err(Failure::Store(e)) if e.is_contention() => return answer::in_flight(cfg),
         // A handler that kept its guard (moved into a spawned task or a
         // streaming body) holds the transaction hostage; it rolls back
         // when the guard is finally dropped.
@@ -429,6 +440,27 @@ async fn finish<S: SqlStore>(
                 .chain(rest.into_data_stream());
             Response::from_parts(head, Body::from_stream(stream))
         }
+    }
+}
+
+/// The answer to an optimistic request whose key a concurrent copy
+/// committed meanwhile: that copy's stored response, or `422`.
+fn taken_answer<S: SqlStore>(cfg: &Config<S>, taken: Finished) -> Response<Body> {
+    match taken {
+        Finished::Conflict { .. } => {
+            tracing::debug!("key reused with another request");
+            answer::conflict(cfg)
+        }
+        Finished::Duplicate { result } => {
+            tracing::debug!("duplicate, committed meanwhile");
+            answer::duplicate(cfg, result.as_deref())
+        }
+        Finished::Committed => answer::failed(
+            cfg,
+            "internal",
+            "Internal error",
+            "a rolled-back request was reported committed",
+        ),
     }
 }
 

@@ -3,10 +3,13 @@
 //! backend module implements [`Backend`] for its sqlx database; the rest
 //! (DDL and statement text) comes from [`Sql`].
 
+use std::collections::HashMap;
+
 use sqlx::query::Query;
 use sqlx::{Database, QueryBuilder};
 
 use super::base::SqlBase;
+use super::claim::Existing;
 use super::sql::Sql;
 use super::{Claim, ClaimRequest, ClaimTimes, StoreError, TableName};
 
@@ -80,6 +83,31 @@ pub(crate) trait Backend: Database {
         _scope: &str,
         _times: ClaimTimes,
         _reqs: &[ClaimRequest<'_>],
+    ) -> Option<Result<Vec<Claim>, StoreError>> {
+        None
+    }
+
+    /// The backend's own read of many keys' records, if it has one (by
+    /// key); `None`: one read per key.
+    async fn existing_many(
+        _base: &SqlBase<Self>,
+        _conn: &mut Self::Connection,
+        _scope: &str,
+        _keys: &[&str],
+    ) -> Option<Result<HashMap<String, Existing>, StoreError>> {
+        None
+    }
+
+    /// The backend's own optimistic batch claim (every key with its
+    /// result), if it has one; `None`: one
+    /// [`claim_completed`](SqlBase::claim_completed) per key.
+    async fn claim_completed_batch(
+        _base: &SqlBase<Self>,
+        _conn: &mut Self::Connection,
+        _scope: &str,
+        _times: ClaimTimes,
+        _reqs: &[ClaimRequest<'_>],
+        _results: &[&[u8]],
     ) -> Option<Result<Vec<Claim>, StoreError>> {
         None
     }

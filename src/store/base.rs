@@ -7,6 +7,7 @@
 //! [`Sql`], which is the order of the placeholders in every dialect's text.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Transaction, Type};
@@ -213,19 +214,29 @@ where
         result: &[u8],
     ) -> Result<Claim, StoreError> {
         let bound = self.statement() + req.lock_wait.unwrap_or_default();
-        let insert = sqlx::query(&self.sql.insert_completed)
-            .bind(req.fingerprint.map(|f| f.as_bytes().as_slice()))
-            .bind(req.source.map(clamp_source))
-            .bind(times.now_ms)
-            .bind(times.expires_at_ms)
-            .bind(scope)
-            .bind(req.key)
-            .bind(result)
-            .execute(&mut *conn);
-        let inserted = match within(bound, "claim", insert).await {
-            Ok(done) => DB::rows_affected(&done) == 1,
-            Err(StoreError::Database(e)) if DB::is_duplicate_key(&e) => false,
-            Err(e) => return Err(e),
+        let waiting = &self.sql.insert_completed_waiting;
+        let bind = |sql| {
+            sqlx::query(sql)
+                .bind(req.fingerprint.map(|f| f.as_bytes().as_slice()))
+                .bind(req.source.map(clamp_source))
+                .bind(times.now_ms)
+                .bind(times.expires_at_ms)
+                .bind(scope)
+                .bind(req.key)
+                .bind(result)
+        };
+        let inserted = if let Some(wait) = req.lock_wait.filter(|_| !waiting.is_empty()) {
+            let row = bind(waiting)
+                .bind(lock_timeout_value(wait))
+                .fetch_one(&mut *conn);
+            within(bound, "claim", row).await?.int("n")? == 1
+        } else {
+            let insert = bind(&self.sql.insert_completed).execute(&mut *conn);
+            match within(bound, "claim", insert).await {
+                Ok(done) => DB::rows_affected(&done) == 1,
+                Err(StoreError::Database(e)) if DB::is_duplicate_key(&e) => false,
+                Err(e) => return Err(e),
+            }
         };
         if inserted {
             return Ok(Claim::Claimed);
@@ -265,6 +276,78 @@ where
             claims[i] = Some(self.claim(conn, scope, times, &reqs[i]).await?);
         }
         super::batch::finish(claims)
+    }
+
+    /// Looks a batch's keys up without claiming them (an optimistic
+    /// batch, before its handlers run): see
+    /// [`SqlStore::lookup_batch`](super::SqlStore::lookup_batch).
+    pub async fn lookup_batch(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let found = self.existing_many(conn, scope, reqs);
+        let found = within(self.statement(), "batch look-up", found).await?;
+        super::batch::looked_up(reqs, times, &found)
+    }
+
+    /// The records of the keys of `reqs`, by key.
+    async fn existing_many(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<HashMap<String, Existing>, StoreError> {
+        let mut keys: Vec<&str> = reqs.iter().map(|r| r.key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        if let Some(found) = DB::existing_many(self, conn, scope, &keys).await {
+            return found;
+        }
+        let mut found = HashMap::with_capacity(keys.len());
+        for key in keys {
+            if let Some(existing) = self.existing(conn, scope, key).await? {
+                found.insert(key.to_owned(), existing);
+            }
+        }
+        Ok(found)
+    }
+
+    /// Claims many keys with their results after their handlers ran (an
+    /// optimistic batch): the backend's own statement, or one
+    /// [`claim_completed`](Self::claim_completed) per key. One [`Claim`]
+    /// per request; anything but [`Claim::Claimed`] means the key was
+    /// taken meanwhile.
+    pub async fn claim_completed_batch(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+        results: &[&[u8]],
+    ) -> Result<Vec<Claim>, StoreError> {
+        if reqs.len() != results.len() {
+            return Err(StoreError::Corrupt(format!(
+                "{} keys with {} results",
+                reqs.len(),
+                results.len()
+            )));
+        }
+        let batch = DB::claim_completed_batch(self, conn, scope, times, reqs, results);
+        let batch = async { batch.await.transpose() };
+        if let Some(claims) = within(self.statement(), "batch claim", batch).await? {
+            return Ok(claims);
+        }
+        let mut claims = Vec::with_capacity(reqs.len());
+        for (req, result) in reqs.iter().zip(results) {
+            claims.push(
+                self.claim_completed(conn, scope, times, req, result)
+                    .await?,
+            );
+        }
+        Ok(claims)
     }
 
     /// Runs one of a claim's writes; whether it wrote the row. With a lock

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 
-use super::{Claim, ClaimRequest, StoreError};
+use super::claim::Existing;
+use super::{Claim, ClaimRequest, ClaimTimes, StoreError};
 
 /// The first occurrence of each key in a batch, and what the later ones are.
 pub(crate) struct BatchPlan {
@@ -56,4 +57,42 @@ pub(crate) fn finish(claims: Vec<Option<Claim>>) -> Result<Vec<Claim>, StoreErro
         .into_iter()
         .map(|c| c.ok_or_else(|| StoreError::Corrupt("a batch entry was left undecided".into())))
         .collect()
+}
+
+/// What an optimistic batch's look-up decides, from the unexpired records
+/// `found` of the batch's keys (by key): [`Claim::Claimed`] for a key that
+/// is free to run (absent or expired; its claim comes with its result,
+/// after the handler), a duplicate or conflict for a stored key, and for a
+/// later occurrence in the batch what it would be against the record its
+/// key ends up with (its first occurrence's, or the stored one).
+pub(crate) fn looked_up(
+    reqs: &[ClaimRequest<'_>],
+    times: ClaimTimes,
+    found: &HashMap<String, Existing>,
+) -> Result<Vec<Claim>, StoreError> {
+    let plan = plan_batch(reqs);
+    let live = |key: &str| found.get(key).filter(|e| e.expires_at_ms > times.now_ms);
+    let mut claims = plan.claims;
+    let mut first_of: HashMap<&str, usize> = HashMap::with_capacity(plan.firsts.len());
+    for &i in &plan.firsts {
+        let req = &reqs[i];
+        first_of.insert(req.key, i);
+        claims[i] = Some(match live(req.key) {
+            Some(e) => e.clone().classify(req)?,
+            None => Claim::Claimed,
+        });
+    }
+    for &i in &plan.repeats {
+        let req = &reqs[i];
+        claims[i] = Some(match live(req.key) {
+            Some(e) => e.clone().classify(req)?,
+            // The first occurrence runs: its fingerprint is the record's.
+            None => Claim::Conflict {
+                stored: first_of
+                    .get(req.key)
+                    .and_then(|&first| reqs[first].fingerprint.copied()),
+            },
+        });
+    }
+    finish(claims)
 }

@@ -14,6 +14,7 @@ use super::{Claim, ClaimRequest, StoreError, classify_existing};
 use crate::fingerprint::Fingerprint;
 
 /// The parts of a committed record a claim needs.
+#[derive(Clone)]
 pub(crate) struct Existing {
     pub fingerprint: Option<Vec<u8>>,
     pub result: Option<Vec<u8>>,

@@ -72,6 +72,29 @@ macro_rules! forward_sql_store {
                 self.$to.claim_batch(conn, scope, times, reqs).await
             }
 
+            async fn lookup_batch(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                times: $crate::store::ClaimTimes,
+                reqs: &[$crate::store::ClaimRequest<'_>],
+            ) -> Result<Vec<$crate::store::Claim>, $crate::store::StoreError> {
+                self.$to.lookup_batch(conn, scope, times, reqs).await
+            }
+
+            async fn claim_completed_batch(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                times: $crate::store::ClaimTimes,
+                reqs: &[$crate::store::ClaimRequest<'_>],
+                results: &[&[u8]],
+            ) -> Result<Vec<$crate::store::Claim>, $crate::store::StoreError> {
+                self.$to
+                    .claim_completed_batch(conn, scope, times, reqs, results)
+                    .await
+            }
+
             async fn complete(
                 &self,
                 conn: &mut <$db as sqlx::Database>::Connection,

@@ -293,6 +293,53 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         reqs: &[ClaimRequest<'_>],
     ) -> Result<Vec<Claim>, StoreError>;
 
+    /// Looks the keys of a batch up inside the open transaction `conn`
+    /// without claiming them: the first step of an
+    /// [optimistic](crate::EngineBuilder::optimistic) batch, before its
+    /// handlers run. One [`Claim`] per request, in order:
+    /// [`Claim::Claimed`] for a key that is free (absent, or its record
+    /// expired), to be claimed with its result by
+    /// [`claim_completed_batch`](Self::claim_completed_batch);
+    /// [`Claim::Duplicate`] or [`Claim::Conflict`] for a committed key;
+    /// later occurrences inside the batch as in
+    /// [`claim_batch`](Self::claim_batch). Nothing is locked: a key taken
+    /// meanwhile shows at the claim. The default finds every key free.
+    async fn lookup_batch(
+        &self,
+        _conn: &mut <Self::Db as Database>::Connection,
+        _scope: &str,
+        _times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let free = |_: &ClaimRequest<'_>| Claim::Claimed;
+        Ok(reqs.iter().map(free).collect())
+    }
+
+    /// Claims many keys inside `conn` with their results (`results[i]`
+    /// for `reqs[i]`), after their handlers ran: the claim of an
+    /// [optimistic](crate::EngineBuilder::optimistic) batch, in one
+    /// statement on PostgreSQL. One [`Claim`] per request; anything but
+    /// [`Claim::Claimed`] means that key was committed meanwhile, and the
+    /// caller must roll the transaction back. The default is one
+    /// [`claim_completed`](Self::claim_completed) per key.
+    async fn claim_completed_batch(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+        results: &[&[u8]],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let mut claims = Vec::with_capacity(reqs.len());
+        for (req, result) in reqs.iter().zip(results) {
+            claims.push(
+                self.claim_completed(conn, scope, times, req, result)
+                    .await?,
+            );
+        }
+        Ok(claims)
+    }
+
     /// Records the result of a claimed key, in the same transaction as the claim.
     async fn complete(
         &self,

@@ -18,6 +18,11 @@ pub(crate) struct Sql {
     pub insert_completed: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub insert_many: String,
+    /// scope, keys, fingerprints, sources, now, expires, results: the
+    /// optimistic batch claim, every key with its result in one insert
+    /// (PostgreSQL; empty elsewhere). Returns the keys it inserted.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub insert_completed_many: String,
     /// scope, key.
     pub existing: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
@@ -31,6 +36,9 @@ pub(crate) struct Sql {
     /// rows they wrote.
     pub insert_waiting: String,
     pub reclaim_waiting: String,
+    /// `insert_completed` bounded by a lock wait (its eighth argument),
+    /// returning how many rows it wrote in `n` (PostgreSQL; empty elsewhere).
+    pub insert_completed_waiting: String,
     /// result, scope, key.
     pub complete: String,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
@@ -102,6 +110,11 @@ fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
              FROM UNNEST($2::text[], $3::bytea[], $4::text[]) AS u(k, f, s) \
              ON CONFLICT (scope, idem_key) DO NOTHING RETURNING idem_key"
         ),
+        insert_completed_many: format!(
+            "INSERT INTO {t} ({COLS}, result) SELECT $1, u.k, u.f, u.s, $5, $6, u.r \
+             FROM UNNEST($2::text[], $3::bytea[], $4::text[], $7::bytea[]) AS u(k, f, s, r) \
+             ON CONFLICT (scope, idem_key) DO NOTHING RETURNING idem_key"
+        ),
         existing: format!(
             "SELECT fingerprint, result, expires_at_ms FROM {t} WHERE scope = $1 AND idem_key = $2"
         ),
@@ -115,6 +128,7 @@ fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
         ),
         insert_waiting: String::new(),
         reclaim_waiting: String::new(),
+        insert_completed_waiting: String::new(),
         complete: format!("UPDATE {t} SET result = $1 WHERE scope = $2 AND idem_key = $3"),
         complete_many: format!(
             "UPDATE {t} AS t SET result = u.r FROM UNNEST($2::text[], $3::bytea[]) AS u(k, r) \
@@ -208,6 +222,14 @@ impl Sql {
             ),
             "$7",
         );
+        sql.insert_completed_waiting = waiting(
+            &format!(
+                "INSERT INTO {t} ({INSERT_COLS}, result) \
+                 SELECT $1::bytea, $2::text, $3::bigint, $4::bigint, $5::text, $6::text, \
+                 $7::bytea FROM w ON CONFLICT (scope, idem_key) DO NOTHING"
+            ),
+            "$8",
+        );
         sql.reclaim_waiting = waiting(
             &format!(
                 "UPDATE {t} SET fingerprint = $1::bytea, source = $2::text, \
@@ -283,6 +305,7 @@ impl Sql {
                 "INSERT INTO {t} ({INSERT_COLS}, result) VALUES (?, ?, ?, ?, ?, ?, ?)"
             ),
             insert_many: String::new(),
+            insert_completed_many: String::new(),
             existing: format!(
                 "SELECT fingerprint, result, expires_at_ms FROM {t} WHERE scope = ? AND idem_key = ?"
             ),
@@ -293,6 +316,7 @@ impl Sql {
             ),
             insert_waiting: String::new(),
             reclaim_waiting: String::new(),
+            insert_completed_waiting: String::new(),
             complete: format!("UPDATE {t} SET result = ? WHERE scope = ? AND idem_key = ?"),
             complete_many: String::new(),
             get: format!("SELECT {COLS}, result FROM {t} WHERE scope = ? AND idem_key = ?"),

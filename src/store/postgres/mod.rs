@@ -30,6 +30,7 @@ mod pipelined;
 mod unnest;
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use sqlx::QueryBuilder;
@@ -38,6 +39,7 @@ use sqlx::query::Query;
 
 use super::backend::Backend;
 use super::base::SqlBase;
+use super::claim::Existing;
 use super::sql::{Sql, lock_timeout_value};
 use super::{Claim, ClaimRequest, ClaimTimes, Deadlines, StoreError, TableName};
 
@@ -262,6 +264,26 @@ impl Backend for Postgres {
         reqs: &[ClaimRequest<'_>],
     ) -> Option<Result<Vec<Claim>, StoreError>> {
         Some(unnest::claim_batch(base, conn, scope, times, reqs).await)
+    }
+
+    async fn existing_many(
+        base: &SqlBase<Self>,
+        conn: &mut PgConnection,
+        scope: &str,
+        keys: &[&str],
+    ) -> Option<Result<HashMap<String, Existing>, StoreError>> {
+        Some(unnest::existing_many(base, conn, scope, keys).await)
+    }
+
+    async fn claim_completed_batch(
+        base: &SqlBase<Self>,
+        conn: &mut PgConnection,
+        scope: &str,
+        times: ClaimTimes,
+        reqs: &[ClaimRequest<'_>],
+        results: &[&[u8]],
+    ) -> Option<Result<Vec<Claim>, StoreError>> {
+        Some(unnest::claim_completed_batch(base, conn, scope, times, reqs, results).await)
     }
 
     async fn complete_many(

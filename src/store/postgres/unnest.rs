@@ -7,8 +7,32 @@ use sqlx::Row;
 use sqlx::postgres::{PgConnection, Postgres};
 
 use crate::store::base::SqlBase;
+use crate::store::claim::Existing;
 use crate::store::rows::StoreRow;
 use crate::store::{Claim, ClaimRequest, ClaimTimes, StoreError, clamp_source, plan_batch};
+
+/// The arrays an `UNNEST` insert of claims binds.
+struct Columns<'a> {
+    keys: Vec<&'a str>,
+    fps: Vec<Option<Vec<u8>>>,
+    sources: Vec<Option<&'a str>>,
+}
+
+impl<'a> Columns<'a> {
+    fn of<'r>(reqs: impl Iterator<Item = &'r ClaimRequest<'a>> + Clone) -> Self
+    where
+        'a: 'r,
+    {
+        Self {
+            keys: reqs.clone().map(|r| r.key).collect(),
+            fps: reqs
+                .clone()
+                .map(|r| r.fingerprint.map(|f| f.as_bytes().to_vec()))
+                .collect(),
+            sources: reqs.map(|r| r.source.map(clamp_source)).collect(),
+        }
+    }
+}
 
 /// Claims a batch: one insert of every first occurrence, one read of the
 /// keys it did not insert, and the single-key path for expired records and
@@ -23,12 +47,7 @@ pub(super) async fn claim_batch(
     let plan = plan_batch(reqs);
     let mut claims = plan.claims;
     let firsts: Vec<&ClaimRequest<'_>> = plan.firsts.iter().map(|&i| &reqs[i]).collect();
-    let keys: Vec<&str> = firsts.iter().map(|r| r.key).collect();
-    let fps: Vec<Option<Vec<u8>>> = firsts
-        .iter()
-        .map(|r| r.fingerprint.map(|f| f.as_bytes().to_vec()))
-        .collect();
-    let sources: Vec<Option<&str>> = firsts.iter().map(|r| r.source.map(clamp_source)).collect();
+    let Columns { keys, fps, sources } = Columns::of(firsts.iter().copied());
     let inserted: Vec<String> = sqlx::query_scalar(&base.sql.insert_many)
         .bind(scope)
         .bind(&keys)
@@ -44,18 +63,7 @@ pub(super) async fn claim_batch(
         .copied()
         .filter(|k| !inserted.contains(*k))
         .collect();
-    let mut found = HashMap::with_capacity(taken.len());
-    if !taken.is_empty() {
-        let rows = sqlx::query(&base.sql.existing_many)
-            .bind(scope)
-            .bind(&taken)
-            .fetch_all(&mut *conn)
-            .await?;
-        for row in &rows {
-            let key: String = row.try_get("idem_key")?;
-            found.insert(key, row.existing()?);
-        }
-    }
+    let mut found = existing_many(base, conn, scope, &taken).await?;
     for &i in &plan.firsts {
         let req = &reqs[i];
         claims[i] = Some(if inserted.contains(req.key) {
@@ -75,6 +83,67 @@ pub(super) async fn claim_batch(
         claims[i] = Some(base.claim(conn, scope, times, &reqs[i]).await?);
     }
     crate::store::batch::finish(claims)
+}
+
+/// The records of many keys, in one statement.
+pub(super) async fn existing_many(
+    base: &SqlBase<Postgres>,
+    conn: &mut PgConnection,
+    scope: &str,
+    keys: &[&str],
+) -> Result<HashMap<String, Existing>, StoreError> {
+    let mut found = HashMap::with_capacity(keys.len());
+    if keys.is_empty() {
+        return Ok(found);
+    }
+    let rows = sqlx::query(&base.sql.existing_many)
+        .bind(scope)
+        .bind(keys)
+        .fetch_all(&mut *conn)
+        .await?;
+    for row in &rows {
+        let key: String = row.try_get("idem_key")?;
+        found.insert(key, row.existing()?);
+    }
+    Ok(found)
+}
+
+/// Claims many keys with their results (an optimistic batch): one insert
+/// of them all; a key it did not insert (expired, or taken meanwhile) goes
+/// through the single-key path.
+pub(super) async fn claim_completed_batch(
+    base: &SqlBase<Postgres>,
+    conn: &mut PgConnection,
+    scope: &str,
+    times: ClaimTimes,
+    reqs: &[ClaimRequest<'_>],
+    results: &[&[u8]],
+) -> Result<Vec<Claim>, StoreError> {
+    if reqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Columns { keys, fps, sources } = Columns::of(reqs.iter());
+    let inserted: Vec<String> = sqlx::query_scalar(&base.sql.insert_completed_many)
+        .bind(scope)
+        .bind(&keys)
+        .bind(&fps)
+        .bind(&sources)
+        .bind(times.now_ms)
+        .bind(times.expires_at_ms)
+        .bind(results)
+        .fetch_all(&mut *conn)
+        .await?;
+    let inserted: HashSet<String> = inserted.into_iter().collect();
+    let mut claims = Vec::with_capacity(reqs.len());
+    for (req, result) in reqs.iter().zip(results) {
+        claims.push(if inserted.contains(req.key) {
+            Claim::Claimed
+        } else {
+            base.claim_completed(conn, scope, times, req, result)
+                .await?
+        });
+    }
+    Ok(claims)
 }
 
 /// Records many results in one statement.
