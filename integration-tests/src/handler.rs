@@ -114,3 +114,36 @@ pub async fn process_meanwhile(store: &PgStore, scope: &str, expected: &Expected
         assert!(engine.process(&ledger, &d).await.outcome.is_done(), "{no}");
     }
 }
+
+/// A handler that keeps failing the same payments: it credits the ledger,
+/// then fails permanently (so the rollback must undo the write and the
+/// claim) with an error text that names the payment's key and amount, as
+/// real errors do. Account `declined`: "payment K of N EUR declined by the
+/// bank"; any other account: "account frozen: payment K of N EUR refused".
+#[derive(Default)]
+pub struct Declining {
+    /// Handler runs.
+    pub calls: AtomicUsize,
+}
+
+#[async_trait]
+impl Handler<Postgres> for Declining {
+    type Input = Json<Payment>;
+    type Output = ();
+
+    async fn handle(
+        &self,
+        tx: onceonly::Tx<sqlx::Postgres>,
+        Json(p): Json<Payment>,
+        _d: &Delivery,
+    ) -> Result<(), HandlerError> {
+        let mut conn = tx.lock().await?;
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        postgres::record(&mut conn, &p).await?;
+        let (no, amount) = (&p.out_trade_no, p.amount);
+        Err(HandlerError::permanent(match p.account.as_str() {
+            "declined" => format!("payment {no} of {amount} EUR declined by the bank"),
+            _ => format!("account frozen: payment {no} of {amount} EUR refused"),
+        }))
+    }
+}

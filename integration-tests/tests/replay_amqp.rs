@@ -10,16 +10,16 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use onceonly::amqp::{AmqpConsumer, CancellationToken, ConsumerStats, headers};
-use onceonly::ops::replay::REPLAYED_FROM;
+use onceonly::ops::replay::{ORIGIN, REPLAYED_FROM, REPLAYS};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, header, publish, take, url,
 };
 use onceonly_integration_tests::cli::onceonly;
 use onceonly_integration_tests::example_ledger as ledger;
-use onceonly_integration_tests::handler::{Outage, process_meanwhile};
+use onceonly_integration_tests::handler::{Declining, Outage, process_meanwhile};
 use onceonly_integration_tests::kafka::pg_schema;
-use onceonly_integration_tests::ledger::assert_exact;
+use onceonly_integration_tests::ledger::{assert_exact, rows};
 use onceonly_integration_tests::{pay, pg_store, unique};
 use sqlx::PgPool;
 
@@ -741,4 +741,197 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
     assert!(run.success, "{run:?}");
     assert!(run.stdout.contains("replayed 1"), "{}", run.stdout);
     assert_eq!(depth(&channel, &s.dlq).await, 0);
+}
+
+/// A header of the message at the head of `queue`, which stays there: taken
+/// with `basic.get` and rejected with requeue (`None`: no such header;
+/// panics if the queue is empty).
+async fn peek_header(channel: &lapin::Channel, queue: &str, name: &str) -> Option<String> {
+    let got = channel
+        .basic_get(queue.into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("{queue} is empty"));
+    let value = header(&got.delivery.properties, name);
+    got.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: true })
+        .await
+        .unwrap();
+    value
+}
+
+/// A real consumer whose handler fails one payment every time: the
+/// consumer dead-letters it, `onceonly replay` sends it back, it fails
+/// again, ... Each copy counts its replays, and the letter that came back
+/// `--max-replays` times is parked instead of replayed: it ends in the
+/// parking queue, once, and the ledger never kept a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
+    const MAX_REPLAYS: u32 = 3;
+    let s = setup("rpa_loop").await;
+    let (_conn, channel) = connect().await;
+    let parking = format!("{}.parked", s.dlq);
+    let handler = Arc::new(Declining::default());
+    let payment = pay("L-1", 25).account("declined");
+    publish(&channel, &s.queue, &[Msg::new(payment.clone())]).await;
+    let stats = drain(&s, Arc::clone(&handler)).await;
+    assert_eq!(stats.dead_lettered, 1);
+    assert_eq!(depth(&channel, &s.dlq).await, 1);
+    assert_eq!(
+        peek_header(&channel, &s.dlq, REPLAYS).await,
+        None,
+        "never replayed yet"
+    );
+
+    let max = MAX_REPLAYS.to_string();
+    for cycle in 1..=MAX_REPLAYS {
+        let run = replay(&s, &["--max-replays", &max]).await;
+        assert!(run.success, "cycle {cycle}: {run:?}");
+        assert!(
+            run.stdout
+                .contains("scanned 1, replayed 1, skipped 0, failed 0\n"),
+            "cycle {cycle}: {}",
+            run.stdout
+        );
+        assert_eq!(depth(&channel, &s.dlq).await, 0, "cycle {cycle}");
+        assert_eq!(
+            peek_header(&channel, &s.queue, REPLAYS).await.as_deref(),
+            Some(cycle.to_string().as_str()),
+            "cycle {cycle}: the copy counts its replays"
+        );
+        let stats = drain(&s, Arc::clone(&handler)).await;
+        assert_eq!(
+            (stats.processed, stats.dead_lettered),
+            (0, 1),
+            "cycle {cycle}: failed again"
+        );
+        assert_eq!(depth(&channel, &s.dlq).await, 1, "cycle {cycle}");
+        assert_eq!(
+            peek_header(&channel, &s.dlq, REPLAYS).await.as_deref(),
+            Some(cycle.to_string().as_str()),
+            "cycle {cycle}: the consumer kept the count when it dead-lettered the copy"
+        );
+    }
+
+    // Replayed MAX_REPLAYS times and failed each time: parked.
+    let run = replay(&s, &["--max-replays", &max]).await;
+    assert!(run.success, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("scanned 1, replayed 0, skipped 0, failed 0, parked 1"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains(&format!("after {MAX_REPLAYS} replays")),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(depth(&channel, &s.dlq).await, 0);
+    assert_eq!(depth(&channel, &s.queue).await, 0, "not replayed again");
+    // Nothing cycles any more: the consumer and another replay find nothing.
+    let stats = drain(&s, Arc::clone(&handler)).await;
+    assert_eq!((stats.processed, stats.dead_lettered), (0, 0));
+    let run = replay(&s, &["--max-replays", &max]).await;
+    assert!(run.stdout.contains("scanned 0"), "{}", run.stdout);
+
+    let parked = take(&channel, &parking, 2, Duration::from_secs(3)).await;
+    assert_eq!(parked.len(), 1, "parked exactly once");
+    let m = &parked[0].delivery;
+    assert_eq!(m.data, payment.body());
+    let p = &m.properties;
+    assert_eq!(header(p, REPLAYS), Some(MAX_REPLAYS.to_string()));
+    assert_eq!(header(p, headers::REASON).as_deref(), Some("handler_error"));
+    assert_eq!(header(p, headers::IDEMPOTENCY_KEY).as_deref(), Some("L-1"));
+    assert_eq!(
+        header(p, headers::ERROR).as_deref(),
+        Some("handler failed: payment L-1 of 25 EUR declined by the bank"),
+        "parked as it was, with the last failure"
+    );
+    assert_eq!(
+        header(p, ORIGIN),
+        Some(format!("{q}/{q}", q = s.queue)),
+        "where it was first consumed"
+    );
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        1 + MAX_REPLAYS as usize,
+        "the first delivery and one per replay"
+    );
+    assert_eq!(rows(&s.pool).await, 0, "every credit was rolled back");
+}
+
+/// Real letters of one failure whose error texts differ only in the key
+/// and the amount are one group; another error text is another group,
+/// though the reason is the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn error_texts_that_differ_in_keys_and_amounts_are_one_group() {
+    let s = setup("rpa_mask").await;
+    let (_conn, channel) = connect().await;
+    // Keys without digits: only the key masking can merge them.
+    publish(
+        &channel,
+        &s.queue,
+        &[
+            Msg::new(pay("ORD-alpha", 1050).account("declined")),
+            Msg::new(pay("ORD-beta", 7).account("declined")),
+            Msg::new(pay("ORD-gamma", 99_999).account("declined")),
+            Msg::new(pay("ORD-delta", 12).account("frozen")),
+            Msg::new(pay("ORD-epsilon", 340).account("frozen")),
+        ],
+    )
+    .await;
+    let stats = drain(&s, Arc::new(Declining::default())).await;
+    assert_eq!(stats.dead_lettered, 5);
+
+    let url = url();
+    let groups = onceonly(&[
+        "dlq", "groups", "amqp", "--url", &url, "--queue", &s.dlq, "--json",
+    ])
+    .await;
+    assert!(groups.success, "{groups:?}");
+    let json: serde_json::Value = serde_json::from_str(&groups.stdout).expect("JSON");
+    let mut found: Vec<(String, String, u64)> = json["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["reason"].as_str().unwrap().to_owned(),
+                g["pattern"].as_str().unwrap().to_owned(),
+                g["count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    found.sort();
+    assert_eq!(
+        found,
+        [
+            (
+                "handler_error".to_owned(),
+                "handler failed: account frozen: payment <key> of # EUR refused".to_owned(),
+                2
+            ),
+            (
+                "handler_error".to_owned(),
+                "handler failed: payment <key> of # EUR declined by the bank".to_owned(),
+                3
+            ),
+        ],
+        "{}",
+        groups.stdout
+    );
+    let text = onceonly(&["dlq", "groups", "amqp", "--url", &url, "--queue", &s.dlq]).await;
+    assert!(
+        text.stdout.contains("5 dead letters in 2 groups"),
+        "{}",
+        text.stdout
+    );
+    assert_eq!(
+        depth(&channel, &s.dlq).await,
+        5,
+        "dlq groups consumed nothing"
+    );
+    assert_eq!(rows(&s.pool).await, 0);
 }

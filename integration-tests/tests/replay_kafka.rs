@@ -6,18 +6,18 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
-use onceonly::ops::replay::REPLAYED_FROM;
+use onceonly::ops::replay::{ORIGIN, REPLAYED_FROM, REPLAYS};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::cli::{Run, onceonly};
 use onceonly_integration_tests::example_ledger as ledger;
-use onceonly_integration_tests::handler::{Outage, process_meanwhile};
+use onceonly_integration_tests::handler::{Declining, Outage, process_meanwhile};
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, header, pg_schema, produce, read_all,
 };
-use onceonly_integration_tests::ledger::assert_exact;
+use onceonly_integration_tests::ledger::{assert_exact, rows};
 use onceonly_integration_tests::{pay, pg_store, unique};
 use rdkafka::Message;
 use sqlx::PgPool;
@@ -418,4 +418,221 @@ async fn dead_letters_in_failure_groups_on_a_topic() {
         "G-4 ran, G-3 was a duplicate"
     );
     assert_exact(&s.pool, &expected).await;
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// A letter older than the dedup retention is refused (and holds the
+/// replay group's offset) unless `--beyond-retention`; a letter replayed
+/// too often goes to `<topic>.parked`; replayed copies count their replays
+/// and say where they were first consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn old_letters_are_refused_and_cycling_letters_are_parked() {
+    let s = setup("rpk_retain").await;
+    let parking = format!("{}.parked", s.dlt);
+    create_topic(&parking, 1).await;
+    let t = s.topic.as_str();
+    let day = 86_400_000;
+    let letter = |no: &str, first_seen: i64| {
+        dead_letter(t, no, pay(no, 1).account("a").body(), "handler_error")
+            .header(headers::FIRST_SEEN, &first_seen.to_string())
+    };
+    // The old one last: a refused record holds the offset, the others are
+    // committed past.
+    produce(
+        &s.dlt,
+        &[
+            letter("R-NEW", now_ms()),
+            letter("R-LOOP", now_ms()).header(REPLAYS, "5"),
+            letter("R-OLD", now_ms() - 10 * day),
+        ],
+    )
+    .await;
+
+    let group = unique("replay");
+    let dry = replay(&s, &group, &["--dry-run"]).await;
+    assert_eq!(dry.code, 1, "refused letters fail the run: {dry:?}");
+    assert!(
+        dry.stdout
+            .contains("would replay 1, skipped 0, failed 0, refused 1, would park 1"),
+        "{}",
+        dry.stdout
+    );
+    assert!(
+        dry.stdout
+            .contains("refused 1 dead letter(s) older than the dedup retention"),
+        "{}",
+        dry.stdout
+    );
+    assert!(dry.stdout.contains("after 5 replays"), "{}", dry.stdout);
+    assert_eq!(
+        committed(&group, &s.dlt, 1)[&0],
+        -1,
+        "the dry run commits nothing"
+    );
+    assert!(
+        read_all(&parking, 1, 1, Duration::from_secs(2)).is_empty(),
+        "the dry run parks nothing"
+    );
+
+    let run = replay(&s, &group, &[]).await;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("replayed 1, skipped 0, failed 0, refused 1, parked 1"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stderr.contains("1 dead letter(s) refused"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        committed(&group, &s.dlt, 1)[&0],
+        2,
+        "committed past the replayed and the parked letter, not the refused one"
+    );
+    let parked = read_all(&parking, 1, 2, Duration::from_secs(5));
+    assert_eq!(parked.len(), 1, "the cycling one is parked: {parked:?}");
+    let m = &parked[0];
+    assert_eq!(m.key(), Some("R-LOOP".as_bytes()));
+    assert_eq!(header(m, REPLAYS), Some("5"), "parked as it was");
+    assert_eq!(header(m, headers::REASON), Some("handler_error"));
+    assert_eq!(header(m, headers::ORIGINAL_TOPIC), Some(t));
+
+    let copies = read_all(&s.topic, 1, 2, Duration::from_secs(5));
+    assert_eq!(copies.len(), 1, "only R-NEW went back: {copies:?}");
+    let m = &copies[0];
+    assert_eq!(m.key(), Some("R-NEW".as_bytes()));
+    assert_eq!(header(m, REPLAYS), Some("1"));
+    assert_eq!(
+        header(m, ORIGIN),
+        Some(format!("{t}/0@7").as_str()),
+        "where the first delivery was consumed: the original coordinates"
+    );
+    assert_eq!(
+        header(m, REPLAYED_FROM),
+        Some(format!("{}/0/0", s.dlt).as_str())
+    );
+    assert!(header(m, headers::FIRST_SEEN).is_some(), "first-seen kept");
+    for gone in [
+        headers::ORIGINAL_TOPIC,
+        headers::ORIGINAL_OFFSET,
+        headers::REASON,
+    ] {
+        assert_eq!(header(m, gone), None, "{gone} stripped");
+    }
+
+    let run = replay(&s, &group, &["--beyond-retention"]).await;
+    assert!(run.success, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("scanned 1, replayed 1, skipped 0, failed 0\n"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(committed(&group, &s.dlt, 1)[&0], 3);
+    let copies = read_all(&s.topic, 1, 3, Duration::from_secs(5));
+    assert_eq!(copies.len(), 2, "{copies:?}");
+    assert_eq!(copies[1].key(), Some("R-OLD".as_bytes()));
+    assert_eq!(header(&copies[1], REPLAYS), Some("1"));
+    assert_eq!(
+        read_all(&parking, 1, 2, Duration::from_secs(2)).len(),
+        1,
+        "parked once"
+    );
+}
+
+/// A real consumer whose handler fails one payment every time, replayed
+/// again and again from the dead-letter topic: each copy counts its
+/// replays (the consumer keeps the count when it dead-letters the copy),
+/// and after `--max-replays` the letter goes to `<topic>.parked`, once,
+/// instead of cycling; the ledger never kept a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
+    const MAX_REPLAYS: u32 = 2;
+    let s = setup("rpk_loop").await;
+    let parking = format!("{}.parked", s.dlt);
+    create_topic(&parking, 1).await;
+    let handler = Arc::new(Declining::default());
+    let payment = pay("L-1", 25).account("declined");
+    produce(&s.topic, &[Record::new("L-1", payment.clone())]).await;
+    drain(&s, Arc::clone(&handler)).await;
+    let dead = read_all(&s.dlt, 1, 1, Duration::from_secs(10));
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header(&dead[0], REPLAYS), None, "never replayed yet");
+
+    let group = unique("replay");
+    let max = MAX_REPLAYS.to_string();
+    for cycle in 1..=MAX_REPLAYS {
+        let run = replay(&s, &group, &["--max-replays", &max]).await;
+        assert!(run.success, "cycle {cycle}: {run:?}");
+        assert!(
+            run.stdout
+                .contains("scanned 1, replayed 1, skipped 0, failed 0\n"),
+            "cycle {cycle}: {}",
+            run.stdout
+        );
+        let n = cycle as usize;
+        let copies = read_all(&s.topic, 1, n + 1, Duration::from_secs(10));
+        assert_eq!(copies.len(), n + 1, "cycle {cycle}");
+        assert_eq!(
+            header(&copies[n], REPLAYS),
+            Some(cycle.to_string().as_str()),
+            "cycle {cycle}: the copy counts its replays"
+        );
+        drain(&s, Arc::clone(&handler)).await;
+        let dead = read_all(&s.dlt, 1, n + 2, Duration::from_secs(10));
+        assert_eq!(dead.len(), n + 1, "cycle {cycle}: dead-lettered again");
+        assert_eq!(
+            header(&dead[n], REPLAYS),
+            Some(cycle.to_string().as_str()),
+            "cycle {cycle}: the consumer kept the count"
+        );
+        assert_eq!(
+            header(&dead[n], ORIGIN),
+            Some(format!("{}/0@0", s.topic).as_str()),
+            "cycle {cycle}: the first delivery's coordinates"
+        );
+    }
+
+    let run = replay(&s, &group, &["--max-replays", &max]).await;
+    assert!(run.success, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("scanned 1, replayed 0, skipped 0, failed 0, parked 1"),
+        "{}",
+        run.stdout
+    );
+    let n = MAX_REPLAYS as usize;
+    assert_eq!(
+        read_all(&s.topic, 1, n + 2, Duration::from_secs(3)).len(),
+        n + 1,
+        "not replayed again"
+    );
+    // Nothing cycles any more: another replay finds nothing.
+    let run = replay(&s, &group, &["--max-replays", &max]).await;
+    assert!(run.stdout.contains("scanned 0"), "{}", run.stdout);
+    let parked = read_all(&parking, 1, 2, Duration::from_secs(5));
+    assert_eq!(parked.len(), 1, "parked exactly once");
+    let m = &parked[0];
+    assert_eq!(m.key(), Some("L-1".as_bytes()));
+    assert_eq!(m.payload(), Some(payment.body().as_slice()));
+    assert_eq!(header(m, REPLAYS), Some(max.as_str()));
+    assert_eq!(
+        header(m, headers::ERROR),
+        Some("handler failed: payment L-1 of 25 EUR declined by the bank")
+    );
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        1 + n,
+        "the first delivery and one per replay"
+    );
+    assert_eq!(rows(&s.pool).await, 0, "every credit was rolled back");
 }
