@@ -157,6 +157,10 @@ pub async fn measure(
     seed: u64,
     mut run: impl AsyncFnMut(&mut Bench, usize, usize, u64) -> Res<(ScaleRun, String)>,
 ) -> Res<()> {
+    // `BENCH_SCALE_OUT=0`: the per-transport tables only.
+    if std::env::var_os("BENCH_SCALE_OUT").is_some_and(|v| v == "0") {
+        return Ok(());
+    }
     let backlog = backlog(b);
     let mut table = ScaleTable::new(title(backlog));
     for procs in PROCESSES {

@@ -213,6 +213,13 @@ pub struct Session<S: SqlStore> {
     _gate: Gate,
 }
 
+/// A new session's claim: held (claim-first; a suspect's counted start),
+/// or still to make with the result (optimistic).
+enum SessionClaim<S: SqlStore> {
+    Held(Option<Counted<S>>),
+    Pending(Pending),
+}
+
 /// What an optimistic session claims with its result, besides the key.
 struct Pending {
     source: Option<String>,
@@ -320,7 +327,7 @@ impl<S: SqlStore> Engine<S> {
             Err(claim) => return Claimed::settled(claim, spec.fingerprint),
         };
         if !spec.suspect {
-            return Ok(self.session(tx, scope, &spec, times, None, None, gate));
+            return Ok(self.session(tx, scope, &spec, times, SessionClaim::Held(None), gate));
         }
         // A suspect with a new key: count its start alone, with no claim
         // open (see the `crash` module), then claim again.
@@ -334,7 +341,8 @@ impl<S: SqlStore> Engine<S> {
         };
         match self.open_claim(scope, &req).await {
             Ok(Ok((tx, times))) => {
-                Ok(self.session(tx, scope, &spec, times, Some(counted), None, gate))
+                let claim = SessionClaim::Held(Some(counted));
+                Ok(self.session(tx, scope, &spec, times, claim, gate))
             }
             // Taken meanwhile: this start never ran.
             Ok(Err(claim)) => {
@@ -372,7 +380,7 @@ impl<S: SqlStore> Engine<S> {
             source: spec.source.map(str::to_owned),
             lock_wait: spec.lock_wait,
         };
-        Ok(self.session(tx, scope, spec, times, None, Some(pending), gate))
+        Ok(self.session(tx, scope, spec, times, SessionClaim::Pending(pending), gate))
     }
 
     /// What the store holds for `key` in `scope` now, for an optimistic
@@ -422,10 +430,13 @@ impl<S: SqlStore> Engine<S> {
         scope: &str,
         spec: &ClaimSpec<'_>,
         times: ClaimTimes,
-        counted: Option<Counted<S>>,
-        pending: Option<Pending>,
+        claim: SessionClaim<S>,
         gate: Gate,
     ) -> Claimed<S> {
+        let (counted, pending) = match claim {
+            SessionClaim::Held(counted) => (counted, None),
+            SessionClaim::Pending(pending) => (None, Some(pending)),
+        };
         let deadline = self.inner.store.deadlines().transaction_deadline();
         let began = tx.began();
         let origin = Origin::new(scope, spec.key, spec.traceparent, times.now_ms);
