@@ -174,7 +174,11 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// second one's writes are rolled back). A handler that fails is
     /// checked against the dedup table before the failure counts: a key
     /// committed meanwhile (a concurrent copy's writes made the handler's
-    /// own insert fail) is a duplicate.
+    /// own insert fail) is a duplicate. While more than one in five of
+    /// the recent single deliveries were duplicates (or conflicts), each
+    /// key is looked up first (one read, no transaction), so duplicates
+    /// stop running the handler; the look-up stops again when they become
+    /// rare.
     ///
     /// Batches ([`Engine::process_batch`], the Kafka consumer's
     /// `batch_size`) look their keys up in one statement first, so keys
@@ -267,6 +271,7 @@ impl<S: SqlStore> EngineBuilder<S> {
                 max_crashes: self.max_crashes,
                 crashes: super::crash::Crashes::default(),
                 optimistic: self.optimistic,
+                recent_duplicates: super::DuplicateShare::default(),
             }),
         })
     }

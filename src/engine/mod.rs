@@ -74,6 +74,32 @@ struct Inner<S> {
     /// Claims after the handler, with the result (see
     /// [`EngineBuilder::optimistic`]).
     optimistic: bool,
+    /// How common duplicates were lately (optimistic engines look keys up
+    /// first while they are common).
+    recent_duplicates: DuplicateShare,
+}
+
+/// A moving share of duplicates among an engine's recent single
+/// deliveries: an exponential average over about 64, in 1/65,536.
+#[derive(Default)]
+struct DuplicateShare(std::sync::atomic::AtomicU32);
+
+impl DuplicateShare {
+    const ONE: u32 = 1 << 16;
+
+    /// Counts one delivery in. Concurrent updates may lose one another's
+    /// sample: it is an estimate.
+    fn note(&self, duplicate: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let old = self.0.load(Relaxed);
+        let sample = if duplicate { Self::ONE } else { 0 };
+        self.0.store(old - old / 64 + sample / 64, Relaxed);
+    }
+
+    /// Whether more than one in five were duplicates.
+    fn common(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) > Self::ONE / 5
+    }
 }
 
 impl<S: SqlStore> Engine<S> {
@@ -338,7 +364,30 @@ impl<S: SqlStore> Engine<S> {
             .fingerprint(fingerprint.copied())
             .source(delivery.source())
             .traceparent(session::traceparent_of(delivery))
-            .suspect(delivery.is_suspect());
+            .suspect(delivery.is_suspect())
+            .look_up_first(self.inner.recent_duplicates.common());
+        let outcome = self.attempt_claimed(handler, delivery, spec, input).await;
+        if self.inner.optimistic {
+            let taken = matches!(
+                outcome,
+                Outcome::Duplicate { .. } | Outcome::Conflict { .. }
+            );
+            self.inner.recent_duplicates.note(taken);
+        }
+        outcome
+    }
+
+    /// [`attempt`](Self::attempt) once its claim is specified.
+    async fn attempt_claimed<H>(
+        &self,
+        handler: &H,
+        delivery: &Delivery,
+        spec: ClaimSpec<'_>,
+        input: H::Input,
+    ) -> Outcome<H::Output>
+    where
+        H: Handler<S::Db>,
+    {
         let session = match self.claim_with(spec).await {
             Ok(Claimed::New(session)) => session,
             Ok(Claimed::Duplicate { result }) => {
@@ -475,5 +524,35 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod duplicate_share_tests {
+    use super::DuplicateShare;
+
+    #[test]
+    fn common_after_a_run_of_duplicates_and_rare_again_after_new_keys() {
+        let share = DuplicateShare::default();
+        assert!(!share.common());
+        for _ in 0..14 {
+            share.note(true);
+        }
+        assert!(!share.common(), "14 in a row: 0.197");
+        share.note(true);
+        assert!(share.common(), "15 in a row: 0.21");
+        for _ in 0..200 {
+            share.note(false);
+        }
+        assert!(!share.common());
+        // One in ten stays below the bar; one in three goes above it.
+        for i in 0..600 {
+            share.note(i % 10 == 0);
+        }
+        assert!(!share.common());
+        for i in 0..600 {
+            share.note(i % 3 == 0);
+        }
+        assert!(share.common());
     }
 }
