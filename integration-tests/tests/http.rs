@@ -275,8 +275,7 @@ macro_rules! http_suite {
             }
 
             /// Optimistic requests (`IdempotencyLayerBuilder::optimistic`):
-            /// a retry is replayed from the look-up without running the
-            /// handler, a reused key with another payload is 422, 50
+            /// a retry is replayed byte for byte, a reused key with another payload is 422, 50
             /// concurrent copies of one key leave one order (the losers
             /// roll back and replay, or get 409 while it is in flight), a
             /// slow copy whose twin committed meanwhile replays the twin's

@@ -175,10 +175,10 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// checked against the dedup table before the failure counts: a key
     /// committed meanwhile (a concurrent copy's writes made the handler's
     /// own insert fail) is a duplicate. While more than one in five of
-    /// the recent single deliveries were duplicates (or conflicts), each
-    /// key is looked up first (one read, no transaction), so duplicates
-    /// stop running the handler; the look-up stops again when they become
-    /// rare.
+    /// the recent claims found their key taken (duplicates, conflicts),
+    /// each key is looked up first (one read, no transaction), so
+    /// duplicates stop running the handler; the look-up stops again when
+    /// they become rare.
     ///
     /// Batches ([`Engine::process_batch`], the Kafka consumer's
     /// `batch_size`) look their keys up in one statement first, so keys

@@ -79,8 +79,10 @@ struct Inner<S> {
     recent_duplicates: DuplicateShare,
 }
 
-/// A moving share of duplicates among an engine's recent single
-/// deliveries: an exponential average over about 64, in 1/65,536.
+/// A moving share of duplicates among an optimistic engine's recent
+/// claims (a key found taken by the look-up, the claim with the result, or
+/// after a failed handler; against a key committed): an exponential
+/// average over about 64, in 1/65,536.
 #[derive(Default)]
 struct DuplicateShare(std::sync::atomic::AtomicU32);
 
@@ -364,30 +366,7 @@ impl<S: SqlStore> Engine<S> {
             .fingerprint(fingerprint.copied())
             .source(delivery.source())
             .traceparent(session::traceparent_of(delivery))
-            .suspect(delivery.is_suspect())
-            .look_up_first(self.inner.recent_duplicates.common());
-        let outcome = self.attempt_claimed(handler, delivery, spec, input).await;
-        if self.inner.optimistic {
-            let taken = matches!(
-                outcome,
-                Outcome::Duplicate { .. } | Outcome::Conflict { .. }
-            );
-            self.inner.recent_duplicates.note(taken);
-        }
-        outcome
-    }
-
-    /// [`attempt`](Self::attempt) once its claim is specified.
-    async fn attempt_claimed<H>(
-        &self,
-        handler: &H,
-        delivery: &Delivery,
-        spec: ClaimSpec<'_>,
-        input: H::Input,
-    ) -> Outcome<H::Output>
-    where
-        H: Handler<S::Db>,
-    {
+            .suspect(delivery.is_suspect());
         let session = match self.claim_with(spec).await {
             Ok(Claimed::New(session)) => session,
             Ok(Claimed::Duplicate { result }) => {

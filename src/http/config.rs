@@ -291,11 +291,12 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
 
     /// Optimistic claims (default off; see
     /// [`EngineBuilder::optimistic`](crate::EngineBuilder::optimistic)):
-    /// the key's committed record is looked up first (one statement, no
-    /// transaction), so a retry of a completed request is replayed without
-    /// running the handler; a new request then runs the handler in a plain
-    /// transaction and claims its key with the stored response in one
-    /// insert just before `COMMIT`. A request whose key a concurrent copy
+    /// a request runs the handler in a plain transaction and claims its key
+    /// with the stored response in one insert just before `COMMIT`. While
+    /// retries are common (more than one in five recent requests found
+    /// their key taken), each key's committed record is looked up first
+    /// (one statement, no transaction), so a retry of a completed request
+    /// is replayed without running the handler. A request whose key a concurrent copy
     /// committed meanwhile is rolled back and answered with the stored
     /// response (or `422` for another payload); while that copy is still in
     /// flight, the insert waits for it as [`in_flight`](Self::in_flight)

@@ -268,8 +268,7 @@ where
         .fingerprint(fingerprint)
         .source(Some(&source))
         .traceparent(traceparent_of(&delivery))
-        .lock_wait(wait)
-        .look_up_first(true);
+        .lock_wait(wait);
     let session = match cfg.engine.claim_with(spec).await {
         Ok(Claimed::New(session)) => session,
         Ok(Claimed::Duplicate { result }) => {
