@@ -90,7 +90,7 @@ struct Args {
     /// Optimistic claims on `POST /orders`: the key looked up first, the
     /// handler run, then the key claimed with the response before `COMMIT`
     /// (`IdempotencyLayerBuilder::optimistic`).
-    #[arg(long, env = "OPTIMISTIC")]
+    #[arg(long, env = "OPTIMISTIC", value_parser = clap::builder::BoolishValueParser::new())]
     optimistic: bool,
     /// Verify, key and answer callbacks as this payment provider does
     /// (instead of `--secret`).
