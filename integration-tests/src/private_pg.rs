@@ -52,9 +52,12 @@ pub struct PrivatePgBuilder {
 pub const DEFAULT_COMPOSE_SERVICE: &str = "postgres-private";
 
 impl PrivatePg {
-    /// A server on `port` (127.0.0.1, trust auth). Under Docker Compose the
-    /// port must be the one its compose service publishes (54329 for
-    /// `postgres-private`).
+    /// A server on 127.0.0.1 with trust auth. Under Docker Compose it
+    /// listens on `port`, which must be the one its compose service
+    /// publishes (54329 for `postgres-private`). On the host it listens on a
+    /// free port below the kernel's ephemeral range instead, so that no
+    /// client socket of a concurrent test can take it between a stop and a
+    /// restart: read it with [`PrivatePg::port`] or [`PrivatePg::url`].
     pub fn builder(port: u16) -> PrivatePgBuilder {
         PrivatePgBuilder {
             port,
@@ -103,19 +106,33 @@ impl PrivatePg {
 
     /// Starts the server and waits until it accepts connections.
     pub fn start(&self) {
+        if let Err(why) = self.try_start() {
+            panic!("{why}");
+        }
+    }
+
+    /// Starts the server; on the host, what its log says if it did not.
+    fn try_start(&self) -> Result<(), String> {
         match &self.how {
             How::Host { bin, log } => {
                 let opts = format!(
                     "-p {} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off",
                     self.port
                 );
-                let log = log.to_string_lossy().into_owned();
-                assert!(
-                    Self::ctl(bin, &self.data, &["-w", "-l", &log, "-o", &opts, "start"]),
-                    "private PostgreSQL did not start; see {log}"
-                );
+                let path = log.to_string_lossy().into_owned();
+                if !Self::ctl(bin, &self.data, &["-w", "-l", &path, "-o", &opts, "start"]) {
+                    let text = std::fs::read_to_string(log).unwrap_or_default();
+                    return Err(format!(
+                        "private PostgreSQL on port {} did not start; {path}:\n{text}",
+                        self.port
+                    ));
+                }
+                Ok(())
             }
-            How::Compose { service } => compose_up(service),
+            How::Compose { service } => {
+                compose_up(service);
+                Ok(())
+            }
         }
     }
 
@@ -207,12 +224,22 @@ impl PrivatePgBuilder {
             std::fs::write(data.join("pg_hba.conf"), hba.join("\n") + "\n").expect("pg_hba.conf");
         }
         let log = std::env::temp_dir().join(format!("{}.log", unique("onceonly-private-pg")));
-        let pg = PrivatePg {
-            port: self.port,
+        let mut pg = PrivatePg {
+            port: host_port(),
             data,
             how: How::Host { bin, log },
         };
-        pg.start();
+        // Another process may bind the port between the choice and the
+        // start: choose again.
+        for attempt in 1.. {
+            match pg.try_start() {
+                Ok(()) => break,
+                Err(why) if attempt < 3 && why.contains("already in use") => {
+                    pg.port = host_port();
+                }
+                Err(why) => panic!("{why}"),
+            }
+        }
         pg
     }
 
@@ -338,6 +365,22 @@ fn append(path: &Path, text: &str) {
         .open(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     f.write_all(text.as_bytes()).expect("append");
+}
+
+/// A port below the ephemeral range (32768 and up on Linux) that nothing
+/// listens on now. Ephemeral ports are what the kernel gives outgoing and
+/// `:0` sockets, so a fixed or `:0`-chosen port in that range can be taken by
+/// any test's client between a server's stop and its restart; a port below
+/// it can only be taken by another explicit bind, which the random start
+/// makes unlikely and the bind check rules out at the moment of choosing.
+fn host_port() -> u16 {
+    const LOW: u16 = 20_000;
+    const HIGH: u16 = 32_000;
+    let start = fastrand::u16(LOW..HIGH);
+    (start..HIGH)
+        .chain(LOW..start)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port between 20000 and 32000 for a private PostgreSQL")
 }
 
 fn chown_postgres(path: &Path) {

@@ -2,7 +2,7 @@
 //! setting, `pg_hba.conf` lines, a file in the data directory), on the host
 //! (`initdb`/`pg_ctl`) and under Docker Compose (written into the
 //! `postgres-private` container, loopback addresses of the hba lines
-//! rewritten), and a fresh server starts empty. Port 54329, like
+//! rewritten), and a fresh server starts empty. Port 54329 under compose, like
 //! `db_outage.rs` (test binaries run one after the other).
 
 use onceonly_integration_tests::private_pg::PrivatePg;
