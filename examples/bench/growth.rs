@@ -49,7 +49,7 @@ async fn engine(schema: &Schema, connections: u32) -> Res<(Engine<PgStore>, PgPo
 }
 
 /// One claim of a fresh random key; its duration.
-async fn claim(engine: &Engine<PgStore>, rng: &mut Rng) -> Res<Duration> {
+pub(super) async fn claim(engine: &Engine<PgStore>, rng: &mut Rng) -> Res<Duration> {
     let body = format!(r#"{{"k":"new-{:016x}{:016x}"}}"#, rng.next(), rng.next());
     let t = Instant::now();
     let r = engine
@@ -242,6 +242,53 @@ async fn growth(b: &mut Bench, schema: &Schema) -> Res<Table> {
     Ok(table)
 }
 
+/// When each claim started, and how long it took.
+pub(super) type Timed = Vec<(Instant, Duration)>;
+
+/// `n` tasks that claim new keys one after the other until `stop`, each
+/// recording its claims (seeds `seed`, `seed + 1`, …).
+pub(super) fn claimers(
+    engine: &Engine<PgStore>,
+    stop: &Arc<AtomicBool>,
+    n: usize,
+    seed: u64,
+) -> tokio::task::JoinSet<Res<Timed>> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (engine, stop) = (engine.clone(), stop.clone());
+        tasks.spawn(async move {
+            let mut rng = Rng::new(seed + i as u64);
+            let mut times = Timed::new();
+            while !stop.load(Ordering::Relaxed) {
+                let at = Instant::now();
+                times.push((at, claim(&engine, &mut rng).await?));
+            }
+            Ok(times)
+        });
+    }
+    tasks
+}
+
+/// Every claim the tasks of [`claimers`] recorded.
+pub(super) async fn claims_of(mut tasks: tokio::task::JoinSet<Res<Timed>>) -> Res<Timed> {
+    let mut all = Timed::new();
+    while let Some(done) = tasks.join_next().await {
+        all.extend(done??);
+    }
+    Ok(all)
+}
+
+/// The durations of the claims that started in `from..to`, sorted.
+pub(super) fn phase(all: &Timed, from: Instant, to: Instant) -> Vec<Duration> {
+    let mut v: Vec<Duration> = all
+        .iter()
+        .filter(|(at, _)| *at >= from && *at < to)
+        .map(|(_, d)| *d)
+        .collect();
+    v.sort();
+    v
+}
+
 pub async fn run_purge(b: &mut Bench) -> Res<()> {
     let schema = b.schema("purge").await?;
     let result = purge(b, &schema).await;
@@ -265,39 +312,15 @@ async fn purge(b: &mut Bench, schema: &Schema) -> Res<Table> {
     };
 
     let stop = Arc::new(AtomicBool::new(false));
-    let mut inserters = tokio::task::JoinSet::new();
-    for i in 0..INSERTERS {
-        let (engine, stop) = (engine.clone(), stop.clone());
-        inserters.spawn(async move {
-            let mut rng = Rng::new(7 + i as u64);
-            let mut times: Vec<(Instant, Duration)> = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                let at = Instant::now();
-                times.push((at, claim(&engine, &mut rng).await?));
-            }
-            Ok::<_, super::common::BoxError>(times)
-        });
-    }
+    let inserters = claimers(&engine, &stop, INSERTERS, 7);
     let t0 = Instant::now();
     tokio::time::sleep(quiet).await;
     let t1 = Instant::now();
     let (purged, took) = purge_loop(engine.clone(), Arc::new(AtomicBool::new(false))).await?;
     let t2 = Instant::now();
     stop.store(true, Ordering::Relaxed);
-    let mut all = Vec::new();
-    while let Some(done) = inserters.join_next().await {
-        all.extend(done??);
-    }
-    let phase = |from: Instant, to: Instant| {
-        let mut v: Vec<Duration> = all
-            .iter()
-            .filter(|(at, _)| *at >= from && *at < to)
-            .map(|(_, d)| *d)
-            .collect();
-        v.sort();
-        v
-    };
-    let (without, during) = (phase(t0, t1), phase(t1, t2));
+    let all = claims_of(inserters).await?;
+    let (without, during) = (phase(&all, t0, t1), phase(&all, t1, t2));
     let left: i64 =
         sqlx::query_scalar("SELECT COUNT(*) FROM onceonly_keys WHERE idem_key NOT LIKE 'new-%'")
             .fetch_one(&db)

@@ -11,6 +11,10 @@
 //! - `growth`: claim latency with 0 / 100k / 1M / 10M existing records, and
 //!   while a bounded purge runs;
 //! - `purge`: claim stalls while 200k expired records are purged;
+//! - `big-table`: a big dedup table, plain vs generations layout: claim
+//!   latency during a purge, and the table's size in steady state with and
+//!   without a held `xmin` (`BENCH_BIG_TABLE=10000000,50000000,100000000`
+//!   for the 100M-record run);
 //! - `memory`: peak RSS of the AMQP consumer draining a large backlog
 //!   (1,000,000 messages with `--full`).
 //!
@@ -44,6 +48,7 @@ mod ledger;
 mod stats;
 
 mod amqp;
+mod big_table;
 mod child;
 mod common;
 mod growth;
@@ -72,6 +77,7 @@ enum Scenario {
     Memory,
     Purge,
     Outbox,
+    BigTable,
     All,
 }
 
@@ -218,7 +224,7 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
     .await?;
     bench.header();
     type Step = fn(&mut Bench) -> common::StepFuture<'_>;
-    let steps: [(Scenario, &str, Step); 7] = [
+    let steps: [(Scenario, &str, Step); 8] = [
         (Scenario::Kafka, "kafka", |b| Box::pin(kafka::run(b))),
         (Scenario::Amqp, "amqp", |b| Box::pin(amqp::run(b))),
         (Scenario::Http, "http", |b| Box::pin(http::run(b))),
@@ -228,6 +234,9 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
         (Scenario::Purge, "purge", |b| Box::pin(growth::run_purge(b))),
         (Scenario::Memory, "memory", |b| Box::pin(memory::run(b))),
         (Scenario::Outbox, "outbox", |b| Box::pin(outbox::run(b))),
+        (Scenario::BigTable, "big-table", |b| {
+            Box::pin(big_table::run(b))
+        }),
     ];
     for (scenario, name, step) in steps {
         if !wants(scenario) {

@@ -62,6 +62,24 @@ pub async fn pg_store(url: &str, table: &str) -> PgStore {
     store
 }
 
+/// A PostgreSQL store at `url` on dedup table `table` in the generations
+/// layout (`PgStore::generations`), migrated (a plain table is upgraded).
+pub async fn pg_generations_store(url: &str, table: &str) -> PgStore {
+    let store = match PgStore::connect(url).await {
+        Ok(s) => s,
+        Err(e) => unreachable_service("PostgreSQL", url, e),
+    };
+    let store = store
+        .with_table(table)
+        .expect("valid table name")
+        .generations(true);
+    store
+        .migrate()
+        .await
+        .expect("migrate the generations layout");
+    store
+}
+
 /// A MariaDB/MySQL store at `url` on dedup table `table` (migrated).
 pub async fn mysql_store(url: &str, table: &str) -> MySqlStore {
     let store = match MySqlStore::connect(url).await {

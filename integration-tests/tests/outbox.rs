@@ -185,6 +185,17 @@ async fn fill<DB: OutboxBackend, S: SqlStore<Db = DB>>(
     keys: usize,
     per_key: usize,
 ) {
+    fill_as(store, outbox, "F", keys, per_key).await;
+}
+
+/// [`fill`] with payments `PREFIX-key-i`.
+async fn fill_as<DB: OutboxBackend, S: SqlStore<Db = DB>>(
+    store: &S,
+    outbox: &Outbox<DB>,
+    prefix: &str,
+    keys: usize,
+    per_key: usize,
+) {
     let engine = Engine::builder(store.clone())
         .scope("fill")
         .key_expr("json:/out_trade_no")
@@ -193,7 +204,7 @@ async fn fill<DB: OutboxBackend, S: SqlStore<Db = DB>>(
     let handler = settling(outbox.clone(), "orders".into());
     for i in 0..per_key {
         for key in 0..keys {
-            let p = pay(&format!("F-{key}-{i}"), i as i64).account(&format!("k{key}"));
+            let p = pay(&format!("{prefix}-{key}-{i}"), i as i64).account(&format!("k{key}"));
             let report = engine.process(&handler, &Delivery::new(p.body())).await;
             assert!(
                 matches!(report.outcome, Outcome::Processed { .. }),
@@ -292,6 +303,15 @@ async fn two_relays<DB: OutboxBackend, S: SqlStore<Db = DB>>(
     per_key: usize,
 ) {
     let outbox = Outbox::<DB>::on_table(&unique("obx")).expect("table");
+    two_relays_on(store, outbox, keys, per_key).await;
+}
+
+async fn two_relays_on<DB: OutboxBackend, S: SqlStore<Db = DB>>(
+    store: S,
+    outbox: Outbox<DB>,
+    keys: usize,
+    per_key: usize,
+) {
     outbox.migrate(store.pool()).await.expect("migrate");
     fill(&store, &outbox, keys, per_key).await;
     let recorders: Vec<Arc<Recorder>> = (0..2)
@@ -313,6 +333,153 @@ async fn two_relays<DB: OutboxBackend, S: SqlStore<Db = DB>>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_relays_keep_per_key_order_on_postgres() {
     two_relays(pg_store(&pg_url(), &unique("obk")).await, 6, 15).await;
+}
+
+/// The generations layout (partitioned, purged by rotation): the relays'
+/// statements run on it as on a plain table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_keep_per_key_order_on_postgres_generations() {
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx"))
+        .expect("table")
+        .generations(true);
+    two_relays_on(pg_store(&pg_url(), &unique("obk")).await, outbox, 6, 15).await;
+}
+
+/// Rows per generation of a generations outbox, `[g0, g1]`.
+async fn generation_rows(pool: &sqlx::PgPool, table: &str) -> [i64; 2] {
+    [
+        pg_count(pool, &format!("{table}_g0"), "true").await,
+        pg_count(pool, &format!("{table}_g1"), "true").await,
+    ]
+}
+
+/// On the generations layout, sent rows go by rotation (a truncate of the
+/// older generation), once none of them was sent after the cut-off; the
+/// older generation's pending and dead rows move to the newer one with
+/// their ids and are still sent. A plain outbox with rows is upgraded in
+/// place: its rows stay, its ids go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sent_rows_go_by_rotation_and_unsent_rows_move_on() {
+    for upgrade in [false, true] {
+        let store = pg_store(&pg_url(), &unique("obk")).await;
+        let pool = store.pool().clone();
+        let table = unique("obx");
+        let plain = Outbox::<sqlx::Postgres>::on_table(&table).expect("table");
+        let generations = plain.clone().generations(true);
+        if upgrade {
+            // A plain outbox with 12 rows, 2 of them sent, then upgraded.
+            plain.migrate(&pool).await.expect("plain migrate");
+            fill(&store, &plain, 3, 4).await;
+            sqlx::query(&format!(
+                "UPDATE {table} SET status = 1, sent_at_ms = 1 WHERE id IN \
+                 (SELECT id FROM {table} ORDER BY id LIMIT 2)"
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+            generations.migrate(&pool).await.expect("upgrade");
+            assert_eq!(generation_rows(&pool, &table).await, [12, 0]);
+            // The plain enqueue is refused by the partitioned table.
+            let refused = sqlx::query(&format!(
+                "INSERT INTO {table} (message_id, scope, kind, destination, order_key, headers, \
+                 payload, next_attempt_at_ms, created_at_ms) \
+                 VALUES ('x', 's', 'kafka', 't', 'k', '[]', '', 0, 0) \
+                 ON CONFLICT (message_id) DO NOTHING"
+            ))
+            .execute(&pool)
+            .await;
+            assert!(
+                refused.is_err(),
+                "ON CONFLICT (message_id) on a generations table"
+            );
+        } else {
+            generations.migrate(&pool).await.expect("migrate");
+        }
+        let before: i64 = pg_count(&pool, &table, "true").await;
+        let max_id: i64 = sqlx::query_scalar(&format!("SELECT COALESCE(max(id), 0) FROM {table}"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        // 12 more messages, in generation 0 (current).
+        fill_as(&store, &generations, "G", 3, 4).await;
+        let min_new: i64 = sqlx::query_scalar(&format!(
+            "SELECT min(id) FROM {table} WHERE scope = 'fill' AND id > $1"
+        ))
+        .bind(max_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(min_new > max_id, "ids go on after the upgrade");
+        let total = before + 12;
+        // Everything pending is sent, then one row is parked as dead and
+        // two more are enqueued (pending).
+        let recorder = Arc::new(Recorder::default());
+        let pending = pg_count(&pool, &table, "status = 0").await as usize;
+        relay_all(
+            &pool,
+            &generations,
+            &[Arc::clone(&recorder)],
+            total as usize,
+        )
+        .await;
+        assert_eq!(recorder.seen.lock().unwrap().len(), pending);
+        let engine = Engine::builder(store.clone())
+            .scope("late")
+            .key_expr("json:/out_trade_no")
+            .build()
+            .unwrap();
+        let handler = settling(generations.clone(), "orders".into());
+        for key in ["L-1", "L-2", "L-3"] {
+            let report = engine
+                .process(&handler, &Delivery::new(pay(key, 1).body()))
+                .await;
+            assert!(
+                matches!(report.outcome, Outcome::Processed { .. }),
+                "{report:?}"
+            );
+        }
+        sqlx::query(&format!(
+            "UPDATE {table} SET status = 2 WHERE id = (SELECT max(id) FROM {table})"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let in_g0 = generation_rows(&pool, &table).await[0];
+        assert_eq!(in_g0, total + 3);
+
+        // A cut-off before the sends: the (empty) generation 1 rotates in;
+        // generation 0, sent after the cut-off, stays.
+        generations.purge_sent(&pool, 0, 1000).await.unwrap();
+        generations.purge_sent(&pool, 0, 1000).await.unwrap();
+        assert_eq!(generation_rows(&pool, &table).await, [in_g0, 0]);
+        // A cut-off after them: generation 0 goes, its 3 unsent rows move.
+        let later = i64::MAX / 2;
+        generations.purge_sent(&pool, later, 1000).await.unwrap();
+        assert_eq!(generation_rows(&pool, &table).await, [0, 3]);
+        let deleted: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(n_tup_del, 0) FROM pg_stat_user_tables WHERE relid = to_regclass($1)",
+        )
+        .bind(format!("{table}_g0"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(
+            deleted <= 3,
+            "only the unsent rows were deleted one by one: {deleted}"
+        );
+        // The moved rows are still sent: the pending ones now, the dead one
+        // once retried.
+        assert_eq!(generations.retry_dead(&pool, None).await.unwrap(), 1);
+        relay_all(&pool, &generations, &[Arc::clone(&recorder)], 3).await;
+        let seen = recorder.seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), pending + 3, "every message once");
+        let ids: HashSet<&str> = seen.iter().map(|(_, _, id, _)| id.as_str()).collect();
+        assert_eq!(ids.len(), seen.len(), "no message twice");
+        sqlx::query(&format!("DROP TABLE {table}, {table}_generation"))
+            .execute(&pool)
+            .await
+            .ok();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -15,7 +15,8 @@ use onceonly::{
 };
 use onceonly::{Clock, MySqlStore, PgStore, SqliteStore};
 use onceonly_integration_tests::{
-    BusinessSql, Pay, mysql_store, mysql_url, pay, pg_store, pg_url, sqlite_store, unique,
+    BusinessSql, Pay, mysql_store, mysql_url, pay, pg_generations_store, pg_store, pg_url,
+    sqlite_store, unique,
 };
 
 /// A later version of the payment input that old payloads do not decode into.
@@ -164,6 +165,9 @@ macro_rules! backend_suite {
                     sqlx::query(&dedup).execute(self.store.pool()).await.ok();
                     let attempts = format!("DROP TABLE IF EXISTS {}", self.store.table().attempts());
                     sqlx::query(&attempts).execute(self.store.pool()).await.ok();
+                    // The generations layout's control table, where there is one.
+                    let control = format!("DROP TABLE IF EXISTS {}_generation", self.store.table());
+                    sqlx::query(&control).execute(self.store.pool()).await.ok();
                     sqlx::query(&self.sql.drop)
                         .execute(self.store.pool())
                         .await
@@ -1140,6 +1144,13 @@ async fn postgres_pipelined_setup(_dir: &Path, table: &str) -> (PgStore, String)
     (pg_store(&url, table).await.pipelined(true), url)
 }
 
+/// The PostgreSQL store on the generations layout (two partitions, purged
+/// by rotation): the whole suite again on that layout.
+async fn postgres_generations_setup(_dir: &Path, table: &str) -> (PgStore, String) {
+    let url = pg_url();
+    (pg_generations_store(&url, table).await, url)
+}
+
 async fn mysql_setup(_dir: &Path, table: &str) -> (MySqlStore, String) {
     let url = mysql_url();
     (mysql_store(&url, table).await, url)
@@ -1161,6 +1172,12 @@ backend_suite!(
     sqlx::PgConnection,
     BusinessSql::postgres,
     postgres_pipelined_setup
+);
+backend_suite!(
+    postgres_generations,
+    sqlx::PgConnection,
+    BusinessSql::postgres,
+    postgres_generations_setup
 );
 backend_suite!(
     mysql,

@@ -95,13 +95,24 @@ impl<DB: OutboxBackend> Outbox<DB> {
 
     /// Deletes rows sent before `before_ms`, at most `batch` per statement
     /// (each its own short transaction), until none is left. Returns how
-    /// many.
+    /// many. On the generations layout (PostgreSQL) it rotates instead,
+    /// if the older generation holds no row sent since `before_ms`, and
+    /// returns about how many rows the truncate removed.
     pub async fn purge_sent(
         &self,
         pool: &Pool<DB>,
         before_ms: i64,
         batch: u32,
     ) -> Result<u64, StoreError> {
+        if self.sql().rotation.is_some() {
+            // The generations layout: a rotation, not deletes.
+            let d = Deadlines::default();
+            let bound = d.acquire_timeout() + 4 * d.statement_deadline();
+            let rotated = DB::rotate_sent(pool, self.sql(), before_ms, SystemClock.now_ms());
+            return Ok(within(bound, "outbox rotation", rotated)
+                .await?
+                .unwrap_or(0));
+        }
         let batch = i64::from(batch.max(1));
         let mut total = 0;
         loop {

@@ -202,6 +202,17 @@ pub trait OutboxBackend: Database {
         limit: i64,
     ) -> Result<u64, sqlx::Error>;
 
+    /// Rotates the generations layout's partitions, if the table has that
+    /// layout and the older generation holds no row sent at or after
+    /// `before_ms`: about how many rows went (`None`: no rotation).
+    #[doc(hidden)]
+    async fn rotate_sent(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        before_ms: i64,
+        now_ms: i64,
+    ) -> Result<Option<u64>, sqlx::Error>;
+
     /// Dead rows (all, or the one with `message_id`) back to pending.
     #[doc(hidden)]
     async fn retry_dead(
@@ -512,6 +523,20 @@ macro_rules! outbox_backend {
                     .execute(pool)
                     .await?;
                 Ok(done.rows_affected())
+            }
+
+            async fn rotate_sent(
+                pool: &Pool<Self>,
+                sql: &OutboxSql,
+                before_ms: i64,
+                now_ms: i64,
+            ) -> Result<Option<u64>, sqlx::Error> {
+                match &sql.rotation {
+                    Some(rotation) => {
+                        super::generations::rotate::<Self>(pool, rotation, before_ms, now_ms).await
+                    }
+                    None => Ok(None),
+                }
             }
 
             async fn retry_dead(

@@ -61,6 +61,7 @@
 
 mod admin;
 mod backend;
+mod generations;
 mod message;
 mod publish;
 mod relay;
@@ -92,11 +93,56 @@ use crate::store::{StoreError, TableName};
 use backend::NewRow;
 use sql::OutboxSql;
 
+#[cfg(feature = "postgres")]
+impl Outbox<sqlx::Postgres> {
+    /// Whether the outbox table has the *generations* layout (default
+    /// `false`): two partitions, sent rows purged by `TRUNCATE` of the
+    /// older one instead of by `DELETE`, so that purging never competes
+    /// with enqueues and relays, however big the table. `migrate` then
+    /// creates that layout, or upgrades a plain table in place (it scans
+    /// and indexes the table under an exclusive lock: purge sent rows
+    /// first); [`purge_sent`](Self::purge_sent) rotates (once every sent
+    /// row of the older generation is older than the cut-off, its unsent
+    /// rows move to the newer one and it is truncated). Every process on
+    /// the table, enqueuers and relays, must use the same layout: the plain
+    /// enqueue fails on a generations table.
+    #[must_use]
+    pub fn generations(self, generations: bool) -> Self {
+        let sql = if generations {
+            generations::sql(&self.table)
+        } else {
+            OutboxSql::new(sql::Dialect::Postgres, &self.table)
+        };
+        Self {
+            sql: Arc::new(sql),
+            ..self
+        }
+    }
+
+    /// The outbox with the layout its table has (generations if the table
+    /// is partitioned; plain otherwise, also when it does not exist yet).
+    pub async fn detect_layout(self, pool: &sqlx::PgPool) -> Result<Self, StoreError> {
+        let kind: Option<String> = crate::store::deadline::within(
+            {
+                let d = crate::store::Deadlines::default();
+                d.acquire_timeout() + d.statement_deadline()
+            },
+            "outbox layout",
+            sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
+                .bind(self.table.quoted('"'))
+                .fetch_optional(pool),
+        )
+        .await?;
+        Ok(self.generations(kind.as_deref() == Some("p")))
+    }
+}
+
 /// An outbox table on backend `DB`: enqueue messages inside handlers, run
 /// a [`Relay`] to send them. Cheap to clone.
 pub struct Outbox<DB: OutboxBackend> {
     sql: Arc<OutboxSql>,
     channel: Arc<str>,
+    table: TableName,
     _db: PhantomData<fn() -> DB>,
 }
 
@@ -105,6 +151,7 @@ impl<DB: OutboxBackend> Clone for Outbox<DB> {
         Self {
             sql: Arc::clone(&self.sql),
             channel: Arc::clone(&self.channel),
+            table: self.table.clone(),
             _db: PhantomData,
         }
     }
@@ -139,8 +186,15 @@ impl<DB: OutboxBackend> Outbox<DB> {
         Self {
             sql: Arc::new(OutboxSql::new(DB::DIALECT.0, table)),
             channel: Arc::from(notify_channel(table.table())),
+            table: table.clone(),
             _db: PhantomData,
         }
+    }
+
+    /// Whether the table has the generations layout
+    /// (`Outbox::generations`, PostgreSQL).
+    pub fn has_generations(&self) -> bool {
+        self.sql.rotation.is_some()
     }
 
     /// Creates the outbox table and its indexes if they do not exist,

@@ -78,6 +78,9 @@ pub struct OutboxSql {
     pub list: String,
     /// The row with message id `$1`.
     pub find: String,
+    /// How a purge of sent rows rotates generations instead of deleting
+    /// (PostgreSQL's generations layout; `None` otherwise).
+    pub rotation: Option<super::generations::OutboxRotation>,
 }
 
 impl OutboxSql {
@@ -267,6 +270,7 @@ impl OutboxSql {
             lease_prefix,
             sent_prefix,
             failed,
+            rotation: None,
         }
     }
 }

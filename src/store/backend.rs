@@ -112,6 +112,13 @@ pub(crate) trait Backend: Database {
         None
     }
 
+    /// The backend's own purge of every expired record, if the table's
+    /// layout has one (PostgreSQL's generations: a rotation); `None`: a
+    /// bounded `DELETE`.
+    async fn rotate(_base: &SqlBase<Self>, _now_ms: i64) -> Option<Result<u64, StoreError>> {
+        None
+    }
+
     /// The backend's own way to record many results, if it has one; `None`:
     /// one statement per key.
     async fn complete_many(

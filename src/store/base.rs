@@ -474,9 +474,17 @@ where
         limit: u32,
     ) -> Result<u64, StoreError> {
         let sql = &self.sql;
-        let deleted = self
-            .purge_from(&sql.purge, &sql.purge_scope, scope, now_ms, limit)
-            .await?;
+        let rotated = match scope {
+            None => DB::rotate(self, now_ms).await,
+            Some(_) => None,
+        };
+        let deleted = match rotated {
+            Some(rotated) => rotated?,
+            None => {
+                self.purge_from(&sql.purge, &sql.purge_scope, scope, now_ms, limit)
+                    .await?
+            }
+        };
         let left = u64::from(limit).saturating_sub(deleted);
         if left == 0 {
             return Ok(deleted);

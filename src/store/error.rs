@@ -53,6 +53,10 @@ pub enum StoreError {
     /// A stored record could not be read back (the text names no key).
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// The dedup table's layout does not allow what was asked (preparing
+    /// the generations upgrade of something that is not a plain table).
+    #[error("{0}")]
+    Layout(String),
     /// A database call did not answer within its deadline (see
     /// [`Deadlines`](super::Deadlines)): a silent network or an overloaded
     /// database. Its connection is discarded; an
@@ -163,6 +167,8 @@ impl StoreError {
             Self::Corrupt(_) => Some(InfraFault::Corrupt),
             // Rejected when an engine or layer is built; never at run time.
             Self::InvalidTableName(_) | Self::InvalidScope(_) => Some(InfraFault::MissingSchema),
+            // An operator's step, never a message's doing.
+            Self::Layout(_) => Some(InfraFault::MissingSchema),
         }
     }
 

@@ -486,6 +486,8 @@ pub(crate) async fn finish_by_statements<S: SqlStore>(
 pub enum BackendKind {
     /// PostgreSQL.
     Postgres,
+    /// PostgreSQL, the generations layout ([`PgStore::generations`](crate::PgStore::generations)).
+    PostgresGenerations,
     /// MySQL or MariaDB.
     MySql,
     /// SQLite.
@@ -503,6 +505,8 @@ pub fn migration_sql(backend: BackendKind, table: &TableName) -> Option<Vec<Stri
     let ddl: Vec<String> = match backend {
         #[cfg(feature = "postgres")]
         BackendKind::Postgres => sql::Sql::postgres(table).ddl,
+        #[cfg(feature = "postgres")]
+        BackendKind::PostgresGenerations => postgres::generations_sql(table).ddl,
         #[cfg(feature = "mysql")]
         BackendKind::MySql => sql::Sql::mysql(table).ddl,
         #[cfg(feature = "sqlite")]

@@ -53,6 +53,32 @@ pub(crate) struct Sql {
     /// [`SqlStore::bump_attempts`](super::SqlStore::bump_attempts)), in the
     /// attempts table next to the dedup table.
     pub attempts: AttemptsSql,
+    /// How an expiry purge of the whole table rotates generations instead
+    /// of deleting rows (PostgreSQL's generations layout; `None`
+    /// elsewhere).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub rotation: Option<RotationSql>,
+}
+
+/// The statements of a rotation (see `store::postgres::generations`).
+/// Index `i` of each pair is generation `i`'s.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) struct RotationSql {
+    /// The advisory lock every claim transaction holds shared, and a
+    /// rotation takes exclusively.
+    pub fence: i64,
+    /// The current generation (`current`, a `smallint`).
+    pub current: String,
+    /// now: whether generation `i` holds a record live at now.
+    pub live: [String; 2],
+    /// About how many records generation `i` holds (`bigint`, from the
+    /// statistics: counting them would read the whole partition).
+    pub rows: [String; 2],
+    /// Empties generation `i`.
+    pub truncate: [String; 2],
+    /// generation, now: makes it the current one.
+    pub switch: String,
 }
 
 /// The statements on the attempts table: one row per suspect key whose
@@ -79,10 +105,11 @@ pub(crate) struct AttemptsSql {
     pub purge_scope: String,
 }
 
-const COLS: &str = "scope, idem_key, fingerprint, source, created_at_ms, expires_at_ms";
+pub(crate) const COLS: &str = "scope, idem_key, fingerprint, source, created_at_ms, expires_at_ms";
 
 /// The columns an `insert` writes, in its bind order.
-const INSERT_COLS: &str = "fingerprint, source, created_at_ms, expires_at_ms, scope, idem_key";
+pub(crate) const INSERT_COLS: &str =
+    "fingerprint, source, created_at_ms, expires_at_ms, scope, idem_key";
 
 /// Statements shared by the `$n`-placeholder dialects (Postgres and SQLite).
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -155,6 +182,7 @@ fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
             purge: purge_of(a, "", 1),
             purge_scope: purge_of(a, "scope = $1 AND ", 2),
         },
+        rotation: None,
     }
 }
 
@@ -188,6 +216,14 @@ impl Sql {
             // advisory lock, held until the DDL's transaction ends. The
             // validated name holds no quote.
             format!("SELECT pg_advisory_xact_lock(hashtext('onceonly:{table}'))"),
+            // A table of the generations layout stays one: the plain
+            // statements would fail on it at the first claim, not here.
+            format!(
+                "DO $onceonly$ BEGIN IF EXISTS (SELECT 1 FROM pg_class \
+                 WHERE oid = to_regclass('{t}') AND relkind = 'p') THEN RAISE EXCEPTION \
+                 'onceonly: % has the generations layout: open it with PgStore::generations(true)', \
+                 '{table}'; END IF; END $onceonly$"
+            ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (\
                  scope text NOT NULL, idem_key text NOT NULL, fingerprint bytea, result bytea, \
@@ -202,18 +238,7 @@ impl Sql {
         ddl.extend(attempts_ddl(table, &a, ("text", "bigint", "integer"), ""));
         // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
         let mut sql = numbered(&t, &a, ddl, " FOR UPDATE SKIP LOCKED");
-        // The bound is set before the write runs (the write reads its row
-        // from `w`) and the saved value restored after it ended (the outer
-        // select needs the count of its rows): no extra round trips.
-        let waiting = |write: &str, bound: &str| {
-            format!(
-                "WITH w AS (SELECT current_setting('lock_timeout') AS saved, \
-                 set_config('lock_timeout', {bound}::text, true) AS bound), \
-                 s AS ({write} RETURNING 1) \
-                 SELECT c.n, set_config('lock_timeout', w.saved, true) \
-                 FROM w, (SELECT count(*) AS n FROM s) AS c"
-            )
-        };
+        let waiting = pg_waiting;
         sql.insert_waiting = waiting(
             &format!(
                 "INSERT INTO {t} ({INSERT_COLS}) \
@@ -342,8 +367,25 @@ impl Sql {
                 purge: purge_of(&a, ""),
                 purge_scope: purge_of(&a, "scope = ? AND "),
             },
+            rotation: None,
         }
     }
+}
+
+/// `write` bounded by a lock wait of `bound` (a parameter) for its own
+/// statement only, returning how many rows it wrote in `n` (PostgreSQL).
+/// The bound is set before the write runs (the write must read a row of
+/// `w`) and the saved value restored after it ended (the outer select
+/// needs the count of its rows): no extra round trips.
+#[cfg(feature = "postgres")]
+pub(crate) fn pg_waiting(write: &str, bound: &str) -> String {
+    format!(
+        "WITH w AS (SELECT current_setting('lock_timeout') AS saved, \
+         set_config('lock_timeout', {bound}::text, true) AS bound), \
+         s AS ({write} RETURNING 1) \
+         SELECT c.n, set_config('lock_timeout', w.saved, true) \
+         FROM w, (SELECT count(*) AS n FROM s) AS c"
+    )
 }
 
 /// A PostgreSQL `lock_timeout` value for `wait`, at least 1 ms (0 would

@@ -65,9 +65,16 @@ impl TableName {
     /// [`SqlStore::bump_attempts`](super::SqlStore::bump_attempts)). At most
     /// 57 bytes, within every backend's identifier limit.
     pub fn attempts(&self) -> TableName {
+        self.suffixed("attempts")
+    }
+
+    /// `<table>_<suffix>` in the same schema (at most 48 + 1 + the
+    /// suffix's bytes: keep suffixes within 14 bytes for every backend's
+    /// 63-byte identifier limit).
+    pub(crate) fn suffixed(&self, suffix: &str) -> TableName {
         Self {
             schema: self.schema.clone(),
-            table: format!("{}_attempts", self.table),
+            table: format!("{}_{suffix}", self.table),
         }
     }
 

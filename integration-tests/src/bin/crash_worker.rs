@@ -1,7 +1,7 @@
 //! A tiny consumer for the crash test: processes one payment with the engine.
 //!
 //! `crash_worker BACKEND URL_OR_PATH DEDUP_TABLE BUSINESS_TABLE KEY MODE`
-//! with BACKEND `postgres|postgres_pipelined|mysql|sqlite` and MODE `hang` (after claiming and
+//! with BACKEND `postgres|postgres_pipelined|postgres_generations|mysql|sqlite` and MODE `hang` (after claiming and
 //! writing the business row, print `CLAIMED` and sleep so the test can
 //! SIGKILL it before the commit), `run` (process and print the outcome, and
 //! for a failure its reason), `abort` (a suspect delivery whose handler
@@ -12,7 +12,9 @@ use std::io::Write;
 use std::time::Duration;
 
 use onceonly::{Delivery, Engine, Json, handler_fn};
-use onceonly_integration_tests::{BusinessSql, Pay, mysql_store, pay, pg_store, sqlite_store};
+use onceonly_integration_tests::{
+    BusinessSql, Pay, mysql_store, pay, pg_generations_store, pg_store, sqlite_store,
+};
 
 macro_rules! run {
     ($store:expr, $conn:ty, $sql:expr, $key:expr, $mode:expr) => {{
@@ -82,6 +84,16 @@ async fn main() {
         }
         "postgres_pipelined" => {
             let store = pg_store(url, table).await.pipelined(true);
+            run!(
+                store,
+                sqlx::PgConnection,
+                BusinessSql::postgres(business),
+                key,
+                mode
+            )
+        }
+        "postgres_generations" => {
+            let store = pg_generations_store(url, table).await;
             run!(
                 store,
                 sqlx::PgConnection,

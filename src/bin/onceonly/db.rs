@@ -86,8 +86,13 @@ impl Db {
         let scheme = url.split_once(':').map_or("", |(s, _)| s);
         match scheme {
             #[cfg(feature = "postgres")]
+            // The table's own layout (plain or generations).
             "postgres" | "postgresql" => Ok(Self::Postgres(
-                onceonly::PgStore::connect(url).await?.with_table(table)?,
+                onceonly::PgStore::connect(url)
+                    .await?
+                    .with_table(table)?
+                    .detect_layout()
+                    .await?,
             )),
             #[cfg(feature = "mysql")]
             "mysql" | "mariadb" => {
@@ -119,6 +124,21 @@ impl Db {
                 ))
             }
             _ => Err(OpenError::Unsupported(redact(url))),
+        }
+    }
+
+    /// The backend, for [`onceonly::store::migration_sql`].
+    pub fn kind(&self) -> onceonly::store::BackendKind {
+        use onceonly::store::BackendKind;
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) if s.has_generations() => BackendKind::PostgresGenerations,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => BackendKind::Postgres,
+            #[cfg(feature = "mysql")]
+            Self::MySql(_) => BackendKind::MySql,
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => BackendKind::Sqlite,
         }
     }
 

@@ -6,7 +6,7 @@ use onceonly::store::TableName;
 use onceonly::store::admin::AdminStore;
 
 use crate::db::{Db, with_store};
-use crate::outbox::{OutboxTableArg, outbox_for};
+use crate::outbox::{OutboxLayout, OutboxTableArg, outbox_for};
 use crate::{CliResult, out};
 
 /// Create the dedup table and the outbox table with their indexes, or add
@@ -25,7 +25,9 @@ Examples:
   onceonly migrate --database-url mysql://root@127.0.0.1/test --table billing.onceonly_keys
   onceonly migrate --database-url $URL --outbox-table billing.outbox
   onceonly migrate --database-url sqlite:data/app.db --no-outbox
-  onceonly migrate --print-sql --backend postgres > migrations/0001_onceonly.sql")]
+  onceonly migrate --print-sql --backend postgres > migrations/0001_onceonly.sql
+  onceonly migrate --database-url $URL --layout generations --prepare   # online, slow
+  onceonly migrate --database-url $URL --layout generations             # then: fast")]
 pub struct MigrateArgs {
     /// postgres://…, mysql://… (or mariadb://…) or sqlite:PATH (else
     /// DATABASE_URL).
@@ -46,6 +48,27 @@ pub struct MigrateArgs {
     /// The backend whose DDL --print-sql prints.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
+    /// PostgreSQL: the dedup table's layout. `generations` partitions it
+    /// into two generations purged by TRUNCATE, never by DELETE (for big
+    /// tables; see the README), and upgrades a plain table to it. Default:
+    /// the layout the table has, plain for a new one.
+    #[arg(long, value_enum)]
+    layout: Option<LayoutArg>,
+    /// PostgreSQL: prepare a plain table for `--layout generations` while
+    /// consumers run (a column, a validated check and an index built
+    /// CONCURRENTLY: minutes on a big table), then stop. The upgrade that
+    /// follows takes milliseconds instead of an exclusive scan.
+    #[arg(long, requires = "layout", conflicts_with = "print_sql")]
+    prepare: bool,
+}
+
+/// The dedup table's layout (PostgreSQL).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LayoutArg {
+    /// One table, purged by bounded DELETEs.
+    Plain,
+    /// Two partitions, purged by TRUNCATE of the older one.
+    Generations,
 }
 
 /// A backend for --print-sql.
@@ -60,6 +83,9 @@ enum BackendArg {
 fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
     use onceonly::store::{BackendKind, migration_sql};
     let kind = match backend {
+        BackendArg::Postgres if args.layout == Some(LayoutArg::Generations) => {
+            BackendKind::PostgresGenerations
+        }
         BackendArg::Postgres => BackendKind::Postgres,
         BackendArg::Mysql => BackendKind::MySql,
         BackendArg::Sqlite => BackendKind::Sqlite,
@@ -84,6 +110,14 @@ fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
     Ok(())
 }
 
+/// ", generations layout" for a PostgreSQL table of that layout.
+fn layout_note(db: &Db) -> &'static str {
+    match db.kind() {
+        onceonly::store::BackendKind::PostgresGenerations => ", generations layout",
+        _ => "",
+    }
+}
+
 pub async fn run(args: MigrateArgs) -> CliResult {
     if args.print_sql {
         let backend = args.backend.ok_or("--print-sql needs --backend")?;
@@ -97,17 +131,54 @@ pub async fn run(args: MigrateArgs) -> CliResult {
         Some(TableName::new(&args.outbox.outbox_table)?)
     };
     let db = Db::open(&database_url, &args.table, true).await?;
+    let db = match (db, args.layout) {
+        #[cfg(feature = "postgres")]
+        (Db::Postgres(store), Some(layout)) => {
+            let store = store.generations(layout == LayoutArg::Generations);
+            if args.prepare {
+                if !store.has_generations() {
+                    return Err("--prepare prepares the upgrade to --layout generations".into());
+                }
+                store.prepare_generations().await?;
+                out!(
+                    "dedup table {} is prepared: run `onceonly migrate --layout generations` \
+                     once every process on it runs with PgStore::generations(true)",
+                    store.table()
+                );
+                return Ok(());
+            }
+            Db::Postgres(store)
+        }
+        (db, Some(_)) => {
+            return Err(format!("--layout is for PostgreSQL, not {}", db.backend()).into());
+        }
+        (db, None) => db,
+    };
     let backend = db.backend();
     with_store!(&db, |store| {
         store.migrate().await?;
         // Every column this version reads, without reading a row: fails
         // with the database's error if one is missing.
         store.check_columns().await?;
-        out!("dedup table {} is ready ({backend})", store.table());
+        out!(
+            "dedup table {} is ready ({backend}{})",
+            store.table(),
+            layout_note(&db)
+        );
         if let Some(name) = &outbox_table {
             let pool = store.pool();
-            outbox_for(pool, &name.to_string())?.migrate(pool).await?;
-            out!("outbox table {name} is ready ({backend})");
+            let outbox = outbox_for(pool, &name.to_string()).await?;
+            let outbox = match args.layout {
+                Some(layout) => OutboxLayout::choose(outbox, layout == LayoutArg::Generations),
+                None => outbox,
+            };
+            outbox.migrate(pool).await?;
+            let note = if outbox.has_generations() {
+                ", generations layout"
+            } else {
+                ""
+            };
+            out!("outbox table {name} is ready ({backend}{note})");
         }
     });
     Ok(())

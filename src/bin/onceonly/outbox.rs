@@ -73,12 +73,57 @@ impl OutboxDbArgs {
     }
 }
 
-/// The outbox on `table` for the backend of `pool`.
-pub(crate) fn outbox_for<DB: OutboxBackend>(
-    _pool: &Pool<DB>,
+/// The outbox on `table` for the backend of `pool`, with the layout its
+/// table has.
+pub(crate) async fn outbox_for<DB: OutboxLayout>(
+    pool: &Pool<DB>,
     table: &str,
 ) -> Result<Outbox<DB>, StoreError> {
-    Outbox::on_table(table)
+    DB::detect(Outbox::on_table(table)?, pool).await
+}
+
+/// The layouts an outbox table of a backend can have: PostgreSQL's plain
+/// or generations layout (found in the database), one elsewhere.
+pub(crate) trait OutboxLayout: OutboxBackend {
+    /// `outbox` with the layout its table has.
+    async fn detect(outbox: Outbox<Self>, pool: &Pool<Self>) -> Result<Outbox<Self>, StoreError>;
+
+    /// `outbox` with the generations layout or the plain one (`migrate
+    /// --layout`, accepted for PostgreSQL only).
+    fn choose(outbox: Outbox<Self>, generations: bool) -> Outbox<Self>;
+}
+
+#[cfg(feature = "postgres")]
+impl OutboxLayout for sqlx::Postgres {
+    async fn detect(outbox: Outbox<Self>, pool: &Pool<Self>) -> Result<Outbox<Self>, StoreError> {
+        outbox.detect_layout(pool).await
+    }
+
+    fn choose(outbox: Outbox<Self>, generations: bool) -> Outbox<Self> {
+        outbox.generations(generations)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl OutboxLayout for sqlx::MySql {
+    async fn detect(outbox: Outbox<Self>, _: &Pool<Self>) -> Result<Outbox<Self>, StoreError> {
+        Ok(outbox)
+    }
+
+    fn choose(outbox: Outbox<Self>, _: bool) -> Outbox<Self> {
+        outbox
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl OutboxLayout for sqlx::Sqlite {
+    async fn detect(outbox: Outbox<Self>, _: &Pool<Self>) -> Result<Outbox<Self>, StoreError> {
+        Ok(outbox)
+    }
+
+    fn choose(outbox: Outbox<Self>, _: bool) -> Outbox<Self> {
+        outbox
+    }
 }
 
 /// The outbox DDL on `table` for `backend`, without a database.
@@ -89,7 +134,9 @@ pub(crate) fn outbox_sql(
     use onceonly::store::BackendKind;
     Ok(match backend {
         #[cfg(feature = "postgres")]
-        BackendKind::Postgres => Outbox::<sqlx::Postgres>::on_table(table)?.migration_sql(),
+        BackendKind::Postgres | BackendKind::PostgresGenerations => {
+            Outbox::<sqlx::Postgres>::on_table(table)?.migration_sql()
+        }
         #[cfg(feature = "mysql")]
         BackendKind::MySql => Outbox::<sqlx::MySql>::on_table(table)?.migration_sql(),
         #[cfg(feature = "sqlite")]
@@ -105,7 +152,7 @@ macro_rules! with_outbox {
     ($db:expr, $table:expr, |$outbox:ident, $pool:ident| $body:expr) => {
         $crate::db::with_store!($db, |store| {
             let $pool = onceonly::SqlStore::pool(store);
-            let $outbox = $crate::outbox::outbox_for($pool, $table)?;
+            let $outbox = $crate::outbox::outbox_for($pool, $table).await?;
             $body
         })
     };

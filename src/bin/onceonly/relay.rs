@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use onceonly::outbox::{Outbox, OutboxBackend, Relay, RelayBuilder, RelayStats};
+use onceonly::outbox::{OutboxBackend, Relay, RelayBuilder, RelayStats};
 
 use crate::db::with_store;
 use crate::{CliResult, DbArgs, out};
@@ -71,11 +71,12 @@ pub async fn run(args: RelayArgs) -> CliResult {
     Ok(())
 }
 
-async fn relay_on<DB: OutboxBackend>(
+async fn relay_on<DB: crate::outbox::OutboxLayout>(
     pool: sqlx::Pool<DB>,
     args: &RelayArgs,
 ) -> CliResult<RelayStats> {
-    let outbox = Outbox::<DB>::on_table(&args.outbox_table)?;
+    // The table's own layout (plain or generations).
+    let outbox = crate::outbox::outbox_for(&pool, &args.outbox_table).await?;
     let builder = publishers(Relay::builder(pool, outbox), args)?;
     let relay = builder
         .batch(args.batch)

@@ -26,7 +26,9 @@
 //! settings on the role (`ALTER ROLE ... SET
 //! idle_in_transaction_session_timeout = '15s'`).
 
+mod generations;
 mod pipelined;
+pub(crate) use generations::{partitions_ddl, rows_sql, sql as generations_sql, switch_sql};
 mod unnest;
 
 use std::borrow::Cow;
@@ -40,6 +42,7 @@ use sqlx::query::Query;
 use super::backend::Backend;
 use super::base::SqlBase;
 use super::claim::Existing;
+use super::deadline::within;
 use super::sql::{Sql, lock_timeout_value};
 use super::{Claim, ClaimRequest, ClaimTimes, Deadlines, StoreError, TableName};
 
@@ -51,19 +54,26 @@ pub struct PgStore {
     lock_timeout: Option<Duration>,
     /// Whether claims travel with `BEGIN` and results with `COMMIT`.
     pipelined: bool,
+    /// Whether the table has the generations layout.
+    generations: bool,
 }
 
 /// The default [`PgStore::lock_timeout`]: 10 s.
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `BEGIN` with a transaction-local `lock_timeout`, in one round trip.
-fn begin_sql(lock_timeout: Option<Duration>) -> Cow<'static, str> {
-    match lock_timeout {
+/// `BEGIN` with a transaction-local `lock_timeout`, and the rotation
+/// fence of the generations layout, in one round trip.
+fn begin_sql(lock_timeout: Option<Duration>, fence: Option<String>) -> Cow<'static, str> {
+    let begin = match lock_timeout {
         None => Cow::Borrowed(Postgres::BEGIN),
         Some(t) => Cow::Owned(format!(
             "BEGIN; SET LOCAL lock_timeout = '{}'",
             lock_timeout_value(t)
         )),
+    };
+    match fence {
+        None => begin,
+        Some(fence) => Cow::Owned(format!("{begin}; {fence}")),
     }
 }
 
@@ -74,13 +84,27 @@ impl PgStore {
     /// [`PgStore::connect_with`] does, so that connections of a silent
     /// network are discarded and the server bounds a silent session.
     pub fn new(pool: PgPool) -> Self {
-        let mut base = SqlBase::new(pool, TableName::default());
-        base.begin = begin_sql(Some(DEFAULT_LOCK_TIMEOUT));
         Self {
-            base,
+            base: SqlBase::new(pool, TableName::default()),
             lock_timeout: Some(DEFAULT_LOCK_TIMEOUT),
             pipelined: false,
+            generations: false,
         }
+        .layout()
+    }
+
+    /// Sets the statements and the claim transactions' `BEGIN` of the
+    /// table, its layout and the lock timeout.
+    fn layout(mut self) -> Self {
+        let table = &self.base.table;
+        let fence = self.generations.then(|| generations::fence_shared(table));
+        self.base.sql = std::sync::Arc::new(if self.generations {
+            generations::sql(table)
+        } else {
+            super::sql::Sql::postgres(table)
+        });
+        self.base.begin = begin_sql(self.lock_timeout, fence);
+        self
     }
 
     /// Connects to `url` with a default pool (10 connections, built on
@@ -168,9 +192,8 @@ impl PgStore {
     /// place and tries again. Set on `BEGIN`, in the same round trip.
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.base.begin = begin_sql(timeout);
         self.lock_timeout = timeout;
-        self
+        self.layout()
     }
 
     /// Whether a claim travels with its transaction's `BEGIN` and the
@@ -199,7 +222,66 @@ impl PgStore {
         Ok(Self {
             base: self.base.on_table(TableName::new(name)?),
             ..self
-        })
+        }
+        .layout())
+    }
+
+    /// Whether the dedup table has the *generations* layout (default
+    /// `false`): two partitions, purged by `TRUNCATE` of the older one
+    /// instead of by `DELETE`, so a purge never competes with claims,
+    /// however big the table (see the README's "A dedup table of 100
+    /// million records"). [`migrate`](crate::SqlStore::migrate) then creates
+    /// that layout, or upgrades a plain table to it (run
+    /// [`prepare_generations`](Self::prepare_generations) first on a big
+    /// one); [`purge_expired`](crate::SqlStore::purge_expired) of the whole
+    /// table rotates the generations. Every process on the table must use
+    /// the same layout: the plain statements fail on a generations table
+    /// (and its migration refuses it), and the other way round.
+    ///
+    /// On this layout a claim also probes the other generation (one index
+    /// look-up more in the same statement), its transaction takes a shared
+    /// advisory lock with its `BEGIN`, and [`pipelined`](Self::pipelined)
+    /// is ignored.
+    #[must_use]
+    pub fn generations(mut self, generations: bool) -> Self {
+        self.generations = generations;
+        self.layout()
+    }
+
+    /// Whether this store uses the generations layout
+    /// ([`PgStore::generations`]).
+    pub fn has_generations(&self) -> bool {
+        self.generations
+    }
+
+    /// The store with the layout its table has: the generations layout if
+    /// the table is partitioned, the plain one otherwise (also when the
+    /// table does not exist yet). For tools that open any table, like the
+    /// `onceonly` CLI.
+    pub async fn detect_layout(self) -> Result<Self, StoreError> {
+        let found = within(
+            self.base.pool_bound(),
+            "layout",
+            generations::detect(&self.base),
+        )
+        .await?;
+        Ok(self.generations(found))
+    }
+
+    /// Prepares a plain dedup table for its upgrade to the generations
+    /// layout while claims go on: adds the `generation` column (0 for
+    /// every record; instant), a validated `CHECK (generation = 0)` and a
+    /// unique index on `(scope, idem_key, generation)` built
+    /// `CONCURRENTLY`. The upgrade itself ([`migrate`](crate::SqlStore::migrate)
+    /// on a store with [`generations`](Self::generations)) then only
+    /// renames and attaches, in milliseconds, instead of scanning the table
+    /// and building the index under an exclusive lock. Plain-layout
+    /// processes keep working on a prepared table. Takes as long as the
+    /// index build (minutes at 100 million rows) and is not bounded by the
+    /// store's deadlines; a run that was interrupted can simply be run
+    /// again. Does nothing on a table that already has the layout.
+    pub async fn prepare_generations(&self) -> Result<(), StoreError> {
+        generations::prepare(&self.base).await
     }
 }
 
@@ -211,7 +293,7 @@ super::forward::forward_sql_store!(
         times: ClaimTimes,
         req: &ClaimRequest<'_>,
     ) -> Result<Result<super::ClaimTx<Postgres>, Claim>, StoreError> {
-        if self.pipelined {
+        if self.pipelined && !self.generations {
             self.open_pipelined(scope, times, req).await
         } else {
             super::open_by_statements(self, scope, times, req).await
@@ -293,5 +375,10 @@ impl Backend for Postgres {
         results: &[(&str, &[u8])],
     ) -> Option<Result<(), StoreError>> {
         Some(unnest::complete_many(base, conn, scope, results).await)
+    }
+
+    async fn rotate(base: &SqlBase<Self>, now_ms: i64) -> Option<Result<u64, StoreError>> {
+        let rotation = base.sql.rotation.as_ref()?;
+        Some(generations::rotate(base, rotation, now_ms).await)
     }
 }

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use onceonly::store::admin::{AdminStore, RecordFilter};
-use onceonly::store::{BackendKind, TableName, migration_sql};
+use onceonly::store::{TableName, migration_sql};
 
 use crate::db::{Db, with_store};
 use crate::outbox::OutboxTableArg;
@@ -119,16 +119,8 @@ pub async fn run(args: DoctorArgs) -> CliResult<ExitCode> {
     Ok(ExitCode::from(finding::exit_code(&findings)))
 }
 
-fn kind_of(db: &Db) -> BackendKind {
-    match db.backend() {
-        "postgres" => BackendKind::Postgres,
-        "mysql" => BackendKind::MySql,
-        _ => BackendKind::Sqlite,
-    }
-}
-
 async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
-    let kind = kind_of(db);
+    let kind = db.kind();
     let mut findings = Vec::new();
     let (dedup, columns, retention) = with_store!(db, |store| {
         let table = store.table().clone();
