@@ -124,9 +124,9 @@ pub(crate) fn sql(table: &TableName) -> OutboxSql {
          destination, routing_key, message_key, order_key, headers, payload, \
          next_attempt_at_ms, created_at_ms, generation) \
          SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::text, \
-         $8::bytea, $9::text, $10::text, $11::bytea, $12::bigint, $13::bigint, g.current \
-         FROM {c} AS g WHERE NOT EXISTS (SELECT 1 FROM {t} AS o \
-         WHERE o.message_id = $1::text AND o.generation <> g.current) \
+         $8::bytea, $9::text, $10::text, $11::bytea, $12::bigint, $13::bigint, \
+         (SELECT current FROM {c}) WHERE NOT EXISTS (SELECT 1 FROM {t} AS o \
+         WHERE o.message_id = $1::text AND o.generation = (SELECT 1 - current FROM {c})) \
          ON CONFLICT (message_id, generation) DO NOTHING RETURNING id) \
          SELECT pg_notify($14, '') FROM ins"
     );

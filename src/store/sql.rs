@@ -79,6 +79,8 @@ pub(crate) struct RotationSql {
     pub truncate: [String; 2],
     /// generation, now: makes it the current one.
     pub switch: String,
+    /// The partitions, quoted.
+    pub partitions: [String; 2],
 }
 
 /// The statements on the attempts table: one row per suspect key whose

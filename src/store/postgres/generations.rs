@@ -62,6 +62,10 @@ use crate::store::{StoreError, TableName};
 const TRY_FOR: Duration = Duration::from_millis(500);
 const TRY_EVERY: Duration = Duration::from_millis(10);
 
+/// How long `prepare_generations`' concurrent index build waits for the
+/// transactions older than it to end.
+const INDEX_BUILD_WAIT: &str = "15min";
+
 /// The rotation's bound on each lock wait (the fence, the truncate):
 /// claims that arrive meanwhile queue behind it at most this long.
 const ROTATION_LOCK_WAIT: &str = "200ms";
@@ -117,7 +121,11 @@ pub(crate) fn sql(table: &TableName) -> Sql {
     sql.ddl = ddl(table);
     // A live record in the other generation makes the key taken; the
     // current generation's primary key does the rest, as in the plain
-    // layout. `w` is the lock-wait CTE of the waiting forms.
+    // layout. Both generations are read by init plans, so that only the
+    // other generation's partition is probed (run-time pruning). `w` is
+    // the lock-wait CTE of the waiting forms.
+    let current = format!("(SELECT current FROM {c})");
+    let other = format!("(SELECT 1 - current FROM {c})");
     let insert = |result: bool, w: &str| {
         let (col, val) = if result {
             (", result", ", $7::bytea")
@@ -126,18 +134,17 @@ pub(crate) fn sql(table: &TableName) -> Sql {
         };
         format!(
             "INSERT INTO {t} (generation, {INSERT_COLS}{col}) \
-             SELECT g.current, $1::bytea, $2::text, $3::bigint, $4::bigint, $5::text, $6::text{val} \
-             FROM {c} AS g{w} WHERE NOT EXISTS (SELECT 1 FROM {t} AS o \
+             SELECT {current}, $1::bytea, $2::text, $3::bigint, $4::bigint, $5::text, $6::text{val}\
+             {w} WHERE NOT EXISTS (SELECT 1 FROM {t} AS o \
              WHERE o.scope = $5::text AND o.idem_key = $6::text \
-             AND o.generation <> g.current AND o.expires_at_ms > $3::bigint) \
+             AND o.generation = {other} AND o.expires_at_ms > $3::bigint) \
              ON CONFLICT (scope, idem_key, generation) DO NOTHING"
         )
     };
-    let current = format!("(SELECT current FROM {c})");
     sql.insert = insert(false, "");
     sql.insert_completed = insert(true, "");
-    sql.insert_waiting = pg_waiting(&insert(false, ", w"), "$7");
-    sql.insert_completed_waiting = pg_waiting(&insert(true, ", w"), "$8");
+    sql.insert_waiting = pg_waiting(&insert(false, " FROM w"), "$7");
+    sql.insert_completed_waiting = pg_waiting(&insert(true, " FROM w"), "$8");
     let many = |result: bool| {
         let (col, val, arr, alias) = if result {
             (", result", ", u.r", ", $7::bytea[]", ", r")
@@ -146,10 +153,10 @@ pub(crate) fn sql(table: &TableName) -> Sql {
         };
         format!(
             "INSERT INTO {t} (generation, {COLS}{col}) \
-             SELECT g.current, $1::text, u.k, u.f, u.s, $5::bigint, $6::bigint{val} \
-             FROM {c} AS g, UNNEST($2::text[], $3::bytea[], $4::text[]{arr}) AS u(k, f, s{alias}) \
+             SELECT {current}, $1::text, u.k, u.f, u.s, $5::bigint, $6::bigint{val} \
+             FROM UNNEST($2::text[], $3::bytea[], $4::text[]{arr}) AS u(k, f, s{alias}) \
              WHERE NOT EXISTS (SELECT 1 FROM {t} AS o WHERE o.scope = $1::text \
-             AND o.idem_key = u.k AND o.generation <> g.current AND o.expires_at_ms > $5::bigint) \
+             AND o.idem_key = u.k AND o.generation = {other} AND o.expires_at_ms > $5::bigint) \
              ON CONFLICT (scope, idem_key, generation) DO NOTHING RETURNING idem_key"
         )
     };
@@ -197,6 +204,7 @@ pub(crate) fn sql(table: &TableName) -> Sql {
         rows: each(&rows_sql),
         truncate: each(&|g| format!("TRUNCATE {g}")),
         switch: switch_sql(&c),
+        partitions: g.clone(),
     });
     sql
 }
@@ -352,12 +360,19 @@ pub(super) async fn prepare(base: &SqlBase<Postgres>) -> Result<(), StoreError> 
         sqlx::query(&drop).execute(&mut *conn).await?;
     }
     let lock = crate::store::sql::lock_timeout_value(base.deadlines.migration_lock_timeout());
+    let [column, check, validate, index] = prepare_sql(table);
     sqlx::query(&format!("SET lock_timeout = '{lock}'"))
         .execute(&mut *conn)
         .await?;
-    for statement in prepare_sql(table) {
+    for statement in [column, check, validate] {
         sqlx::query(&statement).execute(&mut *conn).await?;
     }
+    // The concurrent build waits for every transaction older than it, in
+    // the whole database, to end: a bound for long reports and loads.
+    sqlx::query(&format!("SET lock_timeout = '{INDEX_BUILD_WAIT}'"))
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(&index).execute(&mut *conn).await?;
     Ok(())
 }
 
@@ -395,6 +410,84 @@ async fn rotate_unbounded(
     let rows: i64 = sqlx::query_scalar(&rot.rows[other])
         .fetch_one(&mut *conn)
         .await?;
+    let mut attempt = 1;
+    loop {
+        match switch(&mut conn, base, rot, now_ms, current).await {
+            Ok(done) => {
+                return Ok(if done {
+                    u64::try_from(rows).unwrap_or(0)
+                } else {
+                    0
+                });
+            }
+            // Something held the fence or the partition longer than the
+            // rotation's lock wait: say who, and try again a little later.
+            Err(e) if attempt < ROTATION_ATTEMPTS && is_lock_timeout(&e) => {
+                let holders = holders(&mut conn, &rot.partitions[other]).await;
+                tracing::warn!(
+                    table = %base.table,
+                    attempt,
+                    %holders,
+                    "a rotation of the dedup table waited too long for its locks; trying again"
+                );
+                attempt += 1;
+                tokio::time::sleep(TRY_EVERY * 10).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Rotations give up after this many attempts that timed out on a lock
+/// (the error is contention: the purge's caller tries again later).
+const ROTATION_ATTEMPTS: u32 = 3;
+
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "55P03")
+}
+
+/// Who holds a lock on `partition` (pid, mode, state, the query's start),
+/// for the log of a rotation that could not get its own.
+async fn holders(conn: &mut sqlx::PgConnection, partition: &str) -> String {
+    /// pid, lock mode, state, the query's start.
+    type Holder = (i32, String, Option<String>, Option<String>);
+    let rows: Result<Vec<Holder>, _> = sqlx::query_as(
+        "SELECT l.pid, l.mode, a.state, left(a.query, 80) FROM pg_locks l \
+         LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.relation = to_regclass($1) AND l.granted AND l.pid <> pg_backend_pid()",
+    )
+    .bind(partition)
+    .fetch_all(&mut *conn)
+    .await;
+    match rows {
+        Ok(rows) if rows.is_empty() => "nobody holds the partition (the fence was held)".into(),
+        Ok(rows) => rows
+            .iter()
+            .map(|(pid, mode, state, query)| {
+                format!(
+                    "pid {pid} {mode} ({}): {}",
+                    state.as_deref().unwrap_or("?"),
+                    query.as_deref().unwrap_or("?")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        Err(e) => format!("unknown ({e})"),
+    }
+}
+
+/// One fenced attempt: the switch from generation `current` to the other
+/// one, after truncating it. `Ok(false)`: nothing to do any more.
+async fn switch(
+    conn: &mut sqlx::PgConnection,
+    base: &SqlBase<Postgres>,
+    rot: &RotationSql,
+    now_ms: i64,
+    current: i16,
+) -> Result<bool, sqlx::Error> {
+    let other = usize::from(current == 0);
     let mut tx = conn
         .begin_with(format!(
             "BEGIN; SET LOCAL lock_timeout = '{ROTATION_LOCK_WAIT}'"
@@ -426,13 +519,13 @@ async fn rotate_unbounded(
     let now_current: i16 = sqlx::query_scalar(&format!("{} FOR UPDATE", rot.current))
         .fetch_one(&mut *tx)
         .await?;
-    let still_free: bool = !sqlx::query_scalar::<_, bool>(&rot.live[other])
+    let live: bool = sqlx::query_scalar(&rot.live[other])
         .bind(now_ms)
         .fetch_one(&mut *tx)
         .await?;
-    if now_current != current || !still_free {
+    if now_current != current || live {
         tx.rollback().await?;
-        return Ok(0);
+        return Ok(false);
     }
     let truncating = tokio::time::Instant::now();
     sqlx::query(&rot.truncate[other]).execute(&mut *tx).await?;
@@ -445,13 +538,12 @@ async fn rotate_unbounded(
     tracing::info!(
         table = %base.table,
         generation = other,
-        records = rows,
         fence_ms,
         fence_tries = tries,
         truncate_ms = truncating.elapsed().as_millis(),
         "rotated the dedup table: truncated the other generation and made it the current one"
     );
-    Ok(u64::try_from(rows).unwrap_or(0))
+    Ok(true)
 }
 
 /// Whether `table` has the generations layout (a partitioned table).

@@ -278,8 +278,11 @@ impl PgStore {
     /// and building the index under an exclusive lock. Plain-layout
     /// processes keep working on a prepared table. Takes as long as the
     /// index build (minutes at 100 million rows) and is not bounded by the
-    /// store's deadlines; a run that was interrupted can simply be run
-    /// again. Does nothing on a table that already has the layout.
+    /// store's deadlines: the build waits up to 15 minutes for the
+    /// transactions older than it (in the whole database) to end, the other
+    /// steps for locks as long as a migration. A run that was interrupted
+    /// can simply be run again. Does nothing on a table that already has
+    /// the layout.
     pub async fn prepare_generations(&self) -> Result<(), StoreError> {
         generations::prepare(&self.base).await
     }
