@@ -240,8 +240,7 @@ impl Sql {
         ddl.extend(attempts_ddl(table, &a, ("text", "bigint", "integer"), ""));
         // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
         let mut sql = numbered(&t, &a, ddl, " FOR UPDATE SKIP LOCKED");
-        let waiting = pg_waiting;
-        sql.insert_waiting = waiting(
+        sql.insert_waiting = pg_waiting(
             &format!(
                 "INSERT INTO {t} ({INSERT_COLS}) \
                  SELECT $1::bytea, $2::text, $3::bigint, $4::bigint, $5::text, $6::text FROM w \
@@ -249,7 +248,7 @@ impl Sql {
             ),
             "$7",
         );
-        sql.insert_completed_waiting = waiting(
+        sql.insert_completed_waiting = pg_waiting(
             &format!(
                 "INSERT INTO {t} ({INSERT_COLS}, result) \
                  SELECT $1::bytea, $2::text, $3::bigint, $4::bigint, $5::text, $6::text, \
@@ -257,7 +256,7 @@ impl Sql {
             ),
             "$8",
         );
-        sql.reclaim_waiting = waiting(
+        sql.reclaim_waiting = pg_waiting(
             &format!(
                 "UPDATE {t} SET fingerprint = $1::bytea, source = $2::text, \
                  created_at_ms = $3::bigint, expires_at_ms = $4::bigint, result = NULL FROM w \
