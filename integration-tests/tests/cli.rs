@@ -446,6 +446,39 @@ async fn background_purger_deletes_expired_records() {
     assert_eq!(count_pg(&store, "1 = 1").await, 10, "live records stay");
 }
 
+/// A purger stopped in the middle of a round (between two batches) stops
+/// there and reports what it deleted: it neither runs the round to its end
+/// nor fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_purger_stopped_mid_round_stops_between_batches_with_its_total() {
+    let url = pg_url();
+    let table = unique("purger_stop");
+    let store = pg_store(&url, &table).await;
+    seed_pg(&store, "s", "old-", 2_000, 2 * DAY_MS, -DAY_MS).await;
+    // Batches of 10, 20 ms apart: the round lasts about 4 s.
+    let handle = Purger::builder(store.clone())
+        .batch(10)
+        .pause_between_batches(Duration::from_millis(20))
+        .build()
+        .expect("purger")
+        .spawn();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while count_pg(&store, "idem_key LIKE 'old-%'").await > 1_900 {
+        assert!(Instant::now() < deadline, "the purger did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopping = Instant::now();
+    let total = handle.stop().await;
+    assert!(
+        stopping.elapsed() < Duration::from_secs(2),
+        "stopped after {:?}",
+        stopping.elapsed()
+    );
+    let left = count_pg(&store, "idem_key LIKE 'old-%'").await;
+    assert!(left > 0, "the round ran to its end");
+    assert_eq!(total, 2_000 - left as u64, "the total it reported");
+}
+
 /// Processes orders `k-0`..`k-5` with a handler that enqueues one Kafka
 /// message per order into outbox table `$outbox` on backend `$db` (the
 /// real API, in the claim's transaction), then `k-0` again: a duplicate,

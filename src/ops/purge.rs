@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
+use futures_util::future::FusedFuture;
 use tokio::sync::watch;
 
 use crate::clock::{Clock, SystemClock};
@@ -341,7 +342,7 @@ impl<S: SqlStore> Purger<S> {
     /// Returns how many were deleted.
     pub async fn purge_once(&self) -> Result<u64, StoreError> {
         let mut total = 0;
-        let mut never = std::pin::pin!(std::future::pending::<()>());
+        let mut never = std::pin::pin!(std::future::pending::<()>().fuse());
         self.observed_round(&mut total, &mut never).await?;
         Ok(total)
     }
@@ -355,7 +356,7 @@ impl<S: SqlStore> Purger<S> {
         shutdown: &mut Pin<&mut F>,
     ) -> Result<(), StoreError>
     where
-        F: Future<Output = ()>,
+        F: FusedFuture<Output = ()>,
     {
         let now_ms = self.clock.now_ms();
         match self.round(now_ms, total, shutdown).await {
@@ -374,8 +375,12 @@ impl<S: SqlStore> Purger<S> {
 
     /// Deletes records expired at `now_ms` batch by batch into `total`,
     /// until a batch comes back short (returns `true`: caught up) or
-    /// `shutdown` is ready between two batches (`false`; a batch that
-    /// started always finishes).
+    /// `shutdown` is ready between two batches (`false`). A batch that
+    /// started finishes, unless it is still running [`SHUTDOWN_GRACE`]
+    /// after `shutdown` (a rotation of a big generations table, which
+    /// pauses between its steps): it is then abandoned between two
+    /// statements, each of which commits or rolls back whole, and the next
+    /// purge goes on from there.
     async fn round<F>(
         &self,
         now_ms: i64,
@@ -383,16 +388,30 @@ impl<S: SqlStore> Purger<S> {
         shutdown: &mut Pin<&mut F>,
     ) -> Result<bool, StoreError>
     where
-        F: Future<Output = ()>,
+        F: FusedFuture<Output = ()>,
     {
         loop {
-            if shutdown.as_mut().now_or_never().is_some() {
+            // A fused future completes once: a batch's select may have
+            // seen it.
+            if shutdown.is_terminated() || shutdown.as_mut().now_or_never().is_some() {
                 return Ok(false);
             }
-            let deleted = self
+            let purge = self
                 .store
-                .purge_expired(self.scope.as_deref(), now_ms, self.batch)
-                .await?;
+                .purge_expired(self.scope.as_deref(), now_ms, self.batch);
+            let deleted = tokio::select! {
+                deleted = purge => deleted?,
+                () = async {
+                    shutdown.as_mut().await;
+                    tokio::time::sleep(SHUTDOWN_GRACE).await;
+                } => {
+                    tracing::info!(
+                        table = %self.store.table(),
+                        "a purge still running at shutdown was abandoned; the next one goes on"
+                    );
+                    return Ok(false);
+                }
+            };
             telemetry::purged(self.store.table(), deleted);
             *total += deleted;
             if deleted < u64::from(self.batch) {
@@ -407,9 +426,11 @@ impl<S: SqlStore> Purger<S> {
     }
 
     /// Runs rounds until `shutdown` completes; a batch in progress finishes
-    /// first. Returns how many records were deleted.
+    /// first, or is abandoned [`SHUTDOWN_GRACE`] after `shutdown`. Returns
+    /// how many records were deleted.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> u64 {
-        let mut shutdown = std::pin::pin!(shutdown);
+        // Fused: a round may have seen it complete.
+        let mut shutdown = std::pin::pin!(shutdown.fuse());
         let mut total = 0;
         loop {
             let before = total;
@@ -425,6 +446,9 @@ impl<S: SqlStore> Purger<S> {
                     table = %self.store.table(),
                     "purge of expired dedup records failed; retrying at the next interval"
                 ),
+            }
+            if shutdown.is_terminated() {
+                return total;
             }
             tokio::select! {
                 biased;
@@ -497,10 +521,16 @@ pub struct PurgerHandle {
     task: tokio::task::JoinHandle<u64>,
 }
 
+/// How long a stopping [`Purger`] waits for the batch in progress (a
+/// bounded `DELETE` takes milliseconds; a rotation of a big generations
+/// table pauses between its steps for seconds) before it abandons it.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 impl PurgerHandle {
-    /// Stops the purger after its current batch; returns how many records it
-    /// deleted in total. (Dropping the handle instead leaves the purger
-    /// running until the runtime shuts down.)
+    /// Stops the purger after its current batch (waiting for it at most
+    /// [`SHUTDOWN_GRACE`]); returns how many records it deleted in total.
+    /// (Dropping the handle instead leaves the purger running until the
+    /// runtime shuts down.)
     pub async fn stop(self) -> u64 {
         let _ = self.stop.send(true);
         match self.task.await {
