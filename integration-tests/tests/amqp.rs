@@ -126,12 +126,19 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     let handler = Arc::new(Ledger::default());
     // One handler at a time: the two `P-1` messages must be processed in
     // publishing order for the second to be the conflict.
+    // The flaky message's retries come back 1 s, then 2 s (and jitter)
+    // later, through the broker's TTL expiry, which runs late on a loaded
+    // machine: the consumer waits well past that before it calls the queue
+    // idle (3 s, seen stopping before the last retry came back).
     let run = tokio::spawn(drain(
-        consumer(&s).concurrency(1).retry(
-            RetryPolicy::default()
-                .max_attempts(3)
-                .initial_delay(Duration::from_millis(1_000)),
-        ),
+        consumer(&s)
+            .concurrency(1)
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(3)
+                    .initial_delay(Duration::from_millis(1_000)),
+            )
+            .exit_when_idle(Duration::from_secs(8)),
         Arc::clone(&handler),
     ));
     let mut flaky = Msg::new(pay("P-2", 20).account("flaky"));

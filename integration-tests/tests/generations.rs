@@ -3,7 +3,9 @@
 //! its records is live; keys stay deduplicated across rotations, also for a
 //! claim in flight while a rotation runs (the fence); a plain table is
 //! upgraded in place, prepared online first; the CLI finds the layout by
-//! itself.
+//! itself. Each generation is split into hash buckets that a rotation
+//! empties one transaction at a time, resuming where a failed rotation
+//! stopped.
 //!
 //! Requires PostgreSQL (`ONCEONLY_PG_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`; `scripts/services` starts it).
@@ -132,6 +134,90 @@ async fn a_rotation_truncates_only_a_generation_with_no_live_record() {
             .unwrap(),
         2
     );
+    drop_layout(&pool, &table).await;
+}
+
+/// The buckets of generation `g` (name, heap bytes), by name.
+async fn buckets(pool: &PgPool, table: &str, g: usize) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT c.relname::text, pg_relation_size(c.oid) FROM pg_inherits i \
+         JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass($1) \
+         ORDER BY c.relname",
+    )
+    .bind(format!("{table}_g{g}"))
+    .fetch_all(pool)
+    .await
+    .expect("buckets of a generation")
+}
+
+/// A generation is split into 8 hash buckets (the default), and a rotation
+/// empties them a step (`rotation_step`) at a time, one transaction each,
+/// before it switches: a bucket it
+/// cannot truncate (a long report holds it) stops the rotation there, as
+/// contention, with the buckets before it empty, the rest untouched, the
+/// current generation unchanged and every live key still a duplicate. The
+/// next purge goes on from where it stopped.
+#[tokio::test]
+async fn a_rotation_empties_buckets_one_at_a_time_and_resumes_where_it_stopped() {
+    let table = unique("gen_buckets");
+    // Steps of one byte: one bucket per step (at 1 GiB, the default, a
+    // generation this small goes in one step).
+    let store = generations_store(&table).await.rotation_step(1);
+    let pool = store.pool().clone();
+    assert_eq!(buckets(&pool, &table, 0).await.len(), 8);
+    assert_eq!(buckets(&pool, &table, 1).await.len(), 8);
+
+    // 400 keys in generation 0, expiring at 2000; rotate to generation 1.
+    for i in 0..400 {
+        let key = format!("old-{i}");
+        assert_eq!(
+            claim(&store, &key, 1_000, Duration::from_secs(1)).await,
+            Claim::Claimed
+        );
+    }
+    store.purge_expired(None, 1_500, 5_000).await.unwrap();
+    assert_eq!(current(&pool, &table).await, 1);
+    let live = Duration::from_secs(100);
+    assert_eq!(claim(&store, "live", 1_600, live).await, Claim::Claimed);
+    let full = buckets(&pool, &table, 0).await;
+    assert!(full.iter().all(|(_, size)| *size > 0), "{full:?}");
+
+    // A report reads bucket 5 of generation 0 and stays open.
+    let held = &full[5].0;
+    let mut report = pool.begin().await.unwrap();
+    sqlx::query(&format!("SELECT count(*) FROM {held}"))
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    let stopped = store
+        .purge_expired(None, 5_000, 5_000)
+        .await
+        .expect_err("a rotation stopped by a held bucket");
+    assert!(stopped.is_infrastructure(), "{stopped}");
+    let sizes: Vec<i64> = buckets(&pool, &table, 0)
+        .await
+        .into_iter()
+        .map(|(_, size)| size)
+        .collect();
+    assert!(sizes[..5].iter().all(|s| *s == 0), "{sizes:?}");
+    assert!(sizes[5..].iter().all(|s| *s > 0), "{sizes:?}");
+    assert_eq!(current(&pool, &table).await, 1);
+    assert!(is_duplicate(&claim(&store, "live", 5_000, live).await));
+
+    // The report ends: the next purge empties the rest and switches.
+    report.rollback().await.unwrap();
+    store.purge_expired(None, 5_000, 5_000).await.unwrap();
+    assert_eq!(current(&pool, &table).await, 0);
+    assert_eq!(per_generation(&pool, &table).await, [0, 1]);
+    let sizes = buckets(&pool, &table, 0).await;
+    assert!(sizes.iter().all(|(_, size)| *size == 0), "{sizes:?}");
+    assert!(is_duplicate(&claim(&store, "live", 5_100, live).await));
+    assert_eq!(
+        claim(&store, "old-7", 5_100, live).await,
+        Claim::Claimed,
+        "an expired key is new again"
+    );
+    assert!(is_duplicate(&claim(&store, "old-7", 5_200, live).await));
     drop_layout(&pool, &table).await;
 }
 
@@ -284,9 +370,15 @@ async fn a_plain_table_is_upgraded_in_place_keeping_its_records() {
         // old record expired (10 s after 1000), generation 0 is truncated.
         store.purge_expired(None, 3_000, 5_000).await.unwrap();
         assert_eq!(current(&pool, &table).await, 1);
+        // Generation 0 was the old plain table: its first truncate splits
+        // it into buckets like generation 1's.
+        assert!(buckets(&pool, &table, 0).await.is_empty());
         store.purge_expired(None, 20_000, 5_000).await.unwrap();
         assert_eq!(current(&pool, &table).await, 0);
         assert_eq!(per_generation(&pool, &table).await, [0, 0]);
+        assert_eq!(buckets(&pool, &table, 0).await.len(), 8);
+        assert_eq!(claim(&store, "after", 20_000, ttl).await, Claim::Claimed);
+        assert!(is_duplicate(&claim(&store, "after", 20_100, ttl).await));
         drop_layout(&pool, &table).await;
     }
 }
@@ -321,6 +413,8 @@ async fn the_cli_creates_the_layout_and_purges_by_rotation() {
         &outbox,
         "--layout",
         "generations",
+        "--buckets",
+        "4",
     ])
     .await;
     assert!(migrate.success, "{migrate:?}");
@@ -329,6 +423,25 @@ async fn the_cli_creates_the_layout_and_purges_by_rotation() {
             "dedup table {table} is ready (postgres, generations layout)"
         )),
         "{migrate:?}"
+    );
+    let pool = PgPool::connect(&url).await.unwrap();
+    assert_eq!(buckets(&pool, &table, 0).await.len(), 4);
+    assert_eq!(buckets(&pool, &table, 1).await.len(), 4);
+    let refused = onceonly(&[
+        "migrate",
+        "--database-url",
+        &url,
+        "--table",
+        &table,
+        "--layout",
+        "generations",
+        "--buckets",
+        "0",
+    ])
+    .await;
+    assert!(
+        !refused.success && refused.stderr.contains("--buckets"),
+        "{refused:?}"
     );
     assert!(
         migrate.stdout.contains(&format!(
@@ -394,6 +507,8 @@ async fn the_cli_creates_the_layout_and_purges_by_rotation() {
         2,
         "{again:?}"
     );
+    // It keeps the buckets the table has, whatever --buckets says.
+    assert_eq!(buckets(&pool, &table, 0).await.len(), 4);
     drop_layout(&pool, &table).await;
     drop_layout(&pool, &outbox).await;
 }

@@ -105,7 +105,8 @@ pub(crate) fn sql(table: &TableName) -> OutboxSql {
              PARTITION BY LIST (generation)"
         ),
     ];
-    ddl.extend(partitions_ddl(table));
+    // Sent rows are truncated whole: the outbox's generations are not split.
+    ddl.extend(partitions_ddl(table, 1));
     ddl.extend([
         format!(
             "CREATE INDEX IF NOT EXISTS {} ON {t} (order_key, id) WHERE status = {PENDING}",

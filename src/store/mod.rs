@@ -494,6 +494,21 @@ pub enum BackendKind {
     Sqlite,
 }
 
+/// The default number of buckets PostgreSQL's generations layout splits
+/// each generation into (`PgStore::generation_buckets`): 8.
+pub const DEFAULT_GENERATION_BUCKETS: u16 = 8;
+
+/// The most buckets a generation can be split into: 64.
+pub const MAX_GENERATION_BUCKETS: u16 = 64;
+
+/// `ddl` without PostgreSQL's migration lock, for a migration tool that
+/// runs the statements in one migration of its own.
+pub(crate) fn without_migration_lock(ddl: Vec<String>) -> Vec<String> {
+    ddl.into_iter()
+        .filter(|s| !s.starts_with("SELECT pg_advisory"))
+        .collect()
+}
+
 /// The DDL [`SqlStore::migrate`] runs for dedup table `table` on
 /// `backend` (the table, its attempts table [`TableName::attempts`] and
 /// their indexes, `IF NOT EXISTS`), for your own
@@ -506,7 +521,9 @@ pub fn migration_sql(backend: BackendKind, table: &TableName) -> Option<Vec<Stri
         #[cfg(feature = "postgres")]
         BackendKind::Postgres => sql::Sql::postgres(table).ddl,
         #[cfg(feature = "postgres")]
-        BackendKind::PostgresGenerations => postgres::generations_sql(table).ddl,
+        BackendKind::PostgresGenerations => {
+            postgres::generations_sql(table, postgres::DEFAULT_GENERATION_BUCKETS).ddl
+        }
         #[cfg(feature = "mysql")]
         BackendKind::MySql => sql::Sql::mysql(table).ddl,
         #[cfg(feature = "sqlite")]
@@ -514,11 +531,7 @@ pub fn migration_sql(backend: BackendKind, table: &TableName) -> Option<Vec<Stri
         #[allow(unreachable_patterns)]
         _ => return None,
     };
-    Some(
-        ddl.into_iter()
-            .filter(|s| !s.starts_with("SELECT pg_advisory"))
-            .collect(),
-    )
+    Some(without_migration_lock(ddl))
 }
 
 /// Checks a scope: 1 to [`MAX_SCOPE_LEN`] bytes, no control characters.

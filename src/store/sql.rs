@@ -81,6 +81,9 @@ pub(crate) struct RotationSql {
     pub switch: String,
     /// The partitions, quoted.
     pub partitions: [String; 2],
+    /// How many bytes of files a rotation frees per fenced step, at most
+    /// (a bigger bucket is a step of its own).
+    pub free_per_step: u64,
 }
 
 /// The statements on the attempts table: one row per suspect key whose

@@ -60,6 +60,13 @@ pub struct MigrateArgs {
     /// follows takes milliseconds instead of an exclusive scan.
     #[arg(long, requires = "layout", conflicts_with = "print_sql")]
     prepare: bool,
+    /// PostgreSQL, `--layout generations`: into how many hash partitions
+    /// each generation is split (1 to 64), so that a rotation frees a big
+    /// generation's files a bucket at a time. Read only where this
+    /// migration creates a generation.
+    #[arg(long, requires = "layout", default_value_t = onceonly::store::DEFAULT_GENERATION_BUCKETS,
+          value_parser = clap::value_parser!(u16).range(1..=i64::from(onceonly::store::MAX_GENERATION_BUCKETS)))]
+    buckets: u16,
 }
 
 /// The dedup table's layout (PostgreSQL).
@@ -91,7 +98,16 @@ fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
         BackendArg::Sqlite => BackendKind::Sqlite,
     };
     let table = TableName::new(&args.table)?;
-    let dedup = migration_sql(kind, &table).ok_or_else(|| {
+    #[cfg(feature = "postgres")]
+    let dedup = match kind {
+        BackendKind::PostgresGenerations => Some(
+            onceonly::store::postgres::generations_migration_sql(&table, args.buckets),
+        ),
+        kind => migration_sql(kind, &table),
+    };
+    #[cfg(not(feature = "postgres"))]
+    let dedup = migration_sql(kind, &table);
+    let dedup = dedup.ok_or_else(|| {
         format!("this build has no {backend:?} support (rebuild with its feature)")
     })?;
     out!("-- onceonly dedup table {table} ({backend:?})");
@@ -134,7 +150,9 @@ pub async fn run(args: MigrateArgs) -> CliResult {
     let db = match (db, args.layout) {
         #[cfg(feature = "postgres")]
         (Db::Postgres(store), Some(layout)) => {
-            let store = store.generations(layout == LayoutArg::Generations);
+            let store = store
+                .generations(layout == LayoutArg::Generations)
+                .generation_buckets(args.buckets);
             if args.prepare {
                 if !store.has_generations() {
                     return Err("--prepare prepares the upgrade to --layout generations".into());

@@ -27,6 +27,18 @@
 //! minutes of I/O and WAL. The table holds at most the records of two
 //! generations: about one to two retention periods of claims.
 //!
+//! Each generation is split into hash partitions on `idem_key`, its
+//! *buckets* (`<table>_g<n>_b<k>`, [`PgStore::generation_buckets`]). A
+//! rotation truncates the other generation's buckets a step at a time (at
+//! most [`PgStore::rotation_step`] of files per fenced transaction) and
+//! pauses after each twenty times as long as its commit took, before a last
+//! transaction truncates the rest and switches: PostgreSQL
+//! unlinks a truncated relation's files as the transaction commits, and on
+//! many file systems freeing gigabytes at once stalls every `fsync`
+//! meanwhile, the claims' commits included. A generation that is one plain
+//! table (generation 0 of a table upgraded from the plain layout) is
+//! truncated whole, and split like the current one in the same transaction.
+//!
 //! Rotation is fenced: every claim transaction takes an advisory lock in
 //! shared mode with its `BEGIN` (same round trip), and a rotation takes it
 //! exclusively. So no claim transaction that read the old current
@@ -41,10 +53,14 @@
 //!
 //! A claim probes the other generation's primary key too (one more index
 //! look-up in the same statement), and its transaction takes one shared
-//! advisory lock. Pipelined claims ([`PgStore::pipelined`]) are not
-//! available on this layout: claims run as statements.
+//! advisory lock. Each statement locks every bucket: PostgreSQL locks all
+//! the partitions of a cached generic plan before it prunes them.
+//! Pipelined claims ([`PgStore::pipelined`]) are not available on this
+//! layout: claims run as statements.
 //!
 //! [`PgStore::generations`]: super::PgStore::generations
+//! [`PgStore::generation_buckets`]: super::PgStore::generation_buckets
+//! [`PgStore::rotation_step`]: super::PgStore::rotation_step
 //! [`PgStore::pipelined`]: super::PgStore::pipelined
 
 use std::time::Duration;
@@ -114,11 +130,13 @@ pub(super) fn fence_shared(table: &TableName) -> String {
     format!("SELECT pg_advisory_xact_lock_shared({})", fence_key(table))
 }
 
-/// The statements of a store on `table` in the generations layout.
-pub(crate) fn sql(table: &TableName) -> Sql {
+/// The statements of a store on `table` in the generations layout, whose
+/// migration splits each generation into `buckets` hash partitions
+/// ([`PgStore::generation_buckets`](super::PgStore::generation_buckets)).
+pub(crate) fn sql(table: &TableName, buckets: u16) -> Sql {
     let mut sql = Sql::postgres(table);
     let Names { t, g, c } = Names::of(table);
-    sql.ddl = ddl(table);
+    sql.ddl = ddl(table, buckets);
     // A live record in the other generation makes the key taken; the
     // current generation's primary key does the rest, as in the plain
     // layout. Both generations are read by init plans, so that only the
@@ -205,6 +223,7 @@ pub(crate) fn sql(table: &TableName) -> Sql {
         truncate: each(&|g| format!("TRUNCATE {g}")),
         switch: switch_sql(&c),
         partitions: g.clone(),
+        free_per_step: DEFAULT_ROTATION_STEP,
     });
     sql
 }
@@ -212,27 +231,40 @@ pub(crate) fn sql(table: &TableName) -> Sql {
 /// The DDL every table of the generations layout shares, run after its
 /// partitioned table was created: a plain table renamed to generation 0 by
 /// the upgrade attached (with a validated check and a matching index, in
-/// milliseconds), the two partitions, and the control table naming the
-/// current generation.
-pub(crate) fn partitions_ddl(table: &TableName) -> Vec<String> {
+/// milliseconds), the two partitions, each split into `buckets` hash
+/// partitions on `idem_key` when `buckets` is 2 or more, and the control
+/// table naming the current generation.
+pub(crate) fn partitions_ddl(table: &TableName, buckets: u16) -> Vec<String> {
     let Names { t, g, c } = Names::of(table);
-    vec![
-        format!(
-            "DO $onceonly$ BEGIN \
-             IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('{g0}') \
-             AND relkind = 'r' AND NOT relispartition) THEN \
-             ALTER TABLE {t} ATTACH PARTITION {g0} FOR VALUES IN (0); \
-             END IF; END $onceonly$",
-            g0 = g[0]
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} PARTITION OF {t} FOR VALUES IN (0)",
-            g[0]
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} PARTITION OF {t} FOR VALUES IN (1)",
-            g[1]
-        ),
+    let mut ddl = vec![format!(
+        "DO $onceonly$ BEGIN \
+         IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('{g0}') \
+         AND relkind = 'r' AND NOT relispartition) THEN \
+         ALTER TABLE {t} ATTACH PARTITION {g0} FOR VALUES IN (0); \
+         END IF; END $onceonly$",
+        g0 = g[0]
+    )];
+    for (generation, g) in g.iter().enumerate() {
+        ddl.push(format!(
+            "CREATE TABLE IF NOT EXISTS {g} PARTITION OF {t} FOR VALUES IN ({generation}){}",
+            if buckets > 1 { BY_HASH } else { "" }
+        ));
+        // Only a generation this DDL created is split, once: generation 0
+        // of an upgraded table is the old plain table (its first rotation
+        // splits it, see `reshape`), and a generation already split keeps
+        // its buckets whatever `buckets` says now.
+        let leaves = buckets_ddl(table, generation, buckets);
+        if !leaves.is_empty() {
+            ddl.push(format!(
+                "DO $onceonly$ BEGIN \
+                 IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('{g}') \
+                 AND relkind = 'p') AND NOT EXISTS (SELECT 1 FROM pg_inherits \
+                 WHERE inhparent = to_regclass('{g}')) THEN {}; END IF; END $onceonly$",
+                leaves.join("; ")
+            ));
+        }
+    }
+    ddl.extend([
         format!(
             "CREATE TABLE IF NOT EXISTS {c} (\
              id smallint PRIMARY KEY CHECK (id = 1), \
@@ -243,15 +275,39 @@ pub(crate) fn partitions_ddl(table: &TableName) -> Vec<String> {
             "INSERT INTO {c} (id, current, rotated_at_ms) VALUES (1, 0, 0) \
              ON CONFLICT (id) DO NOTHING"
         ),
-    ]
+    ]);
+    ddl
 }
 
-/// About how many rows partition `g` (quoted) holds, from the statistics
-/// (`bigint`; counting would read the whole partition).
+/// How a generation split into buckets is partitioned.
+const BY_HASH: &str = " PARTITION BY HASH (idem_key)";
+
+/// The hash partitions of generation `generation` of `table` when it is
+/// split into `buckets` (none below 2): `<table>_g<generation>_b<n>`.
+fn buckets_ddl(table: &TableName, generation: usize, buckets: u16) -> Vec<String> {
+    if buckets < 2 {
+        return Vec::new();
+    }
+    let g = table.suffixed(&format!("g{generation}")).quoted('"');
+    (0..buckets)
+        .map(|n| {
+            format!(
+                "CREATE TABLE IF NOT EXISTS {} PARTITION OF {g} \
+                 FOR VALUES WITH (MODULUS {buckets}, REMAINDER {n})",
+                table.suffixed(&format!("g{generation}_b{n}")).quoted('"')
+            )
+        })
+        .collect()
+}
+
+/// About how many rows partition `g` (quoted) holds, with its buckets if
+/// it has any, from the statistics (`bigint`; counting would read the
+/// whole partition).
 pub(crate) fn rows_sql(g: &str) -> String {
     format!(
-        "SELECT COALESCE((SELECT n_live_tup FROM pg_stat_user_tables \
-         WHERE relid = to_regclass('{g}')), 0)::bigint"
+        "SELECT COALESCE((SELECT sum(s.n_live_tup) FROM pg_stat_user_tables s \
+         JOIN pg_partition_tree(to_regclass('{g}')) p ON p.relid = s.relid \
+         WHERE p.isleaf), 0)::bigint"
     )
 }
 
@@ -261,7 +317,7 @@ pub(crate) fn switch_sql(c: &str) -> String {
 }
 
 /// The DDL of the generations layout, upgrading a plain table in place.
-fn ddl(table: &TableName) -> Vec<String> {
+fn ddl(table: &TableName, buckets: u16) -> Vec<String> {
     let t = table.quoted('"');
     let g0_name = table.suffixed("g0").table().to_owned();
     let expires = table.suffixed("expires_at").quoted('"');
@@ -292,7 +348,7 @@ fn ddl(table: &TableName) -> Vec<String> {
              PARTITION BY LIST (generation)"
         ),
     ];
-    ddl.extend(partitions_ddl(table));
+    ddl.extend(partitions_ddl(table, buckets));
     ddl.push(format!(
         "CREATE INDEX IF NOT EXISTS {} ON {t} (expires_at_ms)",
         table.index("expires_at", '"')
@@ -378,24 +434,93 @@ pub(super) async fn prepare(base: &SqlBase<Postgres>) -> Result<(), StoreError> 
 
 /// Rotates, if the other generation holds no live record at `now_ms`:
 /// about how many records the truncate removed (0 if it did not rotate).
+///
+/// A generation split into buckets is emptied a few buckets at a time
+/// (at most [`PgStore::rotation_step`](super::PgStore::rotation_step) of
+/// files, or one bucket), each step in its own fenced transaction, and
+/// after each one the rotation pauses [`PACE`] times as long as that
+/// step's commit took (PostgreSQL unlinks a truncated relation's files as
+/// it commits, and on many file systems freeing gigabytes stalls every
+/// `fsync` meanwhile, the claims' commits included). Then one last fenced
+/// transaction truncates what is left (the last step's worth) and
+/// switches: a generation smaller than one step is rotated in one
+/// transaction, as if it were not split. A rotation stopped half-way (an
+/// error, a dropped future) leaves expired buckets empty and nothing else
+/// changed: the next one goes on from there.
 pub(super) async fn rotate(
     base: &SqlBase<Postgres>,
     rot: &RotationSql,
     now_ms: i64,
 ) -> Result<u64, StoreError> {
-    // Each step is bounded by the statement deadline; the whole by this.
+    // Each step is bounded by the statement deadline, the pauses by
+    // MAX_PAUSE; each step as a whole by this.
     let d = base.deadlines;
-    let bound = d.acquire_timeout() + TRY_FOR + 4 * d.statement_deadline();
-    within(bound, "rotation", rotate_unbounded(base, rot, now_ms)).await
+    let step_bound = d.acquire_timeout() + TRY_FOR + 4 * d.statement_deadline();
+    let Some((current, rows)) = within(step_bound, "rotation", due(base, rot, now_ms)).await?
+    else {
+        return Ok(0);
+    };
+    let other = usize::from(current == 0);
+    let buckets = within(step_bound, "rotation", full_buckets(base, other)).await?;
+    let budget = i64::try_from(rot.free_per_step).unwrap_or(i64::MAX);
+    let steps = steps_of(buckets, budget);
+    let count = steps.len();
+    for (n, buckets) in steps.into_iter().enumerate() {
+        let step = Step::Buckets(buckets);
+        let attempt = attempts(base, rot, now_ms, current, &step);
+        let Some(took) = within(step_bound, "rotation", attempt).await? else {
+            return Ok(0);
+        };
+        let pause = paced(took);
+        tracing::debug!(
+            table = %base.table,
+            generation = other,
+            step = n + 1,
+            of = count,
+            commit_ms = took.as_millis(),
+            pause_ms = pause.as_millis(),
+            "rotation: emptied buckets of the other generation"
+        );
+        tokio::time::sleep(pause).await;
+    }
+    let switch = attempts(base, rot, now_ms, current, &Step::Switch);
+    let done = within(step_bound, "rotation", switch).await?;
+    Ok(match done {
+        Some(_) => u64::try_from(rows).unwrap_or(0),
+        None => 0,
+    })
 }
 
-async fn rotate_unbounded(
+/// A rotation pauses this many times as long as the commit of the step
+/// it took, before the next step: at most about a twentieth of its time
+/// is spent freeing files, however big the table.
+const PACE: u32 = 20;
+
+/// The longest pause between two steps of a rotation.
+const MAX_PAUSE: Duration = Duration::from_secs(10);
+
+/// Steps whose commit took less than this are not followed by a pause:
+/// nobody noticed them.
+const UNNOTICED: Duration = Duration::from_millis(10);
+
+/// The pause after a step whose commit took `took`.
+fn paced(took: Duration) -> Duration {
+    if took < UNNOTICED {
+        Duration::ZERO
+    } else {
+        (took * PACE).min(MAX_PAUSE)
+    }
+}
+
+/// Whether a rotation is due, without the fence (nothing to do is the
+/// common answer): the current generation and about how many records the
+/// other one holds, if it holds no live one.
+async fn due(
     base: &SqlBase<Postgres>,
     rot: &RotationSql,
     now_ms: i64,
-) -> Result<u64, StoreError> {
+) -> Result<Option<(i16, i64)>, StoreError> {
     let mut conn = base.pool.acquire().await?;
-    // Without the fence first: nothing to do is the common answer.
     let current: i16 = sqlx::query_scalar(&rot.current)
         .fetch_one(&mut *conn)
         .await?;
@@ -405,25 +530,91 @@ async fn rotate_unbounded(
         .fetch_one(&mut *conn)
         .await?;
     if live {
-        return Ok(0);
+        return Ok(None);
     }
     let rows: i64 = sqlx::query_scalar(&rot.rows[other])
         .fetch_one(&mut *conn)
         .await?;
+    Ok(Some((current, rows)))
+}
+
+/// The buckets of generation `generation` that hold anything (quoted, in
+/// order) with their size (table and indexes, bytes); none when the
+/// generation is not split.
+async fn full_buckets(
+    base: &SqlBase<Postgres>,
+    generation: usize,
+) -> Result<Vec<(String, i64)>, StoreError> {
+    let g = base.table.suffixed(&format!("g{generation}")).quoted('"');
+    let buckets: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT format('%I.%I', n.nspname, c.relname), pg_total_relation_size(c.oid) \
+         FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE i.inhparent = to_regclass($1) AND c.relkind = 'r' \
+         AND pg_relation_size(c.oid) > 0 ORDER BY c.relname",
+    )
+    .bind(g)
+    .fetch_all(&base.pool)
+    .await?;
+    Ok(buckets)
+}
+
+/// The default [`PgStore::rotation_step`](super::PgStore::rotation_step):
+/// 1 GiB.
+pub const DEFAULT_ROTATION_STEP: u64 = 1 << 30;
+
+/// `buckets` (name, bytes) in steps of at most `budget` bytes each (or one
+/// bucket), without the last step: the switch truncates what is left.
+fn steps_of(buckets: Vec<(String, i64)>, budget: i64) -> Vec<Vec<String>> {
+    let mut steps: Vec<Vec<String>> = Vec::new();
+    let mut size = 0;
+    for (bucket, bytes) in buckets {
+        match steps.last_mut() {
+            Some(step) if size + bytes <= budget => {
+                step.push(bucket);
+                size += bytes;
+            }
+            _ => {
+                steps.push(vec![bucket]);
+                size = bytes;
+            }
+        }
+    }
+    steps.pop();
+    steps
+}
+
+/// One fenced step of a rotation.
+enum Step {
+    /// Empty these buckets (quoted) of the other generation.
+    Buckets(Vec<String>),
+    /// Empty the other generation and make it the current one.
+    Switch,
+}
+
+/// `step`, tried again when it timed out on a lock: how long its commit
+/// took (`None`: nothing to do any more).
+async fn attempts(
+    base: &SqlBase<Postgres>,
+    rot: &RotationSql,
+    now_ms: i64,
+    current: i16,
+    step: &Step,
+) -> Result<Option<Duration>, StoreError> {
+    let other = usize::from(current == 0);
+    let mut conn = base.pool.acquire().await?;
     let mut attempt = 1;
     loop {
-        match switch(&mut conn, base, rot, now_ms, current).await {
-            Ok(done) => {
-                return Ok(if done {
-                    u64::try_from(rows).unwrap_or(0)
-                } else {
-                    0
-                });
-            }
+        match fenced(&mut conn, base, rot, now_ms, current, step).await {
+            Ok(done) => return Ok(done),
             // Something held the fence or the partition longer than the
             // rotation's lock wait: say who, and try again a little later.
             Err(e) if attempt < ROTATION_ATTEMPTS && is_lock_timeout(&e) => {
-                let holders = holders(&mut conn, &rot.partitions[other]).await;
+                let held = match step {
+                    Step::Buckets(buckets) => buckets.first().unwrap_or(&rot.partitions[other]),
+                    Step::Switch => &rot.partitions[other],
+                };
+                let holders = holders(&mut conn, held).await;
                 tracing::warn!(
                     table = %base.table,
                     attempt,
@@ -478,15 +669,18 @@ async fn holders(conn: &mut sqlx::PgConnection, partition: &str) -> String {
     }
 }
 
-/// One fenced attempt: the switch from generation `current` to the other
-/// one, after truncating it. `Ok(false)`: nothing to do any more.
-async fn switch(
+/// One fenced attempt at `step` of the rotation away from generation
+/// `current`: how long its commit took (`None`: nothing to do any more,
+/// the rotation happened meanwhile or a record of the other generation is
+/// live).
+async fn fenced(
     conn: &mut sqlx::PgConnection,
     base: &SqlBase<Postgres>,
     rot: &RotationSql,
     now_ms: i64,
     current: i16,
-) -> Result<bool, sqlx::Error> {
+    step: &Step,
+) -> Result<Option<Duration>, sqlx::Error> {
     let other = usize::from(current == 0);
     let mut tx = conn
         .begin_with(format!(
@@ -525,25 +719,83 @@ async fn switch(
         .await?;
     if now_current != current || live {
         tx.rollback().await?;
-        return Ok(false);
+        return Ok(None);
     }
     let truncating = tokio::time::Instant::now();
-    sqlx::query(&rot.truncate[other]).execute(&mut *tx).await?;
-    sqlx::query(&rot.switch)
-        .bind(i16::try_from(other).unwrap_or(0))
-        .bind(now_ms)
-        .execute(&mut *tx)
-        .await?;
+    match step {
+        Step::Buckets(buckets) => {
+            sqlx::query(&format!("TRUNCATE {}", buckets.join(", ")))
+                .execute(&mut *tx)
+                .await?;
+        }
+        Step::Switch => {
+            sqlx::query(&rot.truncate[other]).execute(&mut *tx).await?;
+            reshape(&mut tx, &base.table, other).await?;
+            sqlx::query(&rot.switch)
+                .bind(i16::try_from(other).unwrap_or(0))
+                .bind(now_ms)
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+    // The truncated files are unlinked as the commit ends.
+    let committing = tokio::time::Instant::now();
     tx.commit().await?;
+    let took = committing.elapsed();
+    if matches!(step, Step::Switch) {
+        tracing::info!(
+            table = %base.table,
+            generation = other,
+            fence_ms,
+            fence_tries = tries,
+            truncate_ms = truncating.elapsed().as_millis(),
+            "rotated the dedup table: truncated the other generation and made it the current one"
+        );
+    }
+    Ok(Some(took))
+}
+
+/// Splits the emptied generation `generation` into as many buckets as the
+/// current one has, if it is a plain table while the current one is split
+/// (generation 0 of a table upgraded from the plain layout, at its first
+/// rotation). DDL on empty tables, inside the fence.
+async fn reshape(
+    tx: &mut sqlx::PgConnection,
+    table: &TableName,
+    generation: usize,
+) -> Result<(), sqlx::Error> {
+    let names = Names::of(table);
+    // Whether the emptied generation is a plain table, and how many
+    // buckets the current one has (0 when it is a plain table too).
+    let (plain, buckets): (bool, i64) = sqlx::query_as(
+        "SELECT (SELECT relkind = 'r' FROM pg_class WHERE oid = to_regclass($1)), \
+         (SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass($2))",
+    )
+    .bind(&names.g[generation])
+    .bind(&names.g[1 - generation])
+    .fetch_one(&mut *tx)
+    .await?;
+    let buckets = u16::try_from(buckets).unwrap_or(0);
+    if !plain || buckets < 2 {
+        return Ok(());
+    }
+    let (t, g) = (&names.t, &names.g[generation]);
+    let mut ddl = vec![
+        format!("ALTER TABLE {t} DETACH PARTITION {g}"),
+        format!("DROP TABLE {g}"),
+        format!("CREATE TABLE {g} PARTITION OF {t} FOR VALUES IN ({generation}){BY_HASH}"),
+    ];
+    ddl.extend(buckets_ddl(table, generation, buckets));
+    for statement in ddl {
+        sqlx::query(&statement).execute(&mut *tx).await?;
+    }
     tracing::info!(
-        table = %base.table,
-        generation = other,
-        fence_ms,
-        fence_tries = tries,
-        truncate_ms = truncating.elapsed().as_millis(),
-        "rotated the dedup table: truncated the other generation and made it the current one"
+        table = %table,
+        generation,
+        buckets,
+        "split the emptied generation into buckets like the current one"
     );
-    Ok(true)
+    Ok(())
 }
 
 /// Whether `table` has the generations layout (a partitioned table).
@@ -570,10 +822,63 @@ mod tests {
     }
 
     #[test]
+    fn pauses_follow_the_commit_they_come_after_within_bounds() {
+        assert_eq!(paced(Duration::from_millis(3)), Duration::ZERO);
+        assert_eq!(
+            paced(Duration::from_millis(400)),
+            Duration::from_millis(400) * PACE
+        );
+        assert!(Duration::from_millis(400) * PACE < MAX_PAUSE);
+        assert_eq!(paced(Duration::from_secs(5)), MAX_PAUSE);
+    }
+
+    #[test]
+    fn rotation_steps_free_at_most_their_budget_and_leave_the_last_to_the_switch() {
+        let b = |n: &str, bytes: i64| (n.to_owned(), bytes);
+        // Smaller than a step: the switch does it all.
+        assert!(steps_of(vec![b("a", 10), b("b", 10)], 100).is_empty());
+        assert!(steps_of(Vec::new(), 100).is_empty());
+        let steps = steps_of(
+            vec![
+                b("a", 60),
+                b("b", 30),
+                b("c", 50),
+                b("d", 500),
+                b("e", 40),
+                b("f", 40),
+            ],
+            100,
+        );
+        // [a b] [c] [d] [e f]: the last one is the switch's.
+        assert_eq!(steps, vec![vec!["a", "b"], vec!["c"], vec!["d"]]);
+    }
+
+    #[test]
+    fn buckets_are_created_once_and_only_when_asked() {
+        let t = TableName::new("onceonly_keys").unwrap();
+        assert!(buckets_ddl(&t, 0, 1).is_empty());
+        let ddl = buckets_ddl(&t, 1, 4);
+        assert_eq!(ddl.len(), 4);
+        assert!(ddl[3].contains("\"onceonly_keys_g1_b3\" PARTITION OF \"onceonly_keys_g1\""));
+        assert!(ddl[3].contains("MODULUS 4, REMAINDER 3"));
+        let whole = partitions_ddl(&t, 1).join(";");
+        assert!(!whole.contains("HASH"));
+        let split = partitions_ddl(&t, 8).join(";");
+        assert_eq!(split.matches("PARTITION BY HASH (idem_key)").count(), 2);
+        assert_eq!(
+            split
+                .matches("NOT EXISTS (SELECT 1 FROM pg_inherits")
+                .count(),
+            2
+        );
+    }
+
+    #[test]
     fn names_stay_within_postgres_identifier_limit() {
         let long = TableName::new(&"k".repeat(48)).unwrap();
         for name in [
             long.suffixed("g0"),
+            long.suffixed("g1_b63"),
             long.suffixed("g0_key"),
             long.suffixed("generation_0"),
             control_table(&long),
