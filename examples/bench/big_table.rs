@@ -17,8 +17,11 @@
 //! Sizes: `BENCH_BIG_TABLE=10000000,50000000,100000000` (records), else
 //! 20k (`--quick`), 1M (default), 10M (`--full`). At 100M records the
 //! fill alone takes tens of minutes and ~20 GB of disk: opt in.
-//! `BENCH_BIG_TABLE_LAYOUTS=plain|generations` measures one layout only,
-//! `BENCH_BIG_TABLE_STEADY=0` skips the steady-state table.
+//! `BENCH_BIG_TABLE_LAYOUTS` lists the layouts to measure (default
+//! `plain,generations:1,generations`): `plain`, `generations` (each
+//! generation split into the default number of buckets) or
+//! `generations:K` (K buckets; 1: not split). `BENCH_BIG_TABLE_STEADY=0`
+//! skips the steady-state table.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,16 +44,36 @@ const CLAIMERS: usize = 4;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Layout {
     Plain,
-    Generations,
+    /// Each generation split into this many buckets.
+    Generations(u16),
 }
 
 impl Layout {
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Self::Plain => "plain (bounded DELETE)",
-            Self::Generations => "generations (TRUNCATE)",
+            Self::Plain => "plain (bounded DELETE)".to_owned(),
+            Self::Generations(1) => "generations (TRUNCATE)".to_owned(),
+            Self::Generations(k) => format!("generations, {k} buckets (paced TRUNCATEs)"),
         }
     }
+
+    fn parse(s: &str) -> Res<Self> {
+        Ok(match s.trim().split_once(':') {
+            None if s.trim() == "plain" => Self::Plain,
+            None if s.trim() == "generations" => {
+                Self::Generations(onceonly::store::postgres::DEFAULT_GENERATION_BUCKETS)
+            }
+            Some(("generations", k)) => Self::Generations(k.parse()?),
+            _ => return Err(format!("unknown layout {s:?} in BENCH_BIG_TABLE_LAYOUTS").into()),
+        })
+    }
+}
+
+/// The layouts to measure (`BENCH_BIG_TABLE_LAYOUTS`).
+fn layouts() -> Res<Vec<Layout>> {
+    let list = std::env::var("BENCH_BIG_TABLE_LAYOUTS")
+        .unwrap_or_else(|_| "plain,generations:1,generations".to_owned());
+    list.split(',').map(Layout::parse).collect()
 }
 
 pub async fn run(b: &mut Bench) -> Res<()> {
@@ -85,20 +108,20 @@ pub async fn run(b: &mut Bench) -> Res<()> {
             "table + indexes",
         ],
     );
-    let layouts: Vec<Layout> = match std::env::var("BENCH_BIG_TABLE_LAYOUTS").as_deref() {
-        Ok("plain") => vec![Layout::Plain],
-        Ok("generations") => vec![Layout::Generations],
-        _ => vec![Layout::Plain, Layout::Generations],
-    };
+    let layouts = layouts()?;
     for &n in &sizes {
         for &layout in &layouts {
             let schema = b.schema("big").await?;
             let row = purge_round(&schema, layout, n, window).await;
             b.drop_schema(&schema).await;
             let row = row?;
-            if n == *sizes.last().unwrap_or(&n) && layout == Layout::Generations {
+            let split = matches!(layout, Layout::Generations(k) if k > 1);
+            if n == *sizes.last().unwrap_or(&n) && split {
                 b.target(
-                    &format!("claim p99 during a purge vs idle at {n} records (generations)"),
+                    &format!(
+                        "claim p99 during a purge vs idle at {n} records ({})",
+                        layout.name()
+                    ),
                     format!("{:.2}×", row.ratio),
                     "≤ 1.3×",
                     row.ratio <= 1.3,
@@ -132,7 +155,12 @@ fn sizes(mode: Mode) -> Res<Vec<u64>> {
 
 async fn store(schema: &Schema, layout: Layout, connections: u32) -> Res<(PgStore, PgPool)> {
     let db = pool(&schema.url, connections).await?;
-    let store = PgStore::new(db.clone()).generations(layout == Layout::Generations);
+    let store = match layout {
+        Layout::Plain => PgStore::new(db.clone()),
+        Layout::Generations(k) => PgStore::new(db.clone())
+            .generations(true)
+            .generation_buckets(k),
+    };
     store.migrate().await?;
     Ok((store, db))
 }
@@ -162,7 +190,7 @@ async fn purge_round(schema: &Schema, layout: Layout, n: u64, window: Duration) 
             let round = ROUND.min(n / 2);
             fill_plain(&db, n, round, live, expired).await?;
         }
-        Layout::Generations => fill_generations(&db, n, live, expired).await?,
+        Layout::Generations(_) => fill_generations(&db, n, live, expired).await?,
     }
     eprintln!(
         "big-table: {n} records ({layout:?}) filled in {:.1}s",
@@ -208,7 +236,7 @@ async fn purge_round(schema: &Schema, layout: Layout, n: u64, window: Duration) 
     stop.store(true, Ordering::Relaxed);
     let all = claims_of(tasks).await?;
     let (idle, during) = (phase(&all, t0, t1), phase(&all, t1, t2));
-    if layout == Layout::Generations {
+    if layout != Layout::Plain {
         // The rotation reports the statistics' estimate: count instead.
         removed = n / 2;
         let left: i64 = sqlx::query_scalar(
@@ -230,7 +258,7 @@ async fn purge_round(schema: &Schema, layout: Layout, n: u64, window: Duration) 
     Ok(RoundRow {
         cells: vec![
             n.to_string(),
-            layout.name().to_owned(),
+            layout.name(),
             ms(percentile(&idle, 0.5)),
             ms(p99_idle),
             ms(percentile(&during, 0.5)),
@@ -255,7 +283,7 @@ async fn size(db: &PgPool) -> Res<i64> {
         "SELECT COALESCE(sum(pg_total_relation_size(c.oid)), 0)::bigint FROM pg_class c \
          JOIN pg_namespace s ON s.oid = c.relnamespace \
          WHERE s.nspname = current_schema() AND c.relkind = 'r' \
-         AND c.relname IN ('onceonly_keys', 'onceonly_keys_g0', 'onceonly_keys_g1')",
+         AND c.relname ~ '^onceonly_keys(_g[01](_b[0-9]+)?)?$'",
     )
     .fetch_one(db)
     .await?)
@@ -329,7 +357,9 @@ async fn fill_plain(db: &PgPool, n: u64, expired: u64, live_at: i64, expired_at:
 
 /// The generations layout with `n` records: half live in the current
 /// generation (0), half expired in the other (1). Each partition is
-/// detached, loaded without indexes, indexed and attached again.
+/// detached, loaded without indexes, indexed and attached again (a
+/// generation split into buckets is loaded through its routing, and its
+/// indexes are built bucket by bucket).
 async fn fill_generations(db: &PgPool, n: u64, live_at: i64, expired_at: i64) -> Res<()> {
     exec(db, "SET maintenance_work_mem = '1GB'").await?;
     let halves = [(0_i16, n - n / 2, live_at), (1_i16, n / 2, expired_at)];
@@ -409,7 +439,8 @@ async fn steady_state(b: &mut Bench) -> Res<Table> {
         ),
         &header,
     );
-    for layout in [Layout::Plain, Layout::Generations] {
+    let split = Layout::Generations(onceonly::store::postgres::DEFAULT_GENERATION_BUCKETS);
+    for layout in [Layout::Plain, split] {
         for held in [false, true] {
             let schema = b.schema("steady").await?;
             let row = steady_run(&schema, layout, held, ttl, run, every).await;
@@ -478,14 +509,11 @@ async fn steady_run(
     let (dead, vacuums): (i64, i64) = sqlx::query_as(
         "SELECT COALESCE(sum(n_dead_tup), 0)::bigint, COALESCE(sum(autovacuum_count), 0)::bigint \
          FROM pg_stat_user_tables WHERE schemaname = current_schema() \
-         AND relname IN ('onceonly_keys', 'onceonly_keys_g0', 'onceonly_keys_g1')",
+         AND relname ~ '^onceonly_keys(_g[01](_b[0-9]+)?)?$'",
     )
     .fetch_one(&db)
     .await?;
-    let mut row = vec![
-        layout.name().to_owned(),
-        if held { "yes" } else { "no" }.to_owned(),
-    ];
+    let mut row = vec![layout.name(), if held { "yes" } else { "no" }.to_owned()];
     row.extend(sizes);
     row.extend([claims.to_string(), dead.to_string(), vacuums.to_string()]);
     Ok(row)
