@@ -479,6 +479,86 @@ async fn a_purger_stopped_mid_round_stops_between_batches_with_its_total() {
     assert_eq!(total, 2_000 - left as u64, "the total it reported");
 }
 
+/// A purger stopped while its batch waits (here on a table lock that
+/// outlasts every deadline; in production a long paced rotation) gives
+/// that batch up `SHUTDOWN_GRACE` after the stop instead of holding the
+/// stop until it ends, and the next purge deletes what it left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_purger_stopped_while_its_batch_waits_gives_it_up_after_the_grace() {
+    let url = pg_url();
+    let table = unique("purger_grace");
+    let patient = Duration::from_secs(60);
+    let store = pg_store(&url, &table)
+        .await
+        .lock_timeout(Some(patient))
+        .deadlines(
+            onceonly::store::Deadlines::default()
+                .statement(patient)
+                .transaction(patient),
+        );
+    seed_pg(&store, "s", "old-", 100, 2 * DAY_MS, -DAY_MS).await;
+    // Another session holds the table: the purge's DELETE waits for it.
+    let holder = sqlx::PgPool::connect(&url).await.expect("connect");
+    let mut locked = holder.begin().await.expect("begin");
+    sqlx::query(&format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        store.table().quoted('"')
+    ))
+    .execute(&mut *locked)
+    .await
+    .expect("lock");
+    let handle = Purger::builder(store.clone())
+        .batch(10)
+        .build()
+        .expect("purger")
+        .spawn();
+    // Until the purge waits on the lock.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE%'",
+        )
+        .fetch_one(&holder)
+        .await
+        .expect("activity");
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the purge never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stopping = Instant::now();
+    let total = tokio::time::timeout(patient / 2, handle.stop())
+        .await
+        .expect("the stop waited for the blocked batch");
+    let took = stopping.elapsed();
+    assert!(
+        took >= onceonly::ops::SHUTDOWN_GRACE,
+        "gave the batch up before its grace: {took:?}"
+    );
+    assert_eq!(total, 0, "nothing could be deleted");
+    locked.rollback().await.expect("release");
+    // The next purge goes on from there.
+    let next = Purger::builder(store.clone())
+        .batch(10)
+        .build()
+        .expect("purger");
+    let deleted = tokio::time::timeout(patient, next.purge_once())
+        .await
+        .expect("the next purge ended")
+        .expect("the next purge");
+    assert_eq!(
+        count_pg(&store, "idem_key LIKE 'old-%'").await,
+        0,
+        "the next purge deleted what was left ({deleted} by it)"
+    );
+    holder.close().await;
+}
+
 /// Processes orders `k-0`..`k-5` with a handler that enqueues one Kafka
 /// message per order into outbox table `$outbox` on backend `$db` (the
 /// real API, in the claim's transaction), then `k-0` again: a duplicate,

@@ -1,6 +1,8 @@
 //! `onceonly doctor` (the real binary) against real services: a PostgreSQL
 //! database whose role lost DELETE on the dedup table and that then turns
 //! read-only (both problems named, with their fixes, exit status 1); a
+//! generations table whose role may not rotate it (the grants named, and
+//! enough once run); a
 //! RabbitMQ dead-letter queue whose oldest letter is older than the dedup
 //! retention, and a Kafka topic that keeps records longer (warnings, exit
 //! status 3).
@@ -120,6 +122,119 @@ async fn doctor_names_a_revoked_privilege_and_a_read_only_database() {
         .execute(&admin)
         .await
         .unwrap();
+}
+
+/// Runs each statement of `sql` (`;`-separated, as a doctor's fix) on
+/// `url`.
+async fn execute(url: &str, sql: &str) {
+    let admin = sqlx::PgPool::connect(url).await.unwrap();
+    sqlx::raw_sql(sql)
+        .execute(&admin)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    admin.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_names_what_the_rotations_of_a_generations_table_need() {
+    let db = OwnDb::create("doctor_gen").await;
+    let migrated = onceonly(&[
+        "migrate",
+        "--database-url",
+        &db.url,
+        "--layout",
+        "generations",
+        "--buckets",
+        "2",
+    ])
+    .await;
+    assert!(migrated.success, "{migrated:?}");
+    let healthy = onceonly(&["doctor", "--database-url", &db.url, "--json"]).await;
+    assert_eq!(healthy.code, 0, "the owner may do it all: {healthy:?}");
+    assert!(
+        findings(&healthy)
+            .iter()
+            .any(|(c, s, d, _)| c == "privileges"
+                && s == "ok"
+                && d.contains("may rotate \"onceonly_keys\"")
+                && d.contains("6 partitions")),
+        "two generations of two buckets each: {healthy:?}"
+    );
+
+    // An application role granted what the plain layout needs, as the
+    // plain layout's documentation says.
+    let role = unique("doctor_gen_app");
+    execute(
+        &db.url,
+        &format!(
+            "CREATE ROLE {role} LOGIN; \
+             GRANT SELECT, INSERT, UPDATE, DELETE \
+             ON onceonly_keys, onceonly_keys_attempts, onceonly_outbox TO {role}; \
+             GRANT USAGE ON SEQUENCE onceonly_outbox_id_seq TO {role}"
+        ),
+    )
+    .await;
+    let host = db
+        .url
+        .split_once('@')
+        .map(|(_, h)| h)
+        .expect("user@host in the URL");
+    let app_url = format!("postgres://{role}@{host}");
+    let denied = onceonly(&["purge", "--database-url", &app_url, "--expired"]).await;
+    assert!(
+        !denied.success && denied.stderr.contains("permission denied"),
+        "its purge cannot rotate: {denied:?}"
+    );
+
+    let run = onceonly(&["doctor", "--database-url", &app_url, "--json"]).await;
+    assert_eq!(run.code, 1, "{run:?}");
+    let fails = failures(&run);
+    assert_eq!(fails.len(), 2, "the dedup table and the outbox: {fails:?}");
+    assert!(fails.iter().all(|(check, _, _)| check == "privileges"));
+    let (_, detail, fix) = &fails[0];
+    assert!(
+        detail.contains(&format!(
+            "{role} lacks SELECT, UPDATE on public.onceonly_keys_generation"
+        )),
+        "{detail}"
+    );
+    assert_eq!(
+        fix,
+        &format!(
+            "GRANT SELECT, UPDATE ON public.onceonly_keys_generation TO {role}; \
+             GRANT SELECT, TRUNCATE ON public.onceonly_keys_g0, public.onceonly_keys_g1 TO {role}; \
+             GRANT TRUNCATE ON public.onceonly_keys_g0_b0, public.onceonly_keys_g0_b1, \
+             public.onceonly_keys_g1_b0, public.onceonly_keys_g1_b1 TO {role}"
+        )
+    );
+    assert_eq!(
+        fails[1].2,
+        format!(
+            "GRANT SELECT, UPDATE ON public.onceonly_outbox_generation TO {role}; \
+             GRANT SELECT, DELETE, TRUNCATE ON public.onceonly_outbox_g0, \
+             public.onceonly_outbox_g1 TO {role}"
+        )
+    );
+
+    // The fixes, run as they are, are all the role needed.
+    for (_, _, fix) in &fails {
+        execute(&db.url, fix).await;
+    }
+    let fixed = onceonly(&["doctor", "--database-url", &app_url]).await;
+    assert_eq!(fixed.code, 0, "{fixed:?}");
+    let purged = onceonly(&["purge", "--database-url", &app_url, "--expired"]).await;
+    assert!(purged.success, "{purged:?}");
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let current: i16 = sqlx::query_scalar("SELECT current FROM onceonly_keys_generation")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(current, 1, "the role's purge rotated the empty generation");
+
+    // Leave no role behind on the shared server.
+    for sql in [format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")] {
+        sqlx::query(&sql).execute(&admin).await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,5 +10,5 @@ pub mod replay;
 
 pub use purge::{
     PurgeError, PurgeMode, PurgeOptions, PurgeProgress, Purger, PurgerBuilder, PurgerHandle,
-    purge_in_batches,
+    SHUTDOWN_GRACE, purge_in_batches,
 };

@@ -68,6 +68,14 @@ impl TableName {
         self.suffixed("attempts")
     }
 
+    /// The control table of PostgreSQL's generations layout on this table
+    /// (dedup table or outbox): `<table>_generation`, in the same schema,
+    /// one row naming the current generation. Claims and enqueues read it;
+    /// a rotation updates it.
+    pub fn generation_control(&self) -> TableName {
+        self.suffixed("generation")
+    }
+
     /// `<table>_<suffix>` in the same schema (at most 48 + 1 + the
     /// suffix's bytes: keep suffixes within 14 bytes for every backend's
     /// 63-byte identifier limit).

@@ -104,14 +104,9 @@ impl Names {
                 table.suffixed("g0").quoted('"'),
                 table.suffixed("g1").quoted('"'),
             ],
-            c: control_table(table).quoted('"'),
+            c: table.generation_control().quoted('"'),
         }
     }
-}
-
-/// The control table of `table`'s generations: `<table>_generation`.
-pub(crate) fn control_table(table: &TableName) -> TableName {
-    table.suffixed("generation")
 }
 
 /// The advisory lock that fences rotations of `table` (FNV-1a of its
@@ -881,7 +876,7 @@ mod tests {
             long.suffixed("g1_b63"),
             long.suffixed("g0_key"),
             long.suffixed("generation_0"),
-            control_table(&long),
+            long.generation_control(),
         ] {
             assert!(name.table().len() <= 63, "{name}");
         }

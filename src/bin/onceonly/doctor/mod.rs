@@ -17,12 +17,15 @@ use crate::outbox::OutboxTableArg;
 use crate::{CliResult, DbArgs, out};
 use finding::{Finding, Status};
 use onceonly::SqlStore as _;
+use sql::{Checked, TableRole};
 
 const HELP: &str = "\
 Checks, in order: the dedup table, its attempts table and the outbox table
 exist with every column and index this version expects; the connecting role
 may SELECT, INSERT, UPDATE and DELETE on them (PostgreSQL: has_table_privilege;
-MySQL: statements touching no row, rolled back); the server takes writes (not
+MySQL: statements touching no row, rolled back), and on a PostgreSQL table of
+the generations layout what its rotations need (SELECT and UPDATE on the
+control table, TRUNCATE on the partitions); the server takes writes (not
 a standby, not read-only); the database's clock against this host's; the
 outbox backlog, its oldest pending message and dead messages; the dedup
 retention (--retention, else the newest record's, else 7d) against each
@@ -136,8 +139,16 @@ async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
                 "tables",
                 format!("{dedup} and {} have every column", dedup.attempts()),
             ));
-            tables.push((dedup.clone(), dedup_ddl.clone()));
-            tables.push((dedup.attempts(), dedup_ddl));
+            tables.push(Checked {
+                name: dedup.clone(),
+                ddl: dedup_ddl.clone(),
+                role: TableRole::Dedup,
+            });
+            tables.push(Checked {
+                name: dedup.attempts(),
+                ddl: dedup_ddl,
+                role: TableRole::Attempts,
+            });
         }
         Err(e) => findings.push(Finding::fail(
             "tables",
@@ -158,7 +169,11 @@ async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
                 ));
                 findings.push(outbox_finding(&table, &stats));
                 let ddl = crate::outbox::outbox_sql(kind, &table)?;
-                tables.push((name, ddl));
+                tables.push(Checked {
+                    name,
+                    ddl,
+                    role: TableRole::Outbox,
+                });
             }
             Err(e) if e.is_missing_table() => findings.push(Finding::warn(
                 "tables",
@@ -198,7 +213,7 @@ async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
 
 /// The checks only the backend can answer: indexes, privileges, writes,
 /// clock.
-async fn backend_checks(db: &Db, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+async fn backend_checks(db: &Db, tables: &[Checked]) -> Vec<Finding> {
     match db {
         #[cfg(feature = "postgres")]
         Db::Postgres(s) => sql::postgres::check(onceonly::SqlStore::pool(s), tables).await,

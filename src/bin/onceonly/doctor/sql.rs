@@ -5,6 +5,43 @@ use onceonly::store::TableName;
 
 use super::finding::Finding;
 
+/// A table the doctor checks, with the DDL that creates it.
+pub struct Checked {
+    /// The table.
+    pub name: TableName,
+    /// The DDL that creates it and its indexes.
+    pub ddl: Vec<String>,
+    /// What it is for (PostgreSQL's generations layout needs different
+    /// grants on the dedup table's partitions and the outbox's).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub role: TableRole,
+}
+
+/// What a checked table is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableRole {
+    /// The dedup table.
+    Dedup,
+    /// The dedup table's attempts table.
+    Attempts,
+    /// The outbox.
+    Outbox,
+}
+
+impl TableRole {
+    /// What a rotation of this table's generations layout (PostgreSQL)
+    /// does to each generation itself: the dedup table's reads whether a
+    /// record is live and truncates it; the outbox's also moves its unsent
+    /// rows out (and locks it, which any of these grants).
+    #[cfg(feature = "postgres")]
+    fn generation_needs(self) -> &'static [&'static str] {
+        match self {
+            Self::Outbox => &["SELECT", "DELETE", "TRUNCATE"],
+            Self::Dedup | Self::Attempts => &["SELECT", "TRUNCATE"],
+        }
+    }
+}
+
 /// The index names a backend's DDL creates on `on` (the table as the DDL
 /// quotes it: `CREATE INDEX IF NOT EXISTS "name" ON "table" ...`), unquoted.
 pub fn index_names(ddl: &[String], on: &str) -> Vec<String> {
@@ -60,6 +97,62 @@ pub fn privileges_finding(role: &str, table: &str, missing: &[&str], needed: &[&
     }
 }
 
+/// What the connecting role lacks for the rotations of a table of
+/// PostgreSQL's generations layout.
+#[cfg(feature = "postgres")]
+pub struct LayoutPrivileges {
+    /// How many partitions the table has (generations and their buckets).
+    pub partitions: usize,
+    /// Each relation (quoted, qualified) the role lacks privileges on, with
+    /// those privileges, in the order of the grants to suggest.
+    pub missing: Vec<(String, Vec<String>)>,
+}
+
+/// The finding on the privileges a generations table's rotations need.
+/// The fix is one `GRANT` per set of privileges, naming every relation
+/// that lacks that set.
+#[cfg(feature = "postgres")]
+pub fn layout_privileges_finding(role: &str, table: &str, layout: &LayoutPrivileges) -> Finding {
+    if layout.missing.is_empty() {
+        return Finding::ok(
+            "privileges",
+            format!(
+                "{role} may rotate {table} (generations layout: its control table and {} \
+                 partitions)",
+                layout.partitions
+            ),
+        );
+    }
+    let mut grants: Vec<(String, Vec<&str>)> = Vec::new();
+    for (relation, lacks) in &layout.missing {
+        let privileges = lacks.join(", ");
+        match grants.iter_mut().find(|(p, _)| *p == privileges) {
+            Some((_, relations)) => relations.push(relation),
+            None => grants.push((privileges, vec![relation])),
+        }
+    }
+    let lacks = grants
+        .iter()
+        .map(|(privileges, relations)| format!("{privileges} on {}", relations.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Finding::fail(
+        "privileges",
+        format!(
+            "{role} lacks {lacks}: {table} has the generations layout, whose claims read its \
+             control table and whose purge rotates (truncates) its partitions; without them \
+             claims or purges fail and deliveries wait or the table grows"
+        ),
+        grants
+            .iter()
+            .map(|(privileges, relations)| {
+                format!("GRANT {privileges} ON {} TO {role}", relations.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+    )
+}
+
 /// The finding on the clock: the database's `db_ms` read between `before`
 /// and `after` on the host (ms since the Unix epoch).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -94,13 +187,16 @@ pub mod postgres {
     use onceonly::store::TableName;
     use sqlx::PgPool;
 
-    use super::{Finding, clock_finding, index_names, indexes_finding, privileges_finding};
+    use super::{
+        Checked, Finding, clock_finding, index_names, indexes_finding, layout_privileges_finding,
+        privileges_finding,
+    };
 
     const NEEDED: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
 
     /// Indexes, privileges, writability and clock of `tables` (with the
     /// DDL that creates them).
-    pub async fn check(pool: &PgPool, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+    pub async fn check(pool: &PgPool, tables: &[Checked]) -> Vec<Finding> {
         let mut out = Vec::new();
         let role: String = match sqlx::query_scalar("SELECT current_user::text")
             .fetch_one(pool)
@@ -116,7 +212,12 @@ pub mod postgres {
                 return out;
             }
         };
-        for (table, ddl) in tables {
+        for Checked {
+            name: table,
+            ddl,
+            role: table_role,
+        } in tables
+        {
             let schema = table.schema().map(str::to_owned);
             let present: Vec<String> = sqlx::query_scalar(
                 "SELECT indexname::text FROM pg_indexes \
@@ -142,6 +243,15 @@ pub mod postgres {
                 }
             }
             out.push(privileges_finding(&role, &name, &missing, &NEEDED));
+            match layout_missing(pool, table, table_role.generation_needs()).await {
+                Ok(Some(layout)) => out.push(layout_privileges_finding(&role, &name, &layout)),
+                Ok(None) => {}
+                Err(e) => out.push(Finding::fail(
+                    "privileges",
+                    format!("{name}'s partitions: {e}"),
+                    "check --database-url",
+                )),
+            }
         }
         out.push(writable(pool).await);
         let before = super::host_now();
@@ -154,6 +264,58 @@ pub mod postgres {
             out.push(clock_finding(db, before, after));
         }
         out
+    }
+
+    /// On a table of the generations layout, the privileges its rotation
+    /// needs that the connecting role lacks: `generation_needs` on each
+    /// generation, TRUNCATE on each of their buckets (a rotation empties a
+    /// big generation bucket by bucket), SELECT and UPDATE on the control
+    /// table (claims read it, the rotation's switch updates it). `None`
+    /// for a table that is not partitioned.
+    async fn layout_missing(
+        pool: &PgPool,
+        table: &TableName,
+        generation_needs: &[&str],
+    ) -> Result<Option<super::LayoutPrivileges>, sqlx::Error> {
+        let partitions: Vec<(String, i32, Vec<String>)> = sqlx::query_as(
+            "SELECT format('%I.%I', n.nspname, c.relname), p.level, \
+             ARRAY(SELECT w FROM unnest(CASE WHEN p.level = 1 THEN $2::text[] \
+             ELSE ARRAY['TRUNCATE'] END) AS w \
+             WHERE NOT has_table_privilege(current_user, p.relid, w)) \
+             FROM pg_partition_tree(to_regclass($1)) AS p \
+             JOIN pg_class c ON c.oid = p.relid JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE p.level > 0 ORDER BY p.level, c.relname",
+        )
+        .bind(table.quoted('"'))
+        .bind(generation_needs)
+        .fetch_all(pool)
+        .await?;
+        if partitions.is_empty() {
+            return Ok(None);
+        }
+        let control: Option<(String, Vec<String>)> = sqlx::query_as(
+            "SELECT format('%I.%I', n.nspname, c.relname), \
+             ARRAY(SELECT w FROM unnest(ARRAY['SELECT', 'UPDATE']) AS w \
+             WHERE NOT has_table_privilege(current_user, c.oid, w)) \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = to_regclass($1)",
+        )
+        .bind(table.generation_control().quoted('"'))
+        .fetch_optional(pool)
+        .await?;
+        let partition_count = partitions.len();
+        let mut missing: Vec<(String, Vec<String>)> = partitions
+            .into_iter()
+            .filter(|(_, _, lacks)| !lacks.is_empty())
+            .map(|(name, _, lacks)| (name, lacks))
+            .collect();
+        if let Some(control) = control.filter(|(_, lacks)| !lacks.is_empty()) {
+            missing.insert(0, control);
+        }
+        Ok(Some(super::LayoutPrivileges {
+            partitions: partition_count,
+            missing,
+        }))
     }
 
     async fn writable(pool: &PgPool) -> Finding {
@@ -192,15 +354,16 @@ pub mod mysql {
     //! MySQL and MariaDB: `information_schema`, and privileges probed with
     //! statements that touch no row, in a transaction rolled back.
 
-    use onceonly::store::TableName;
     use sqlx::MySqlPool;
 
-    use super::{Finding, clock_finding, index_names, indexes_finding, privileges_finding};
+    use super::{
+        Checked, Finding, clock_finding, index_names, indexes_finding, privileges_finding,
+    };
 
     const NEEDED: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
 
     /// Indexes, privileges, writability and clock of `tables`.
-    pub async fn check(pool: &MySqlPool, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+    pub async fn check(pool: &MySqlPool, tables: &[Checked]) -> Vec<Finding> {
         let mut out = Vec::new();
         let role: String = match sqlx::query_scalar("SELECT CURRENT_USER()")
             .fetch_one(pool)
@@ -216,7 +379,10 @@ pub mod mysql {
                 return out;
             }
         };
-        for (table, ddl) in tables {
+        for Checked {
+            name: table, ddl, ..
+        } in tables
+        {
             let present: Vec<String> = sqlx::query_scalar(
                 "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
                  WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?",
@@ -284,15 +450,17 @@ pub mod mysql {
 pub mod sqlite {
     //! SQLite: its catalog; no roles, no server clock.
 
-    use onceonly::store::TableName;
     use sqlx::SqlitePool;
 
-    use super::{Finding, index_names, indexes_finding};
+    use super::{Checked, Finding, index_names, indexes_finding};
 
     /// Indexes and writability of `tables`.
-    pub async fn check(pool: &SqlitePool, tables: &[(TableName, Vec<String>)]) -> Vec<Finding> {
+    pub async fn check(pool: &SqlitePool, tables: &[Checked]) -> Vec<Finding> {
         let mut out = Vec::new();
-        for (table, ddl) in tables {
+        for Checked {
+            name: table, ddl, ..
+        } in tables
+        {
             let present: Vec<String> = sqlx::query_scalar(
                 "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?",
             )
@@ -330,6 +498,37 @@ mod tests {
         ];
         assert_eq!(super::index_names(&ddl, "\"k\""), ["k_expires_at"]);
         assert_eq!(super::index_names(&ddl, "`o`"), ["o_pending"]);
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn layout_grants_group_relations_by_what_they_lack() {
+        use super::super::finding::Status;
+        let v = |s: &[&str]| s.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let layout = super::LayoutPrivileges {
+            partitions: 6,
+            missing: vec![
+                ("public.k_generation".to_owned(), v(&["SELECT", "UPDATE"])),
+                ("public.k_g0".to_owned(), v(&["TRUNCATE"])),
+                ("public.k_g1".to_owned(), v(&["TRUNCATE"])),
+                ("public.k_g0_b0".to_owned(), v(&["TRUNCATE"])),
+            ],
+        };
+        let f = super::layout_privileges_finding("app", "\"k\"", &layout);
+        assert_eq!(f.status, Status::Fail);
+        assert_eq!(
+            f.fix.as_deref(),
+            Some(
+                "GRANT SELECT, UPDATE ON public.k_generation TO app; \
+                 GRANT TRUNCATE ON public.k_g0, public.k_g1, public.k_g0_b0 TO app"
+            )
+        );
+        let fine = super::LayoutPrivileges {
+            partitions: 6,
+            missing: Vec::new(),
+        };
+        let f = super::layout_privileges_finding("app", "\"k\"", &fine);
+        assert_eq!(f.status, Status::Ok);
     }
 
     #[cfg(any(feature = "postgres", feature = "mysql"))]
