@@ -72,12 +72,7 @@ async fn doctor_names_a_revoked_privilege_and_a_read_only_database() {
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
-    let host = db
-        .url
-        .split_once('@')
-        .map(|(_, h)| h)
-        .expect("user@host in the URL");
-    let app_url = format!("postgres://{role}@{host}");
+    let app_url = as_role(&db, &role);
 
     let revoked = onceonly(&["doctor", "--database-url", &app_url, "--json"]).await;
     assert_eq!(revoked.code, 1, "{revoked:?}");
@@ -122,6 +117,16 @@ async fn doctor_names_a_revoked_privilege_and_a_read_only_database() {
         .execute(&admin)
         .await
         .unwrap();
+}
+
+/// The URL of `db` for `role`.
+fn as_role(db: &OwnDb, role: &str) -> String {
+    let host = db
+        .url
+        .split_once('@')
+        .map(|(_, h)| h)
+        .expect("user@host in the URL");
+    format!("postgres://{role}@{host}")
 }
 
 /// Runs each statement of `sql` (`;`-separated, as a doctor's fix) on
@@ -174,12 +179,7 @@ async fn doctor_names_what_the_rotations_of_a_generations_table_need() {
         ),
     )
     .await;
-    let host = db
-        .url
-        .split_once('@')
-        .map(|(_, h)| h)
-        .expect("user@host in the URL");
-    let app_url = format!("postgres://{role}@{host}");
+    let app_url = as_role(&db, &role);
     let denied = onceonly(&["purge", "--database-url", &app_url, "--expired"]).await;
     assert!(
         !denied.success && denied.stderr.contains("permission denied"),

@@ -383,6 +383,106 @@ async fn a_plain_table_is_upgraded_in_place_keeping_its_records() {
     }
 }
 
+/// A purging role that does not own an upgraded table, granted what
+/// `onceonly doctor` lists, rotates it: the first rotation that empties
+/// generation 0 (the old plain table) cannot split it into buckets without
+/// the owner, so it truncates it unsplit instead of failing every purge;
+/// a later rotation by the owner splits it.
+#[tokio::test]
+async fn a_role_that_does_not_own_an_upgraded_table_still_rotates_it() {
+    let table = unique("gen_role");
+    let url = pg_url();
+    let plain = pg_store(&url, &table).await;
+    let pool = plain.pool().clone();
+    for i in 0..20 {
+        assert_eq!(
+            claim_plain(&plain, &format!("old-{i}"), 1_000).await,
+            Claim::Claimed
+        );
+    }
+    let owner = generations_store(&table).await;
+    let role = unique("gen_purger");
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {role} LOGIN; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_attempts TO {role}"
+    ))
+    .execute(&pool)
+    .await
+    .expect("role");
+    let (_, host) = url.split_once('@').expect("user@host in the URL");
+    let role_url = format!("postgres://{role}@{host}");
+    // What the doctor says the role lacks, granted as it says.
+    let doctor = onceonly(&[
+        "doctor",
+        "--database-url",
+        &role_url,
+        "--table",
+        &table,
+        "--no-outbox",
+        "--json",
+    ])
+    .await;
+    assert_eq!(doctor.code, 1, "{doctor:?}");
+    let findings: serde_json::Value = serde_json::from_str(&doctor.stdout).expect("json");
+    let fixes: Vec<&str> = findings["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .filter(|f| f["status"] == "fail")
+        .map(|f| f["fix"].as_str().expect("fix"))
+        .collect();
+    assert_eq!(fixes.len(), 1, "the layout's grants only: {doctor:?}");
+    sqlx::raw_sql(fixes[0])
+        .execute(&pool)
+        .await
+        .expect("the doctor's grants");
+
+    let purger = PgStore::connect(&role_url)
+        .await
+        .expect("connect as the role")
+        .with_table(&table)
+        .expect("table")
+        .generations(true);
+    purger
+        .purge_expired(None, 3_000, 5_000)
+        .await
+        .expect("rotation to generation 1");
+    assert_eq!(current(&pool, &table).await, 1);
+    // Generation 0 is the old plain table: emptied, not split.
+    purger
+        .purge_expired(None, 20_000, 5_000)
+        .await
+        .expect("the rotation that empties the old table");
+    assert_eq!(current(&pool, &table).await, 0);
+    assert_eq!(per_generation(&pool, &table).await, [0, 0]);
+    assert!(
+        buckets(&pool, &table, 0).await.is_empty(),
+        "split without the owner"
+    );
+    let ttl = Duration::from_secs(10);
+    assert_eq!(claim(&purger, "after", 20_000, ttl).await, Claim::Claimed);
+    assert!(is_duplicate(&claim(&purger, "after", 20_100, ttl).await));
+    // The owner's rotations: to generation 1, then generation 0 again,
+    // split this time.
+    owner
+        .purge_expired(None, 40_000, 5_000)
+        .await
+        .expect("rotation");
+    owner
+        .purge_expired(None, 60_000, 5_000)
+        .await
+        .expect("rotation");
+    assert_eq!(current(&pool, &table).await, 0);
+    assert_eq!(buckets(&pool, &table, 0).await.len(), 8);
+
+    purger.pool().close().await;
+    drop_layout(&pool, &table).await;
+    sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .execute(&pool)
+        .await
+        .expect("drop the role");
+}
+
 async fn claim_plain(store: &PgStore, key: &str, now_ms: i64) -> Claim {
     let mut tx = store.begin().await.expect("begin");
     let times = ClaimTimes::new(now_ms, Duration::from_secs(10));

@@ -753,7 +753,11 @@ async fn fenced(
 /// Splits the emptied generation `generation` into as many buckets as the
 /// current one has, if it is a plain table while the current one is split
 /// (generation 0 of a table upgraded from the plain layout, at its first
-/// rotation). DDL on empty tables, inside the fence.
+/// rotation). DDL on empty tables, inside the fence, behind a savepoint:
+/// the DDL needs the table's owner, and a purging role that is not the
+/// owner (with the grants `onceonly doctor` lists) rotates the generation
+/// unsplit instead of failing the rotation. A later rotation by the owner
+/// splits it.
 async fn reshape(
     tx: &mut sqlx::PgConnection,
     table: &TableName,
@@ -781,9 +785,32 @@ async fn reshape(
         format!("CREATE TABLE {g} PARTITION OF {t} FOR VALUES IN ({generation}){BY_HASH}"),
     ];
     ddl.extend(buckets_ddl(table, generation, buckets));
+    sqlx::query("SAVEPOINT onceonly_reshape")
+        .execute(&mut *tx)
+        .await?;
     for statement in ddl {
-        sqlx::query(&statement).execute(&mut *tx).await?;
+        match sqlx::query(&statement).execute(&mut *tx).await {
+            Ok(_) => {}
+            Err(e) if is_insufficient_privilege(&e) => {
+                sqlx::query("ROLLBACK TO SAVEPOINT onceonly_reshape")
+                    .execute(&mut *tx)
+                    .await?;
+                tracing::warn!(
+                    table = %table,
+                    generation,
+                    error = %e,
+                    "rotated without splitting the emptied generation into buckets: that takes \
+                     the table's owner (a rotation by the owner, e.g. `onceonly purge \
+                     --expired` as the owner, splits it)"
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
     }
+    sqlx::query("RELEASE SAVEPOINT onceonly_reshape")
+        .execute(&mut *tx)
+        .await?;
     tracing::info!(
         table = %table,
         generation,
@@ -791,6 +818,14 @@ async fn reshape(
         "split the emptied generation into buckets like the current one"
     );
     Ok(())
+}
+
+/// Whether `e` is PostgreSQL's `insufficient_privilege` (`42501`: not the
+/// owner, no privilege).
+fn is_insufficient_privilege(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "42501")
 }
 
 /// Whether `table` has the generations layout (a partitioned table).
