@@ -456,7 +456,12 @@ pub(super) async fn rotate(
         return Ok(0);
     };
     let other = usize::from(current == 0);
-    let buckets = within(step_bound, "rotation", full_buckets(base, other)).await?;
+    let buckets = within(
+        step_bound,
+        "rotation",
+        full_buckets(base, &rot.partitions[other]),
+    )
+    .await?;
     let budget = i64::try_from(rot.free_per_step).unwrap_or(i64::MAX);
     let steps = steps_of(buckets, budget);
     let count = steps.len();
@@ -533,14 +538,10 @@ async fn due(
     Ok(Some((current, rows)))
 }
 
-/// The buckets of generation `generation` that hold anything (quoted, in
-/// order) with their size (table and indexes, bytes); none when the
-/// generation is not split.
-async fn full_buckets(
-    base: &SqlBase<Postgres>,
-    generation: usize,
-) -> Result<Vec<(String, i64)>, StoreError> {
-    let g = base.table.suffixed(&format!("g{generation}")).quoted('"');
+/// The buckets of generation partition `g` (quoted) that hold anything
+/// (quoted, in order) with their size (table and indexes, bytes); none
+/// when the generation is not split.
+async fn full_buckets(base: &SqlBase<Postgres>, g: &str) -> Result<Vec<(String, i64)>, StoreError> {
     let buckets: Vec<(String, i64)> = sqlx::query_as(
         "SELECT format('%I.%I', n.nspname, c.relname), pg_total_relation_size(c.oid) \
          FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
@@ -629,9 +630,14 @@ async fn attempts(
 const ROTATION_ATTEMPTS: u32 = 3;
 
 fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    has_sqlstate(e, "55P03")
+}
+
+/// Whether `e` is a PostgreSQL error with SQLSTATE `code`.
+fn has_sqlstate(e: &sqlx::Error, code: &str) -> bool {
     e.as_database_error()
         .and_then(|d| d.code())
-        .is_some_and(|code| code == "55P03")
+        .is_some_and(|c| c == code)
 }
 
 /// Who holds a lock on `partition` (pid, mode, state, the query's start),
@@ -791,7 +797,8 @@ async fn reshape(
     for statement in ddl {
         match sqlx::query(&statement).execute(&mut *tx).await {
             Ok(_) => {}
-            Err(e) if is_insufficient_privilege(&e) => {
+            // insufficient_privilege: not the owner.
+            Err(e) if has_sqlstate(&e, "42501") => {
                 sqlx::query("ROLLBACK TO SAVEPOINT onceonly_reshape")
                     .execute(&mut *tx)
                     .await?;
@@ -818,14 +825,6 @@ async fn reshape(
         "split the emptied generation into buckets like the current one"
     );
     Ok(())
-}
-
-/// Whether `e` is PostgreSQL's `insufficient_privilege` (`42501`: not the
-/// owner, no privilege).
-fn is_insufficient_privilege(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.code())
-        .is_some_and(|code| code == "42501")
 }
 
 /// Whether `table` has the generations layout (a partitioned table).
