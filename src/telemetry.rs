@@ -20,9 +20,12 @@
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
 //! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
 //! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
+//! | [`onceonly_deadline_misses_total`](DEADLINE_MISSES_TOTAL) | counter | `scope`, `transport` | handlers given up at the transaction deadline (rolled back); a key that misses it [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times is dead-lettered `deadline` |
 //! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
 //! | [`onceonly_purge_last_success_timestamp_seconds`](PURGE_LAST_SUCCESS) | gauge | `table` | Unix time at which a [`Purger`](crate::ops::Purger) round last left no expired record behind |
 //! | [`onceonly_purge_failures_total`](PURGE_FAILURES_TOTAL) | counter | `table` | [`Purger`](crate::ops::Purger) rounds that failed (database down, no privilege) |
+//! | [`onceonly_generation_rotated_timestamp_seconds`](GENERATION_ROTATED) | gauge | `table` | Unix time of the last rotation of a table of PostgreSQL's generations layout, read from the table by each [`Purger`](crate::ops::Purger) round (0: never rotated) |
+//! | [`onceonly_generation_rotation_overdue_seconds`](GENERATION_ROTATION_OVERDUE) | gauge | `table` | how long a rotation has been possible (no live record left in the other generation) without one happening, as of the last [`Purger`](crate::ops::Purger) round: 0 while the table rotates when it can |
 //!
 //! The outbox relay adds
 //! `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds` and
@@ -39,7 +42,7 @@
 //! [`EngineBuilder::transport`](crate::EngineBuilder::transport)). `reason`
 //! is a dead-letter reason code ([`Outcome::reason`](crate::Outcome::reason)):
 //! `fingerprint_mismatch`, `bad_key`, `decode_error`, `handler_error`,
-//! `store_error`, `crashed`.
+//! `store_error`, `crashed`, `deadline`.
 //!
 //! One scheme, one counter: a delivery retried twice and then processed
 //! counts `failed` twice and `processed` once, and `retried` twice.
@@ -90,6 +93,17 @@ pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
 
 /// Gauge of deliveries waiting in place for the infrastructure.
 pub const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
+
+/// Counter of handlers given up at the transaction deadline.
+pub const DEADLINE_MISSES_TOTAL: &str = "onceonly_deadline_misses_total";
+
+/// Gauge: Unix time (seconds) of the last rotation of a table of the
+/// generations layout, by table.
+pub const GENERATION_ROTATED: &str = "onceonly_generation_rotated_timestamp_seconds";
+/// Gauge: seconds a rotation of a table of the generations layout has been
+/// possible without happening (starved by long claim transactions), by
+/// table.
+pub const GENERATION_ROTATION_OVERDUE: &str = "onceonly_generation_rotation_overdue_seconds";
 
 /// Counter of dedup records deleted by purges, by table.
 pub const PURGED_TOTAL: &str = "onceonly_purged_total";
@@ -185,6 +199,21 @@ pub fn describe_metrics() {
         Unit::Count,
         "Purger rounds that failed"
     );
+    metrics::describe_counter!(
+        DEADLINE_MISSES_TOTAL,
+        Unit::Count,
+        "Handlers given up at the transaction deadline (rolled back)"
+    );
+    metrics::describe_gauge!(
+        GENERATION_ROTATED,
+        Unit::Seconds,
+        "Unix time of the last rotation of a generations-layout dedup table (0: never)"
+    );
+    metrics::describe_gauge!(
+        GENERATION_ROTATION_OVERDUE,
+        Unit::Seconds,
+        "Seconds a rotation of a generations-layout dedup table has been possible without happening"
+    );
     metrics::describe_gauge!(
         WAITING_ON_INFRASTRUCTURE,
         Unit::Count,
@@ -216,6 +245,7 @@ pub(crate) struct Telemetry {
     handler: Histogram,
     claim: Histogram,
     commit: Histogram,
+    deadline_misses: Counter,
     #[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
     waits: Arc<Waits>,
 }
@@ -281,6 +311,11 @@ impl Telemetry {
             LABEL_SCOPE => scope.clone(),
             LABEL_TRANSPORT => transport,
         );
+        let deadline_misses = metrics::counter!(
+            DEADLINE_MISSES_TOTAL,
+            LABEL_SCOPE => scope.clone(),
+            LABEL_TRANSPORT => transport,
+        );
         let waiting = metrics::gauge!(
             WAITING_ON_INFRASTRUCTURE,
             LABEL_SCOPE => scope.clone(),
@@ -294,6 +329,7 @@ impl Telemetry {
             handler,
             claim,
             commit,
+            deadline_misses,
             waits: Waits::new(waiting),
         }
     }
@@ -397,6 +433,11 @@ impl Telemetry {
     }
 
     /// One delivery dead-lettered. Rare: the handle is resolved per call.
+    /// A handler was given up at the transaction deadline.
+    pub(crate) fn deadline_missed(&self) {
+        self.deadline_misses.increment(1);
+    }
+
     #[cfg(any(feature = "kafka", feature = "amqp"))]
     pub(crate) fn dead_lettered(&self, reason: &'static str) {
         metrics::counter!(
@@ -447,6 +488,24 @@ pub(crate) fn purge_caught_up(table: &crate::store::TableName, now_ms: i64) {
     #[allow(clippy::cast_precision_loss)]
     let seconds = now_ms as f64 / 1000.0;
     metrics::gauge!(PURGE_LAST_SUCCESS, LABEL_TABLE => table.to_string()).set(seconds);
+}
+
+/// What a [`Purger`](crate::ops::Purger) round read of the rotations of
+/// `table` (generations layout) at `now_ms`.
+pub(crate) fn rotations(
+    table: &crate::store::TableName,
+    state: &crate::store::Rotations,
+    now_ms: i64,
+) {
+    #[allow(clippy::cast_precision_loss)]
+    let seconds = |ms: i64| ms as f64 / 1000.0;
+    metrics::gauge!(GENERATION_ROTATED, LABEL_TABLE => table.to_string())
+        .set(seconds(state.rotated_at_ms));
+    let overdue = state
+        .possible_since_ms
+        .map_or(0, |since| now_ms.saturating_sub(since).max(0));
+    metrics::gauge!(GENERATION_ROTATION_OVERDUE, LABEL_TABLE => table.to_string())
+        .set(seconds(overdue));
 }
 
 /// A [`Purger`](crate::ops::Purger) round on `table` failed.

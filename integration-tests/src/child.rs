@@ -28,6 +28,8 @@ pub fn example_binary(name: &str) -> PathBuf {
 pub struct Logged {
     /// The log file.
     pub log: PathBuf,
+    /// Environment variables of the children, besides the test's own.
+    envs: Vec<(String, String)>,
 }
 
 impl Logged {
@@ -35,7 +37,15 @@ impl Logged {
     pub fn new(name: &str) -> Self {
         Self {
             log: std::env::temp_dir().join(format!("{}.log", crate::unique(name))),
+            envs: Vec::new(),
         }
+    }
+
+    /// Sets `key` to `value` in the children's environment.
+    #[must_use]
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.envs.push((key.to_owned(), value.to_owned()));
+        self
     }
 
     /// Spawns example `name` with `args`, stderr appended to the log;
@@ -55,6 +65,7 @@ impl Logged {
             .expect("log file");
         Command::new(program)
             .args(args)
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .kill_on_drop(true)

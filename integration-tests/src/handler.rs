@@ -11,11 +11,15 @@ use sqlx::Postgres;
 use crate::example_ledger::{Payment, Receipt, postgres};
 use crate::ledger::Expected;
 
+/// How long the [`Ledger`] handler sleeps for account `slow`.
+pub const SLOW: Duration = Duration::from_secs(3);
+
 /// Credits the ledger like the examples, and also: counts calls, records
 /// the order of `(account, seq)` for payments with a `seq` field, sleeps
 /// `delay` per call, and fails *after* writing (so the rollback must undo
 /// the write and the claim) for account `flaky` (retryable) and `broken`
-/// (permanent).
+/// (permanent). For account `slow` it sleeps [`SLOW`] after writing, longer
+/// than any test's transaction deadline.
 #[derive(Default)]
 pub struct Ledger {
     /// Handler runs.
@@ -51,6 +55,9 @@ impl Handler<Postgres> for Ledger {
             tokio::time::sleep(self.delay).await;
         }
         let receipt = postgres::record(&mut conn, &payment).await?;
+        if payment.account == "slow" {
+            tokio::time::sleep(SLOW).await;
+        }
         match payment.account.as_str() {
             "flaky" => Err(HandlerError::retryable("always times out")),
             "broken" => Err(HandlerError::permanent("account closed")),

@@ -10,6 +10,7 @@ use ledger::Receipt;
 use onceonly::amqp::{
     AmqpConsumer, AmqpConsumerBuilder, CancellationToken, ConsumerStats, headers,
 };
+use onceonly::store::Deadlines;
 use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, declare_reply_queue, depth, header, publish, take, url,
@@ -438,4 +439,45 @@ async fn concurrency_one_processes_in_queue_order() {
         "processed out of queue order from position {first:?}: {:?}",
         first.map(|i| &order[i..(i + 5).min(order.len())])
     );
+}
+
+/// A handler that always outlasts the transaction deadline is not a
+/// database outage to wait out forever: each miss is counted for its key,
+/// and after the engine's default of 3 the message is dead-lettered with
+/// reason `deadline` while the others are processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_always_slower_than_its_deadline_is_dead_lettered_deadline() {
+    let mut s = setup("aslow").await;
+    s.store = s
+        .store
+        .clone()
+        .deadlines(Deadlines::default().transaction(Duration::from_millis(500)));
+    let dlq = format!("{}.dlq", s.queue);
+    let (_conn, channel) = connect().await;
+    let mut messages = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..20 {
+        let no = format!("D-{i:04}");
+        messages.push(Msg::new(pay(&no, 5 + i).account("acct-d").body()));
+        expected.insert(no, ("acct-d".to_owned(), 5 + i));
+        if i == 10 {
+            messages.push(Msg::new(pay("D-SLOW", 99).account("slow").body()));
+        }
+    }
+    publish(&channel, &s.queue, &messages).await;
+
+    let handler = Arc::new(Ledger::default());
+    let stats = drain(consumer(&s).concurrency(2), Arc::clone(&handler)).await;
+    assert_exact(&s.pool, &expected).await;
+    let dead = take(&channel, &dlq, 1, Duration::from_secs(10)).await;
+    assert_eq!(dead.len(), 1, "the slow message is dead-lettered");
+    let props = &dead[0].delivery.properties;
+    assert_eq!(header(props, headers::REASON).as_deref(), Some("deadline"));
+    assert_eq!(stats.dead_lettered, 1);
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        20 + 3,
+        "the slow handler ran 3 times, each rolled back at the deadline"
+    );
+    assert_eq!(depth(&channel, &s.queue).await, 0, "queue drained");
 }

@@ -137,6 +137,58 @@ async fn a_rotation_truncates_only_a_generation_with_no_live_record() {
     drop_layout(&pool, &table).await;
 }
 
+/// A key can have a record in each generation: an expired one in the
+/// other generation and a live one in the current. A purge of one scope
+/// deletes the expired record only: deleting the live one with it would
+/// let the next duplicate of the key run its handler again.
+#[tokio::test]
+async fn a_scoped_purge_keeps_the_live_record_of_a_key_expired_in_the_other_generation() {
+    let table = unique("gen_keys");
+    let store = generations_store(&table).await;
+    let pool = store.pool().clone();
+
+    // K in generation 0, live until 1100.
+    assert_eq!(
+        claim(&store, "K", 1_000, Duration::from_millis(100)).await,
+        Claim::Claimed
+    );
+    // The first purge rotates at once: generation 1 is current.
+    store.purge_expired(None, 1_050, 5_000).await.unwrap();
+    assert_eq!(current(&pool, &table).await, 1);
+    // K's record expired at 1100: a redelivery claims K again, in
+    // generation 1, live until 11_200.
+    assert_eq!(
+        claim(&store, "K", 1_200, Duration::from_secs(10)).await,
+        Claim::Claimed
+    );
+    assert_eq!(per_generation(&pool, &table).await, [1, 1]);
+
+    // A purge of the scope deletes K's expired record, not its live one.
+    assert_eq!(
+        store
+            .purge_expired(Some(SCOPE), 2_000, 5_000)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(per_generation(&pool, &table).await, [0, 1]);
+    // So the next copy of K inside its retention is a duplicate.
+    assert!(
+        is_duplicate(&claim(&store, "K", 2_100, Duration::from_secs(10)).await),
+        "K's live record survived the scoped purge"
+    );
+    // Once it expired, the scope's purge deletes it too.
+    assert_eq!(
+        store
+            .purge_expired(Some(SCOPE), 20_000, 5_000)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(per_generation(&pool, &table).await, [0, 0]);
+    drop_layout(&pool, &table).await;
+}
+
 /// The buckets of generation `g` (name, heap bytes), by name.
 async fn buckets(pool: &PgPool, table: &str, g: usize) -> Vec<(String, i64)> {
     sqlx::query_as(

@@ -159,3 +159,54 @@ async fn ambiguous_keys_are_refused() {
         .unwrap();
     assert_eq!(n, 0, "nothing was claimed for refused requests");
 }
+
+/// A handler always slower than the transaction deadline: each request is
+/// rolled back and answered `503` (retry later), counted for its key, and
+/// the third is refused for good (`500`, problem `deadline`) instead of
+/// being answered "retry later" for ever; the key's count then starts
+/// over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_always_slower_than_its_deadline_is_refused_after_three_misses() {
+    let store = onceonly_integration_tests::pg_store(
+        &onceonly_integration_tests::pg_url(),
+        &onceonly_integration_tests::unique("http_slow"),
+    )
+    .await
+    .deadlines(onceonly::store::Deadlines::default().transaction(Duration::from_millis(300)));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let slow = move |_tx: Tx<sqlx::Postgres>| {
+        let runs = Arc::clone(&counted);
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            (StatusCode::CREATED, "late")
+        }
+    };
+    let layer = IdempotencyLayer::idempotency_key(store, "slow-http")
+        .build()
+        .unwrap();
+    let base = serve(Router::new().route("/pay", post(slow).layer(layer))).await;
+    let c = Client::new();
+    let send = || {
+        c.post(format!("{base}/pay"))
+            .header("Idempotency-Key", "always-late")
+            .body("{}")
+            .send()
+    };
+    for miss in 1..=2 {
+        let r = send().await.unwrap();
+        assert_eq!(r.status(), 503, "miss {miss}");
+    }
+    let r = send().await.unwrap();
+    assert_eq!(r.status(), 500);
+    let problem: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        problem["type"], "urn:onceonly:problem:deadline",
+        "{problem}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    // The count starts over: the next request runs (and misses) again.
+    assert_eq!(send().await.unwrap().status(), 503);
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+}

@@ -85,3 +85,61 @@ async fn a_record_that_aborts_the_consumer_is_dead_lettered_crashed_and_the_part
         );
     }
 }
+
+/// The same with batches of 50: a crash rolls back the whole batch, so the
+/// records before the poison in it were never committed. Its first crash
+/// (inside a batch, uncounted) must still be followed by at most
+/// `max_crashes` counted ones: after a death the records of the crashed
+/// batch run alone, so the poison is counted, however deep in its batch
+/// it sat (here, 30 records in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_deep_in_a_batch_is_dead_lettered_after_max_crashes_plus_one_deaths() {
+    let kafka = MockKafka::start(1);
+    let bootstrap = kafka.bootstrap().to_owned();
+    let topic = unique("kpoisonb");
+    let dlt = format!("{topic}.dlt");
+    kafka.create_topic(&topic, 1);
+    kafka.create_topic(&dlt, 1);
+    let url = pg_schema("kpoisonb").await;
+    let pool = PgPool::connect(&url).await.expect("postgres");
+
+    let stream = crash_stream("KB", 200);
+    let mut records: Vec<Record> = stream
+        .messages
+        .iter()
+        .map(|(no, body)| Record::new(no.clone(), body.clone()))
+        .collect();
+    let poison = Record::new(POISON, pay(POISON, 42).account("acct-poison").body());
+    records.insert(31, poison);
+    let ends = produce_on(&bootstrap, &topic, &records).await;
+
+    let group = unique("kpoisonb_group");
+    let args: Vec<String> = [
+        "kafka",
+        bootstrap.as_str(),
+        topic.as_str(),
+        group.as_str(),
+        url.as_str(),
+        dlt.as_str(),
+        POISON,
+    ]
+    .iter()
+    .map(|a| (*a).to_owned())
+    .collect();
+    let log = Logged::new("poison_worker_kafka_batch").env("POISON_BATCH", "50");
+    let worker = Path::new(env!("CARGO_BIN_EXE_poison_worker"));
+    log.poison_loop(worker, &args, MAX_CRASHES, "record in a batch")
+        .await;
+
+    assert_exact(&pool, &stream.expected).await;
+    let letters = read_all_on(&bootstrap, &dlt, 1, 2, Duration::from_secs(5));
+    assert!(!letters.is_empty(), "the poison is dead-lettered");
+    for letter in &letters {
+        assert_eq!(letter.key(), Some(POISON.as_bytes()), "only the poison");
+        assert_eq!(header(letter, "x-onceonly-reason"), Some("crashed"));
+    }
+    let positions = committed_on(&bootstrap, &group, &topic, 1);
+    for (p, end) in &ends {
+        assert_eq!(positions.get(p), Some(end), "committed to its end");
+    }
+}

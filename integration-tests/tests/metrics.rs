@@ -19,9 +19,9 @@ use metrics_util::registry::{AtomicStorage, Registry};
 use onceonly::amqp::{AmqpConsumer, CancellationToken};
 use onceonly::kafka::KafkaConsumer;
 use onceonly::telemetry::{
-    CLAIM_DURATION_SECONDS, COMMIT_DURATION_SECONDS, DEAD_LETTERED_TOTAL, DELIVERIES_TOTAL,
-    HANDLER_DURATION_SECONDS, KAFKA_CONSUMER_LAG, PURGE_FAILURES_TOTAL, PURGE_LAST_SUCCESS,
-    PURGED_TOTAL, RETRIED_TOTAL,
+    CLAIM_DURATION_SECONDS, COMMIT_DURATION_SECONDS, DEAD_LETTERED_TOTAL, DEADLINE_MISSES_TOTAL,
+    DELIVERIES_TOTAL, GENERATION_ROTATED, GENERATION_ROTATION_OVERDUE, HANDLER_DURATION_SECONDS,
+    KAFKA_CONSUMER_LAG, PURGE_FAILURES_TOTAL, PURGE_LAST_SUCCESS, PURGED_TOTAL, RETRIED_TOTAL,
 };
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
@@ -30,7 +30,7 @@ use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
-use onceonly_integration_tests::{pay, pg_store, sqlite_store, unique};
+use onceonly_integration_tests::{pay, pg_generations_store, pg_store, sqlite_store, unique};
 use sqlx::Sqlite;
 use tracing::span::{Attributes, Id, Record as SpanRecord};
 use tracing::{Event, Subscriber};
@@ -211,6 +211,114 @@ async fn purges_count_deleted_records_by_table() {
     let labels = [("table", missing_name.as_str())];
     assert_eq!(counter(PURGE_FAILURES_TOTAL, &labels), 1);
     assert_eq!(gauge(PURGE_LAST_SUCCESS, &labels), None);
+}
+
+/// A rotation of a generations table starved by a claim transaction that
+/// never ends shows in the gauges: the last rotation's time stays, and the
+/// time a rotation has been possible without happening grows
+/// (OnceonlyRotationStarved reads it); once the transaction ends the next
+/// round rotates and the gauge is back to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starved_rotation_shows_in_the_rotation_gauges() {
+    metrics();
+    let url = pg_schema("mxrot").await;
+    let table = unique("mxrot");
+    let store = pg_generations_store(&url, &table).await;
+    let qualified = store.table().to_string();
+    let labels = [("table", qualified.as_str())];
+    let clock = onceonly::ManualClock::new(1_000);
+    let purger = onceonly::ops::Purger::builder(store.clone())
+        .clock(Arc::new(clock.clone()))
+        .build()
+        .unwrap();
+
+    // K in generation 0, live until 1_100.
+    let mut tx = store.begin().await.unwrap();
+    let times = onceonly::ClaimTimes::new(1_000, Duration::from_millis(100));
+    let claim = store
+        .claim(&mut tx, "s", times, &onceonly::ClaimRequest::new("K"))
+        .await
+        .unwrap();
+    assert_eq!(claim, onceonly::Claim::Claimed);
+    store.complete(&mut tx, "s", "K", b"1").await.unwrap();
+    tx.commit().await.unwrap();
+
+    // The first round rotates (generation 1 was empty); K keeps the new
+    // other generation live: nothing is overdue.
+    clock.advance_ms(50);
+    purger.purge_once().await.unwrap();
+    assert_eq!(gauge(GENERATION_ROTATED, &labels), Some(1.05));
+    assert_eq!(gauge(GENERATION_ROTATION_OVERDUE, &labels), Some(0.0));
+
+    // K expired at 1_100, but a claim transaction stays open across every
+    // attempt of the next round: the rotation is starved.
+    let held = store.begin().await.unwrap();
+    clock.advance_ms(3_950);
+    assert!(
+        purger.purge_once().await.is_err(),
+        "the rotation is starved"
+    );
+    assert_eq!(gauge(GENERATION_ROTATED, &labels), Some(1.05));
+    assert_eq!(gauge(GENERATION_ROTATION_OVERDUE, &labels), Some(3.9));
+
+    // The transaction ends: the next round rotates.
+    drop(held);
+    clock.advance_ms(1_000);
+    purger.purge_once().await.unwrap();
+    assert_eq!(gauge(GENERATION_ROTATED, &labels), Some(6.0));
+    assert_eq!(gauge(GENERATION_ROTATION_OVERDUE, &labels), Some(0.0));
+}
+
+/// Each handler given up at the transaction deadline counts; the third
+/// miss of one key parks it (`Failure::Deadline`), and its counter starts
+/// over for a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_missing_the_deadline_count_and_the_third_miss_parks_the_key() {
+    metrics();
+    let url = pg_schema("mxdl").await;
+    let store = pg_store(&url, "onceonly_keys")
+        .await
+        .deadlines(onceonly::store::Deadlines::default().transaction(Duration::from_millis(200)));
+    ledger::postgres::create_tables(store.pool()).await.unwrap();
+    let scope = unique("mxdl");
+    let engine = Engine::builder(store.clone())
+        .scope(scope.as_str())
+        .key_expr("json:/out_trade_no")
+        .build()
+        .unwrap();
+    let h = Ledger::default();
+    let slow = Delivery::new(pay("DL-1", 5).account("slow"));
+    let labels = [("scope", scope.as_str()), ("transport", "engine")];
+    for miss in 1..=2 {
+        let report = engine.process(&h, &slow).await;
+        match &report.outcome {
+            onceonly::Outcome::Failed(f) => assert!(f.is_infrastructure(), "{f}"),
+            other => panic!("miss {miss}: {other:?}"),
+        }
+        assert_eq!(counter(DEADLINE_MISSES_TOTAL, &labels), miss);
+    }
+    let report = engine.process(&h, &slow).await;
+    match &report.outcome {
+        onceonly::Outcome::Failed(f @ onceonly::Failure::Deadline { misses: 3 }) => {
+            assert_eq!(f.reason(), "deadline");
+        }
+        other => panic!("the third miss parks the key: {other:?}"),
+    }
+    assert_eq!(counter(DEADLINE_MISSES_TOTAL, &labels), 3);
+    // Parked: the counter starts over, a replay gets its own misses.
+    let report = engine.process(&h, &slow).await;
+    assert!(
+        matches!(&report.outcome, onceonly::Outcome::Failed(f) if f.is_infrastructure()),
+        "{:?}",
+        report.outcome
+    );
+    assert_eq!(h.calls.load(Ordering::SeqCst), 4);
+    // Nothing of the slow handler was kept.
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
 }
 
 // ---------------------------------------------------------------- engine

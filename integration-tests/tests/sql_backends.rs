@@ -1198,6 +1198,35 @@ backend_suite!(
 /// "corrupt store" dead letter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
+    swallowed_deadlock(Mode::ClaimFirst).await;
+}
+
+/// The same on an optimistic engine, whose claim is the last statement:
+/// after InnoDB's rollback it would run outside any transaction, commit
+/// on its own and report the delivery processed without the handler's
+/// writes. The claim finds the transaction gone and the attempt is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_optimistic_claim_after_a_swallowed_deadlock_is_retried() {
+    swallowed_deadlock(Mode::Optimistic).await;
+}
+
+/// The same for an optimistic batch (one claim per key on MySQL): the
+/// batch is rolled back and its deliveries go one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_optimistic_batch_after_a_swallowed_deadlock_goes_one_by_one() {
+    swallowed_deadlock(Mode::OptimisticBatch).await;
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    ClaimFirst,
+    Optimistic,
+    OptimisticBatch,
+}
+
+/// A handler whose first run is made InnoDB's deadlock victim and swallows
+/// the error; every delivery must still be charged exactly once.
+async fn swallowed_deadlock(mode: Mode) {
     let store = mysql_store(&mysql_url(), &unique("keys")).await;
     let locks = unique("locks");
     let filler = unique("filler");
@@ -1222,8 +1251,15 @@ async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
     let engine = Engine::builder(store.clone())
         .scope("deadlock")
         .key_expr("json:/out_trade_no")
+        .optimistic(mode != Mode::ClaimFirst)
         .build()
         .unwrap();
+    // In a batch, the victim is the last handler: writes of a handler
+    // after a swallowed rollback would run outside any transaction.
+    let victim = match mode {
+        Mode::OptimisticBatch => "DL-2",
+        _ => "DL-1",
+    };
     let runs = Arc::new(AtomicUsize::new(0));
     let deadlocked = Arc::new(AtomicBool::new(false));
     let pool = store.pool().clone();
@@ -1235,13 +1271,13 @@ async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
             let (locks, filler, charges) = (locks.clone(), filler.clone(), charges.clone());
             async move {
                 let mut conn = tx.lock().await?;
-                let run = runs.fetch_add(1, Ordering::SeqCst);
+                runs.fetch_add(1, Ordering::SeqCst);
                 sqlx::query(&format!("INSERT INTO {charges} VALUES (?, ?)"))
                     .bind(&p.out_trade_no)
                     .bind(p.amount)
                     .execute(&mut *conn)
                     .await?;
-                if run == 0 {
+                if p.out_trade_no == victim && !deadlocked.load(Ordering::SeqCst) {
                     sqlx::query(&format!("UPDATE {locks} SET v = v + 1 WHERE id = 1"))
                         .execute(&mut *conn)
                         .await?;
@@ -1286,29 +1322,42 @@ async fn mysql_claim_rolled_back_by_a_swallowed_deadlock_is_retried() {
             }
         })
     };
-    let report = engine
-        .process(&handler, &Delivery::new(pay("DL-1", 7)))
-        .await;
+    let deliveries = match mode {
+        Mode::OptimisticBatch => vec![Delivery::new(pay("DL-1", 7)), Delivery::new(pay("DL-2", 9))],
+        _ => vec![Delivery::new(pay("DL-1", 7))],
+    };
+    let reports = match mode {
+        Mode::OptimisticBatch => engine.process_batch(&handler, &deliveries).await,
+        _ => vec![engine.process(&handler, &deliveries[0]).await],
+    };
     assert!(
         deadlocked.load(Ordering::SeqCst),
         "the test needs InnoDB to pick the handler as the deadlock victim"
     );
-    assert!(
-        matches!(report.outcome, Outcome::Processed { result: 7 }),
-        "{:?}",
-        report.outcome
-    );
+    for report in &reports {
+        assert!(
+            matches!(report.outcome, Outcome::Processed { .. }),
+            "{mode:?}: {:?}",
+            report.outcome
+        );
+    }
+    let expected_runs = 2 * deliveries.len();
     assert_eq!(
         runs.load(Ordering::SeqCst),
-        2,
-        "retried once after the lost claim"
+        expected_runs,
+        "{mode:?}: retried once after the lost transaction"
     );
-    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {charges}"))
-        .fetch_one(store.pool())
+    for (no, amount) in [("DL-1", 7_i64), ("DL-2", 9)].iter().take(deliveries.len()) {
+        let n: Vec<i64> = sqlx::query_scalar(&format!(
+            "SELECT amount FROM {charges} WHERE out_trade_no = ?"
+        ))
+        .bind(no)
+        .fetch_all(store.pool())
         .await
         .unwrap();
-    assert_eq!(n, 1, "one charge");
-    assert!(store.get("deadlock", "DL-1").await.unwrap().is_some());
+        assert_eq!(n, vec![*amount], "{mode:?}: {no} charged once");
+        assert!(store.get("deadlock", no).await.unwrap().is_some());
+    }
 }
 
 /// A suspect (a possible redelivery after a crash) runs alone: its handler

@@ -151,6 +151,80 @@ async fn the_cli_and_the_store_reach_postgres_only_over_verified_tls() {
     store.migrate().await.expect("migrate");
 }
 
+/// A connection that was open when a deadline was missed is closed, not
+/// reused. Over TLS, sqlx's "hard" close of such a connection waits for
+/// the server's `close_notify`, which a server never sends unasked: each
+/// claim that found one idle in the pool hung until the acquire timeout
+/// and failed, long after the database was healthy again. Here a handler
+/// misses its deadline while two other connections of the pool sit idle
+/// (counting the miss takes one); the next payment must be processed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_after_a_missed_deadline_does_not_wait_on_a_stale_tls_connection() {
+    let ca = TestCa::with_names("pg-deadline", &["localhost"]);
+    let pg = tls_only_pg(54_333, "postgres-tls-deadline", &ca);
+    let url = pg_url(pg.port(), "verify-full", Some(&ca));
+    let deadlines = onceonly::store::Deadlines::default()
+        .transaction(Duration::from_millis(150))
+        .acquire(Duration::from_secs(2));
+    let options: PgConnectOptions = url.parse().expect("url");
+    let pool = onceonly::store::pool_options_for(&deadlines)
+        .max_connections(3)
+        .connect_with(options)
+        .await
+        .expect("pool over TLS");
+    let store = PgStore::new(pool).deadlines(deadlines);
+    store.migrate().await.expect("migrate");
+    ledger::postgres::create_tables(store.pool())
+        .await
+        .expect("ledger");
+    let engine = Engine::builder(store.clone())
+        .scope("tls-deadline")
+        .key(KeySpec::json_field("/out_trade_no"))
+        .build()
+        .expect("engine");
+    // Three connections, all idle in the pool.
+    let (a, b, c) = (
+        store.pool().acquire().await.expect("a"),
+        store.pool().acquire().await.expect("b"),
+        store.pool().acquire().await.expect("c"),
+    );
+    drop((a, b, c));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let slow = handler_fn(
+        |tx: onceonly::Tx<sqlx::Postgres>, Json(p): Json<ledger::Payment>| async move {
+            let mut conn = tx.lock().await?;
+            ledger::postgres::record(&mut conn, &p).await?;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok(p.amount)
+        },
+    );
+    let report = engine
+        .process(&slow, &Delivery::new(pay("SLOW", 1).account("a")))
+        .await;
+    assert!(
+        matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure()),
+        "{:?}",
+        report.outcome
+    );
+    let quick = handler_fn(
+        |tx: onceonly::Tx<sqlx::Postgres>, Json(p): Json<ledger::Payment>| async move {
+            let mut conn = tx.lock().await?;
+            ledger::postgres::record(&mut conn, &p).await?;
+            Ok(p.amount)
+        },
+    );
+    // Within the acquire timeout (2 s) or not at all.
+    let report = engine
+        .process(&quick, &Delivery::new(pay("QUICK", 7).account("a")))
+        .await;
+    assert!(
+        matches!(report.outcome, Outcome::Processed { result: 7 }),
+        "the claim after a missed deadline: {:?}",
+        report.outcome
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_relay_publishes_over_tls_to_kafka_and_rabbitmq_from_a_tls_database() {
     let ca = TestCa::new("relay");

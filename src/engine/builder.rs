@@ -41,6 +41,9 @@ pub enum BuildError {
     /// [`EngineBuilder::max_crashes`] is zero.
     #[error("max_crashes must be at least 1")]
     ZeroMaxCrashes,
+    /// [`EngineBuilder::max_deadline_misses`] is zero.
+    #[error("max_deadline_misses must be at least 1")]
+    ZeroMaxDeadlineMisses,
 }
 
 /// Builds an [`Engine`]: `Engine::builder(store).scope(..).key(..).build()`.
@@ -56,6 +59,7 @@ pub struct EngineBuilder<S> {
     transport: &'static str,
     redaction: Result<KeyRedaction, KeyRedactionError>,
     max_crashes: u32,
+    max_deadline_misses: u32,
     optimistic: bool,
 }
 
@@ -73,6 +77,7 @@ impl<S: SqlStore> EngineBuilder<S> {
             transport: crate::telemetry::TRANSPORT_ENGINE,
             redaction: Ok(KeyRedaction::plain()),
             max_crashes: super::DEFAULT_MAX_CRASHES,
+            max_deadline_misses: super::DEFAULT_MAX_DEADLINE_MISSES,
             optimistic: false,
         }
     }
@@ -157,6 +162,27 @@ impl<S: SqlStore> EngineBuilder<S> {
         self
     }
 
+    /// How many times one key's handler may keep its transaction past the
+    /// [transaction deadline](crate::store::Deadlines::transaction) before
+    /// the delivery is parked (default 3, at least 1).
+    ///
+    /// A missed deadline rolls the attempt back and is a timeout: the
+    /// transports wait in place and try again, as for a silent database.
+    /// A handler that is always slower than the deadline would wait so
+    /// for ever. So each miss is counted for the key (in the attempts
+    /// table, as crashes are, by a statement that also shows the database
+    /// answers: while it does not, misses are not counted and the delivery
+    /// waits), and once a key missed `max_deadline_misses` times it fails
+    /// with [`Failure::Deadline`](super::Failure::Deadline): dead-lettered
+    /// with reason `deadline` by the consumers (the counter starts over, so
+    /// a replay gets its own misses), `500` over HTTP. Each miss counts in
+    /// `onceonly_deadline_misses_total`.
+    #[must_use]
+    pub fn max_deadline_misses(mut self, misses: u32) -> Self {
+        self.max_deadline_misses = misses;
+        self
+    }
+
     /// Optimistic claims (default `false`): the handler runs first, in a
     /// plain transaction, and the key is claimed after it, by the statement
     /// that also records its result, sent just before `COMMIT`. A new key
@@ -187,10 +213,19 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// one insert before `COMMIT`; a key committed meanwhile by another
     /// transaction rolls the batch back, and its deliveries go one by one.
     /// [Sessions](Engine::claim_with) of an optimistic engine claim their
-    /// key in [`Session::finish`](crate::engine::Session::finish); the
+    /// key in [`Session::finish`](crate::engine::Session::finish). The
     /// HTTP layer has its own switch
-    /// (`IdempotencyLayerBuilder::optimistic`), which also looks each key
-    /// up before the handler.
+    /// (`IdempotencyLayerBuilder::optimistic`) with the same rule: it looks
+    /// a key up before the handler only while retries are common (or when
+    /// a [`ClaimSpec::look_up_first`](crate::engine::ClaimSpec::look_up_first)
+    /// says so).
+    ///
+    /// On MySQL and MariaDB, a deadlock (1213) that the handler swallowed
+    /// has rolled the whole transaction back: the claim checks that the
+    /// transaction the handler started is still open (a savepoint taken
+    /// with `BEGIN` must still exist) and fails the attempt as contention
+    /// otherwise, so it is retried instead of committing the claim without
+    /// the handler's writes.
     #[must_use]
     pub fn optimistic(mut self, optimistic: bool) -> Self {
         self.optimistic = optimistic;
@@ -256,6 +291,9 @@ impl<S: SqlStore> EngineBuilder<S> {
         if self.max_crashes == 0 {
             return Err(BuildError::ZeroMaxCrashes);
         }
+        if self.max_deadline_misses == 0 {
+            return Err(BuildError::ZeroMaxDeadlineMisses);
+        }
         let telemetry = Telemetry::new(&scope, self.transport, self.redaction?);
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -269,6 +307,7 @@ impl<S: SqlStore> EngineBuilder<S> {
                 transient_retries: self.transient_retries,
                 clock: self.clock,
                 max_crashes: self.max_crashes,
+                max_deadline_misses: self.max_deadline_misses,
                 crashes: super::crash::Crashes::default(),
                 optimistic: self.optimistic,
                 recent_duplicates: super::DuplicateShare::default(),
@@ -351,6 +390,15 @@ macro_rules! forward_engine_settings {
         #[must_use]
         pub fn max_crashes(mut self, crashes: u32) -> Self {
             self.engine = self.engine.max_crashes(crashes);
+            self
+        }
+
+        /// How many times one message's handler may miss the transaction
+        /// deadline before it is dead-lettered `deadline` (default 3); see
+        /// [`EngineBuilder::max_deadline_misses`].
+        #[must_use]
+        pub fn max_deadline_misses(mut self, misses: u32) -> Self {
+            self.engine = self.engine.max_deadline_misses(misses);
             self
         }
 

@@ -11,6 +11,7 @@
 //! | data exception on a value of the message in the dedup store | [`DeadLetter`](Decision::DeadLetter) `store_error` |
 //! | key reused with another payload | [`DeadLetter`](Decision::DeadLetter) `fingerprint_mismatch` |
 //! | a [suspect](crate::Delivery::with_suspect) that crashed the process [`max_crashes`](crate::EngineBuilder::max_crashes) times ([`Failure::Crashed`](super::Failure::Crashed)) | [`DeadLetter`](Decision::DeadLetter) `crashed`, without running the handler again |
+//! | a handler that missed the transaction deadline [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times for one key while the database answered ([`Failure::Deadline`](super::Failure::Deadline)); fewer misses wait in place like any timeout | [`DeadLetter`](Decision::DeadLetter) `deadline` |
 //! | no key, undecodable payload | [`DeadLetter`](Decision::DeadLetter) `bad_key`, `decode_error` |
 //!
 //! The Kafka and AMQP consumers translate a decision to their wire (commit
@@ -45,7 +46,8 @@ pub enum Decision {
     /// letter with the reason, and acknowledge only once it is confirmed.
     DeadLetter {
         /// The reason code (`fingerprint_mismatch`, `bad_key`,
-        /// `decode_error`, `handler_error`, `store_error`, `crashed`).
+        /// `decode_error`, `handler_error`, `store_error`, `crashed`,
+        /// `deadline`).
         reason: &'static str,
         /// What went wrong, for the dead letter's error text.
         error: String,
@@ -154,6 +156,18 @@ mod tests {
         ));
         let processed = Outcome::Processed { result: () };
         assert_eq!(decide(&processed, 1, &policy), Decision::Ack);
+    }
+
+    #[test]
+    fn a_handler_that_keeps_missing_its_deadline_is_dead_lettered_deadline() {
+        let parked = failed(Failure::Deadline { misses: 3 });
+        match decide(&parked, 1, &RetryPolicy::default().max_attempts(10)) {
+            Decision::DeadLetter { reason, error, .. } => {
+                assert_eq!(reason, "deadline");
+                assert!(error.contains("3 times"), "{error}");
+            }
+            other => panic!("expected a dead letter, got {other:?}"),
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod crash;
 mod decision;
 mod handler;
 mod outcome;
+mod overrun;
 mod retry;
 pub(crate) mod session;
 mod tx;
@@ -39,6 +40,8 @@ pub use handler::{
     BoxError, DecodeError, FnHandler, FromDelivery, Handler, HandlerError, Json, handler_fn,
 };
 pub use outcome::{Failure, Outcome, OutcomeKind, Rejection, Report};
+pub use overrun::DEFAULT_MAX_DEADLINE_MISSES;
+pub(crate) use overrun::HANDLER_DEADLINE;
 pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
 pub use tx::{Origin, Tx, TxGone, TxGuard};
@@ -70,6 +73,9 @@ struct Inner<S> {
     clock: Arc<dyn Clock>,
     /// Suspects that crashed the process this often are dead-lettered.
     max_crashes: u32,
+    /// Keys whose handler missed the transaction deadline this often are
+    /// dead-lettered.
+    max_deadline_misses: u32,
     crashes: crash::Crashes,
     /// Claims after the handler, with the result (see
     /// [`EngineBuilder::optimistic`]).
@@ -163,7 +169,7 @@ impl<S: SqlStore> Engine<S> {
     }
 
     /// Now, by the engine's clock, in ms since the Unix epoch.
-    #[cfg(feature = "http")]
+    #[cfg(any(feature = "http", feature = "kafka"))]
     pub(crate) fn now_ms(&self) -> i64 {
         self.inner.clock.now_ms()
     }
@@ -395,6 +401,12 @@ impl<S: SqlStore> Engine<S> {
             // handler): a duplicate, not a failure to retry.
             Err(failure) => match session.abandon_failed().await {
                 Some(taken) => finished(taken, None),
+                // A handler slower than the deadline is counted, and
+                // parked once it missed it too often.
+                None if overrun::is_handler_overrun(&failure) => {
+                    let parked = self.handler_overran(&self.inner.scope, key.as_str());
+                    Outcome::Failed(parked.await.unwrap_or(failure))
+                }
                 None => Outcome::Failed(failure),
             },
         }
@@ -417,7 +429,7 @@ impl<S: SqlStore> Engine<S> {
         // that never answers (a silent network) gives the attempt up.
         let bound = tx.remaining();
         let handled = AssertUnwindSafe(handler.handle(tx, input, delivery)).catch_unwind();
-        let output = crate::store::deadline::bounded(bound, "the handler's transaction", handled)
+        let output = crate::store::deadline::bounded(bound, HANDLER_DEADLINE, handled)
             .await
             .map_err(|missed| Failure::Store(missed.into()));
         self.inner.telemetry.handler_time(started.elapsed());

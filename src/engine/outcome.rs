@@ -63,7 +63,8 @@ impl<T> Outcome<T> {
     }
 
     /// The dead-letter reason code: `fingerprint_mismatch`, `bad_key`,
-    /// `decode_error`, `handler_error`, `store_error` or `crashed`; `None`
+    /// `decode_error`, `handler_error`, `store_error`, `crashed` or
+    /// `deadline`; `None`
     /// for processed and duplicate deliveries.
     pub fn reason(&self) -> Option<&'static str> {
         match self {
@@ -197,6 +198,21 @@ pub enum Failure {
         /// How many started handler runs never finished.
         crashes: u32,
     },
+    /// The handler kept its transaction past the
+    /// [transaction deadline](crate::store::Deadlines::transaction)
+    /// `misses` times for this key, each time rolled back, while the
+    /// database answered: the handler is slower than the deadline, not the
+    /// database unreachable. Parked (dead-lettered `deadline`) instead of
+    /// waiting in place for ever; see
+    /// [`EngineBuilder::max_deadline_misses`](crate::EngineBuilder::max_deadline_misses).
+    /// Never retried.
+    #[error(
+        "the handler missed its transaction deadline {misses} times; parked instead of running it again"
+    )]
+    Deadline {
+        /// How many of the key's attempts missed the deadline.
+        misses: u32,
+    },
 }
 
 impl Failure {
@@ -207,7 +223,7 @@ impl Failure {
             Self::Handler(e) => e.is_retryable() || e.is_infrastructure(),
             Self::Store(e) => e.is_infrastructure(),
             Self::Panic(_) | Self::Commit(_) => true,
-            Self::Encode(_) | Self::TxHeld | Self::Crashed { .. } => false,
+            Self::Encode(_) | Self::TxHeld | Self::Crashed { .. } | Self::Deadline { .. } => false,
         }
     }
 
@@ -223,7 +239,8 @@ impl Failure {
             | Self::Encode(_)
             | Self::TxHeld
             | Self::Commit(_)
-            | Self::Crashed { .. } => None,
+            | Self::Crashed { .. }
+            | Self::Deadline { .. } => None,
         }
     }
 
@@ -234,11 +251,13 @@ impl Failure {
     }
 
     /// `store_error` for store failures, `crashed` for a delivery that
-    /// crashed the process too often, `handler_error` otherwise.
+    /// crashed the process too often, `deadline` for one whose handler
+    /// kept missing the transaction deadline, `handler_error` otherwise.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Store(_) => "store_error",
             Self::Crashed { .. } => "crashed",
+            Self::Deadline { .. } => "deadline",
             _ => "handler_error",
         }
     }

@@ -311,13 +311,19 @@ where
     let bound = session.tx().remaining();
     let handled = AssertUnwindSafe(inner.oneshot(req)).catch_unwind();
     let handled =
-        crate::store::deadline::bounded(bound, "the handler's transaction", handled).await;
+        crate::store::deadline::bounded(bound, crate::engine::HANDLER_DEADLINE, handled).await;
     cfg.engine.telemetry().handler_time(started.elapsed());
     let handled = match handled {
         Ok(handled) => handled,
         Err(missed) => {
             session.abandon().await;
-            tracing::error!(error = %missed, "handler missed the transaction deadline; rolled back: 503");
+            tracing::error!(error = %missed, "handler missed the transaction deadline; rolled back");
+            // Counted like the consumers' misses: a request whose handler
+            // keeps missing it is refused for good (the counter starts
+            // over), not answered "retry later" for ever.
+            if let Some(parked) = cfg.engine.handler_overran(&scope, key.as_str()).await {
+                return answer::failed(cfg, "deadline", "Request parked", &parked.to_string());
+            }
             return answer::unavailable(
                 cfg,
                 "Idempotency store unavailable",

@@ -38,7 +38,11 @@
 //! `request-in-flight` (409), `commit-refused` (409),
 //! `body-too-large` (413),
 //! `unsupported-charset` (415), `idempotency-key-reused` (422),
-//! `store-unavailable` (503).
+//! `deadline` (500: the handler missed its transaction deadline
+//! [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses)
+//! times for this key; its counter starts over),
+//! `store-unavailable` (503, also for a handler that missed its
+//! transaction deadline fewer times).
 //!
 //! # Failures of the store
 //!

@@ -79,6 +79,16 @@
 //! dead-lettered do not end a lane's suspicion (a dead letter is not in the
 //! database, and its offset may not have been committed before a crash).
 //!
+//! With [`batch_size`] above one, a crash rolls back the whole batch it hit,
+//! the records before the killer with it. A partition that runs batches is
+//! therefore marked in the attempts table while it does (one statement per
+//! assignment, one per clean end); a new owner that finds the mark (the
+//! former owner died with batches in flight) keeps each lane suspect until
+//! it processed `batch_size` records, so the killer is counted wherever it
+//! sat in its batch, and the bound of `max_crashes + 1` deaths holds. After
+//! a clean handoff the lanes trust the partition after one record, as
+//! without batches.
+//!
 //! # Rebalances and shutdown
 //!
 //! On revoke, the revoked partitions' lanes stop taking records, records in
@@ -106,6 +116,7 @@
 //! [`drain_timeout`]: KafkaConsumerBuilder::drain_timeout
 //! [`max_crashes`]: KafkaConsumerBuilder::max_crashes
 
+mod batch_mark;
 mod builder;
 mod consumer;
 mod context;

@@ -13,6 +13,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::batch_mark::BatchMark;
 use super::message::Envelope;
 use super::offsets::OffsetTracker;
 
@@ -59,6 +60,9 @@ pub(crate) struct Partition {
     /// workers start nothing new and abandon retries (the record stays
     /// uncommitted and is redelivered to the next owner).
     pub(crate) stop: CancellationToken,
+    /// Whether batches may have been running when the former owner died
+    /// (lanes that take batches only).
+    pub(crate) batches: BatchMark,
     tracker: Mutex<OffsetTracker>,
     wake: Arc<Wake>,
 }
@@ -353,6 +357,7 @@ impl Registry {
             topic: tp.0.clone(),
             partition: tp.1,
             stop: CancellationToken::new(),
+            batches: BatchMark::new(self.lanes),
             tracker: Mutex::default(),
             wake: Arc::clone(&self.wake),
         });

@@ -58,16 +58,38 @@ impl<S: SqlStore, H> Env<S, H> {
 /// whose key is new and parks it once it crashed the process too often.
 /// Records that were dead-lettered do not end suspicion: a dead letter is
 /// not recorded in the database, and its offset may not have been committed
-/// before the next crash, so it may come first again.
+/// before the next crash, so it may come first again. A lane that takes
+/// batches may stay suspect longer (see [`batch_mark`](super::batch_mark)).
 pub(crate) async fn run_lane<S, H>(
     env: Arc<Env<S, H>>,
     partition: Arc<Partition>,
-    mut rx: UnboundedReceiver<Envelope>,
+    rx: UnboundedReceiver<Envelope>,
 ) where
     S: SqlStore,
     H: Handler<S::Db>,
 {
-    let mut suspect = true;
+    lane(&env, &partition, rx).await;
+    // Nothing of this lane is in flight any more.
+    if env.batch_size > 1 {
+        let (topic, p) = (&partition.topic, partition.partition);
+        partition.batches.lane_ended(&env.engine, topic, p).await;
+    }
+}
+
+/// Whether a lane's records are still suspects, and how many it processed
+/// since the assignment.
+#[derive(Default)]
+struct Suspicion {
+    trusted: bool,
+    processed: usize,
+}
+
+async fn lane<S, H>(env: &Env<S, H>, partition: &Partition, mut rx: UnboundedReceiver<Envelope>)
+where
+    S: SqlStore,
+    H: Handler<S::Db>,
+{
+    let mut suspicion = Suspicion::default();
     loop {
         let first = tokio::select! {
             biased;
@@ -81,7 +103,7 @@ pub(crate) async fn run_lane<S, H>(
         // A suspect lane takes one record at a time: it goes record by
         // record anyway, and a batch gathered now would still go record by
         // record after its first one committed.
-        if env.batch_size > 1 && !suspect {
+        if env.batch_size > 1 && suspicion.trusted {
             let now = Instant::now();
             let deadline = now.checked_add(env.linger).unwrap_or(now);
             while batch.len() < env.batch_size {
@@ -107,7 +129,7 @@ pub(crate) async fn run_lane<S, H>(
         // Handler panics are caught by the engine; anything else panicking
         // here (a user `FromDelivery`, a key function) would leave records
         // in flight forever. Fail the whole consumer loudly instead.
-        let work = AssertUnwindSafe(process(&env, &partition, batch, &mut suspect)).catch_unwind();
+        let work = AssertUnwindSafe(process(env, partition, batch, &mut suspicion)).catch_unwind();
         if let Err(panic) = work.await {
             let what = panic_text(panic.as_ref());
             tracing::error!(topic = %partition.topic, partition = partition.partition, panic = %what, "partition worker panicked; stopping the consumer");
@@ -128,13 +150,13 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".to_owned())
 }
 
-/// Processes `batch` in order; `suspect`: whether the lane still waits for
-/// its first processed record since the assignment (see [`run_lane`]).
+/// Processes `batch` in order; `suspicion`: whether the lane still waits
+/// for its first processed records since the assignment (see [`run_lane`]).
 async fn process<S, H>(
     env: &Env<S, H>,
     partition: &Partition,
     batch: Vec<Envelope>,
-    suspect: &mut bool,
+    suspicion: &mut Suspicion,
 ) where
     S: SqlStore,
     H: Handler<S::Db>,
@@ -154,7 +176,9 @@ async fn process<S, H>(
     }
     let mut deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
     // A suspect lane goes record by record (marked as they come, below).
-    let batched = if deliveries.len() > 1 && !*suspect {
+    let batched = if deliveries.len() > 1 && suspicion.trusted {
+        let (topic, p) = (&partition.topic, partition.partition);
+        partition.batches.renew(&env.engine, topic, p).await;
         env.engine
             .try_process_batch(&env.handler, &deliveries)
             .await
@@ -165,7 +189,7 @@ async fn process<S, H>(
     let mut stopped = false;
     let telemetry = env.engine.telemetry();
     for (envelope, delivery) in batch.iter().zip(deliveries.iter_mut()) {
-        if *suspect {
+        if !suspicion.trusted {
             *delivery = std::mem::take(delivery).with_suspect(true);
         }
         let delivery = &*delivery;
@@ -214,8 +238,9 @@ async fn process<S, H>(
         };
         match settled {
             Some(kind) => {
-                if kind == OutcomeKind::Processed {
-                    *suspect = false;
+                if kind == OutcomeKind::Processed && !suspicion.trusted {
+                    suspicion.processed += 1;
+                    suspicion.trusted = trusted(env, partition, suspicion.processed).await;
                 }
                 bump(&env.counters.acked);
                 partition.finish(envelope.offset());
@@ -223,6 +248,27 @@ async fn process<S, H>(
             None => stopped = true,
         }
     }
+}
+
+/// Whether a suspect lane that processed `processed` records since the
+/// assignment may trust its records now: after one without batches; with
+/// batches, after as many as the partition's [`BatchMark`] says.
+///
+/// [`BatchMark`]: super::batch_mark::BatchMark
+async fn trusted<S: SqlStore, H>(env: &Env<S, H>, partition: &Partition, processed: usize) -> bool {
+    if env.batch_size <= 1 {
+        return true;
+    }
+    let (topic, p) = (&partition.topic, partition.partition);
+    let window = partition
+        .batches
+        .window(&env.engine, topic, p, env.batch_size)
+        .await;
+    let trusted = window.is_some_and(|window| processed >= window);
+    if trusted {
+        partition.batches.lane_trusted();
+    }
+    trusted
 }
 
 /// Drives one record to a final outcome, doing what

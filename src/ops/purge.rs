@@ -359,7 +359,15 @@ impl<S: SqlStore> Purger<S> {
         F: FusedFuture<Output = ()>,
     {
         let now_ms = self.clock.now_ms();
-        match self.round(now_ms, total, shutdown).await {
+        let round = self.round(now_ms, total, shutdown).await;
+        // A table that rotates says how its rotations go, whether this
+        // round rotated or not: a rotation possible for long is starved.
+        match self.store.rotations(now_ms).await {
+            Ok(Some(rotations)) => telemetry::rotations(self.store.table(), &rotations, now_ms),
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "could not read the table's rotations"),
+        }
+        match round {
             Ok(caught_up) => {
                 if caught_up {
                     telemetry::purge_caught_up(self.store.table(), now_ms);

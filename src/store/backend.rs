@@ -38,6 +38,17 @@ pub(crate) trait Backend: Database {
     /// one. `None`: the delete runs on its own.
     const PURGE_BEGIN: Option<&'static str> = None;
 
+    /// A statement that fails when the transaction [`BEGIN`](Self::BEGIN)
+    /// opened has ended under the caller (MySQL: InnoDB rolls the whole
+    /// transaction back on a deadlock, and a handler that swallowed the
+    /// error leaves the session in autocommit), run once before an
+    /// optimistic claim, the transaction's last write, so that the claim
+    /// never commits on its own without the handler's writes. `None`: the
+    /// backend aborts the transaction instead (PostgreSQL: every later
+    /// statement fails until `ROLLBACK`). Whatever error it fails with is
+    /// [`StoreError::ClaimLost`].
+    const TX_CHECK: Option<&'static str> = None;
+
     /// Whether the backend has `INSERT ... RETURNING`. Without it (MySQL,
     /// MariaDB before 10.5) the attempts bump reports its new count as
     /// [`last_insert_id`](Self::last_insert_id).
@@ -116,6 +127,15 @@ pub(crate) trait Backend: Database {
     /// layout has one (PostgreSQL's generations: a rotation); `None`: a
     /// bounded `DELETE`.
     async fn rotate(_base: &SqlBase<Self>, _now_ms: i64) -> Option<Result<u64, StoreError>> {
+        None
+    }
+
+    /// The rotations of the table, if its layout rotates (PostgreSQL's
+    /// generations); `None` otherwise.
+    async fn rotations(
+        _base: &SqlBase<Self>,
+        _now_ms: i64,
+    ) -> Option<Result<super::Rotations, StoreError>> {
         None
     }
 

@@ -213,6 +213,41 @@ where
         req: &ClaimRequest<'_>,
         result: &[u8],
     ) -> Result<Claim, StoreError> {
+        self.check_tx(conn).await?;
+        self.claim_completed_in(conn, scope, times, req, result)
+            .await
+    }
+
+    /// Fails with [`StoreError::ClaimLost`] if the transaction on `conn`
+    /// ended under the caller (see [`Backend::TX_CHECK`]): before an
+    /// optimistic claim, which would otherwise commit on its own.
+    async fn check_tx(&self, conn: &mut DB::Connection) -> Result<(), StoreError> {
+        let Some(check) = DB::TX_CHECK else {
+            return Ok(());
+        };
+        // Unprepared (a `&str`): MySQL's text protocol, which takes any
+        // statement.
+        let checked = (&mut *conn).execute(check);
+        match within(self.statement(), "transaction check", checked).await {
+            Ok(_) => Ok(()),
+            Err(StoreError::Database(e)) if e.as_database_error().is_some() => {
+                tracing::warn!(error = %e, "the claim's transaction ended under the handler (a swallowed deadlock?); retrying the attempt");
+                Err(StoreError::ClaimLost)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`claim_completed`](Self::claim_completed) on a transaction known
+    /// to be open.
+    async fn claim_completed_in(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        times: ClaimTimes,
+        req: &ClaimRequest<'_>,
+        result: &[u8],
+    ) -> Result<Claim, StoreError> {
         let bound = self.statement() + req.lock_wait.unwrap_or_default();
         let waiting = &self.sql.insert_completed_waiting;
         let bind = |sql| {
@@ -335,6 +370,7 @@ where
                 results.len()
             )));
         }
+        self.check_tx(conn).await?;
         let batch = DB::claim_completed_batch(self, conn, scope, times, reqs, results);
         let batch = async { batch.await.transpose() };
         if let Some(claims) = within(self.statement(), "batch claim", batch).await? {
@@ -343,7 +379,7 @@ where
         let mut claims = Vec::with_capacity(reqs.len());
         for (req, result) in reqs.iter().zip(results) {
             claims.push(
-                self.claim_completed(conn, scope, times, req, result)
+                self.claim_completed_in(conn, scope, times, req, result)
                     .await?,
             );
         }
@@ -500,6 +536,13 @@ where
             )
             .await?;
         Ok(deleted + counters)
+    }
+
+    /// The table's rotations (see [`SqlStore::rotations`](super::SqlStore::rotations)),
+    /// bounded.
+    pub async fn rotations(&self, now_ms: i64) -> Result<Option<super::Rotations>, StoreError> {
+        let read = async { DB::rotations(self, now_ms).await.transpose() };
+        within(self.pool_bound(), "rotations", read).await
     }
 
     /// One bounded delete of expired rows, with `purge` or `purge_scope`.

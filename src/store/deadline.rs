@@ -262,9 +262,8 @@ impl DeadlineMissed {
 // connection waiting for an answer; a pool that gets it back pings it
 // first, which on a silent network waits forever (holding a pool slot).
 // So when a deadline is missed, every connection open at that moment is
-// closed, without a byte sent, instead of being returned to or handed out
-// by the pool (see [`pool_options_for`]). Healthy ones among them are
-// simply replaced.
+// closed instead of being returned to or handed out by the pool (see
+// [`pool_options_for`]). Healthy ones among them are simply replaced.
 
 /// Milliseconds since [`epoch`] of the last missed deadline, plus one; 0
 /// if none.
@@ -292,11 +291,12 @@ pub(crate) fn missed_since(since: Instant) -> bool {
     DEADLINE_MISSED.load(Ordering::Relaxed) > since_epoch_ms(since)
 }
 
-/// The error that makes the pool close a connection without a byte sent.
+/// The error that makes the pool close an idle connection that did not
+/// answer its ping without a byte sent (bounded by the acquire timeout).
 fn discarded() -> sqlx::Error {
     sqlx::Error::Io(std::io::Error::new(
         std::io::ErrorKind::TimedOut,
-        "connection open when a onceonly deadline was missed: closed, not reused",
+        "idle pooled connection did not answer: closed, not reused",
     ))
 }
 
@@ -365,9 +365,9 @@ pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 ///   too. A connection that answered less than that ago is handed out as
 ///   it is: should its network have gone silent since, the first
 ///   statement's deadline catches it;
-/// - a connection that was open when a deadline was missed is closed,
-///   without a byte sent, instead of being returned to the pool or handed
-///   out;
+/// - a connection that was open when a deadline was missed is closed
+///   (a `Terminate`, which a silent peer never needs to answer) instead of
+///   being returned to the pool or handed out;
 /// - an idle connection opened before the database was last seen
 ///   read-only is closed instead of handed out.
 ///
@@ -391,7 +391,13 @@ pub fn pool_options_for<DB: Database>(deadlines: &Deadlines) -> sqlx::pool::Pool
                     return Ok(false);
                 }
                 if missed {
-                    return Err(discarded());
+                    // `Ok(false)`: sqlx closes it with a `Terminate`. An
+                    // error would make it close "hard", which over TLS
+                    // waits for the server's `close_notify` that a server
+                    // never sends unasked: the acquire would hang to its
+                    // timeout (sqlx 0.8).
+                    tracing::debug!("closing a pooled connection that was open when a deadline was missed");
+                    return Ok(false);
                 }
                 if meta.idle_for < PING_IDLE_AFTER {
                     return Ok(true);
@@ -406,8 +412,11 @@ pub fn pool_options_for<DB: Database>(deadlines: &Deadlines) -> sqlx::pool::Pool
             })
         })
         .after_release(move |_conn, meta| {
+            // `Ok(false)` rather than an error, as in `before_acquire`: a
+            // hard close over TLS would hang the task returning it, and
+            // its pool slot with it, for good.
             let missed = networked && open_at_a_miss(meta.age);
-            Box::pin(async move { if missed { Err(discarded()) } else { Ok(true) } })
+            Box::pin(async move { Ok(!missed) })
         })
 }
 

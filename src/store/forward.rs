@@ -157,6 +157,13 @@ macro_rules! forward_sql_store {
                 self.$to.purge_expired(scope, now_ms, limit).await
             }
 
+            async fn rotations(
+                &self,
+                now_ms: i64,
+            ) -> Result<Option<$crate::store::Rotations>, $crate::store::StoreError> {
+                self.$to.rotations(now_ms).await
+            }
+
             $($extra)*
         }
     };

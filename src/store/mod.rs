@@ -409,6 +409,29 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         now_ms: i64,
         limit: u32,
     ) -> Result<u64, StoreError>;
+
+    /// The rotations of a table of PostgreSQL's generations layout at
+    /// `now_ms` (two cheap reads: the control table, the newest expiry of
+    /// the other generation); `None` for every other table. The
+    /// [`Purger`](crate::ops::Purger) reports them in its metrics.
+    async fn rotations(&self, _now_ms: i64) -> Result<Option<Rotations>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// The rotations of a dedup table of PostgreSQL's generations layout (see
+/// [`SqlStore::rotations`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Rotations {
+    /// When the table last rotated, in ms since the Unix epoch (0: never).
+    pub rotated_at_ms: i64,
+    /// Since when a rotation has been possible (the other generation holds
+    /// no live record since then), in ms since the Unix epoch; `None`
+    /// while a record of the other generation is live. A rotation that
+    /// stays possible for long without happening is starved (claim
+    /// transactions that always overlap hold its fence off).
+    pub possible_since_ms: Option<i64>,
 }
 
 /// [`SqlStore::open_claim`] by [`begin`](SqlStore::begin), then
@@ -583,6 +606,19 @@ pub(crate) use batch::plan_batch;
 /// means the claim is gone from its own transaction: the database rolled the
 /// transaction back under the handler (MySQL/MariaDB end a transaction on a
 /// deadlock or lock wait timeout, and a handler may swallow that error).
+/// A key of the attempts table ([`SqlStore::bump_attempts`]) that no
+/// delivery's key can equal: counters onceonly keeps for itself (a Kafka
+/// partition's batch mark, a key's missed deadlines). A control character
+/// (which keys cannot hold), `kind`, and the SHA-256 of `name` in hex, so
+/// that it fits every backend's key column whatever `name` is.
+pub(crate) fn internal_key(kind: &str, name: &str) -> String {
+    use sha2::Digest as _;
+    format!(
+        "\u{1}{kind}:{}",
+        hex::encode(sha2::Sha256::digest(name.as_bytes()))
+    )
+}
+
 pub(crate) fn expect_one(rows: u64) -> Result<(), StoreError> {
     match rows {
         1 => Ok(()),
@@ -590,5 +626,24 @@ pub(crate) fn expect_one(rows: u64) -> Result<(), StoreError> {
         n => Err(StoreError::Corrupt(format!(
             "recording a key's result updated {n} rows instead of 1"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::internal_key;
+
+    #[test]
+    fn internal_keys_are_no_delivery_key_and_fit_every_key_column() {
+        let long = "x".repeat(10_000);
+        for name in ["K-1", long.as_str()] {
+            let key = internal_key("deadline", name);
+            assert!(key.len() <= 80, "{key}");
+            assert_eq!(key, internal_key("deadline", name), "stable");
+            assert_ne!(key, internal_key("kafka-batches", name), "per kind");
+            // A delivery's key can never be one: keys hold no control
+            // character.
+            assert!(crate::IdemKey::new(key).is_err());
+        }
     }
 }

@@ -23,6 +23,20 @@
 //! when the winner rolls back under several waiters, are transient errors and
 //! the engine retries the transaction.
 //!
+//! # A deadlock the handler swallowed
+//!
+//! InnoDB rolls the *whole* transaction back on a deadlock (1213), and the
+//! session goes on in autocommit. A handler that catches the error and
+//! carries on leaves the engine on a transaction that no longer exists:
+//! a claim-first claim finds its record gone when it records the result
+//! ([`StoreError::ClaimLost`], retried). An optimistic claim is the last
+//! write and would commit on its own, without the handler's writes: every
+//! claim transaction takes a savepoint with its `BEGIN`, and an optimistic
+//! claim first releases it (one more round trip), which fails once the
+//! transaction ended, as `ClaimLost` too. Writes the handler makes *after*
+//! swallowing such an error run in autocommit and stay, whatever onceonly
+//! does: let database errors propagate (`?`).
+//!
 //! Keys and scopes are `VARBINARY`: the default collations compare
 //! case-insensitively and ignore trailing spaces, which would merge distinct
 //! keys. A batch claim runs one `INSERT` per key in the same transaction
@@ -52,8 +66,15 @@ use super::base::SqlBase;
 use super::sql::Sql;
 use super::{Deadlines, StoreError, TableName};
 
-/// Claim transactions (and purges by age) run at READ COMMITTED.
-const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+/// Claim transactions (and purges by age) run at READ COMMITTED, and take
+/// a savepoint at once: a deadlock's rollback ends the transaction and
+/// drops it, which [`TX_CHECK`] finds.
+const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; \
+                     SAVEPOINT onceonly_tx";
+
+/// Fails (error 1305, no such savepoint) once the transaction [`BEGIN`]
+/// opened has ended: run before an optimistic claim.
+const TX_CHECK: &str = "RELEASE SAVEPOINT onceonly_tx";
 
 /// A dedup store in MySQL or MariaDB (InnoDB).
 #[derive(Clone, Debug)]
@@ -140,6 +161,7 @@ impl Backend for MySql {
     const BYTE_TEXT: bool = true;
     const ROW_VALUES: bool = false;
     const BEGIN: &'static str = BEGIN;
+    const TX_CHECK: Option<&'static str> = Some(TX_CHECK);
     /// DDL commits implicitly in MySQL; `CREATE TABLE IF NOT EXISTS` is
     /// atomic under the metadata lock, so concurrent migrations are safe.
     const MIGRATE_BEGIN: Option<&'static str> = None;

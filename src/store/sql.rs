@@ -70,6 +70,11 @@ pub(crate) struct RotationSql {
     pub fence: i64,
     /// The current generation (`current`, a `smallint`).
     pub current: String,
+    /// The current generation and when the table last rotated
+    /// (`current`, `rotated_at_ms`).
+    pub state: String,
+    /// The newest expiry in generation `i` (`bigint`, NULL when empty).
+    pub newest: [String; 2],
     /// now: whether generation `i` holds a record live at now.
     pub live: [String; 2],
     /// About how many records generation `i` holds (`bigint`, from the
@@ -119,10 +124,15 @@ pub(crate) const INSERT_COLS: &str =
 /// Statements shared by the `$n`-placeholder dialects (Postgres and SQLite).
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
+    // The outer test of the expiry keeps a purge from deleting a live
+    // record even on a table where a key can have several rows (a plain
+    // store left running on a table upgraded to PostgreSQL's generations
+    // layout, which has its own statements).
     let purge_of = |t: &str, scope: &str, n: usize| {
         format!(
             "DELETE FROM {t} WHERE (scope, idem_key) IN (SELECT scope, idem_key FROM {t} \
-             WHERE {scope}expires_at_ms <= ${n} ORDER BY expires_at_ms LIMIT ${}{purge_tail})",
+             WHERE {scope}expires_at_ms <= ${n} ORDER BY expires_at_ms LIMIT ${}{purge_tail}) \
+             AND expires_at_ms <= ${n}",
             n + 1
         )
     };

@@ -9,7 +9,8 @@
 //! poison_worker amqp AMQP_URL QUEUE DATABASE_URL POISON_KEY
 //! ```
 //!
-//! Both exit 0 once idle for 3 s (the backlog is drained).
+//! Both exit 0 once idle for 3 s (the backlog is drained). The Kafka
+//! consumer takes records in batches of `POISON_BATCH` (default 1).
 
 use std::time::Duration;
 
@@ -67,7 +68,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         ["kafka", bootstrap, topic, group, db, dlt, poison] => {
             let store = open(db).await?;
+            let batch = std::env::var("POISON_BATCH")
+                .ok()
+                .and_then(|b| b.parse::<usize>().ok())
+                .unwrap_or(1);
             let consumer = KafkaConsumer::builder(store)
+                .batch_size(batch)
                 .brokers(*bootstrap)
                 .group_id(*group)
                 .topic(*topic)

@@ -15,7 +15,10 @@
 //! - a read returns the key's newest record (the live one, if any);
 //! - a reclaim of an expired record and a result update touch the current
 //!   generation's row only, so a record's expiry never moves into the
-//!   future outside the current generation.
+//!   future outside the current generation;
+//! - a purge by `DELETE` (of one scope: a purge of the whole table
+//!   rotates) deletes the expired rows it picked by their generation too,
+//!   never a key's live record in the other generation.
 //!
 //! # Rotation
 //!
@@ -209,10 +212,28 @@ pub(crate) fn sql(table: &TableName, buckets: u16) -> Sql {
         "UPDATE {t} AS t SET result = u.r FROM UNNEST($2::text[], $3::bytea[]) AS u(k, r) \
          WHERE t.scope = $1 AND t.idem_key = u.k AND t.generation = {current}"
     );
+    // A key may have a record in each generation (an expired one in the
+    // other, a live one in the current): a purge deletes the rows it
+    // picked, by generation too, and only while they are expired. The
+    // plain layout's `(scope, idem_key) IN (...)` would take the live
+    // record with the expired one, and the next copy of the key would
+    // run its handler again.
+    let purge_of = |scope: &str, n: usize| {
+        format!(
+            "DELETE FROM {t} WHERE (scope, idem_key, generation) IN (SELECT scope, idem_key, \
+             generation FROM {t} WHERE {scope}expires_at_ms <= ${n} ORDER BY expires_at_ms \
+             LIMIT ${} FOR UPDATE SKIP LOCKED) AND expires_at_ms <= ${n}",
+            n + 1
+        )
+    };
+    sql.purge = purge_of("", 1);
+    sql.purge_scope = purge_of("scope = $1 AND ", 2);
     let each = |f: &dyn Fn(&str) -> String| [f(&g[0]), f(&g[1])];
     sql.rotation = Some(RotationSql {
         fence: fence_key(table),
         current: format!("SELECT current FROM {c}"),
+        state: format!("SELECT current, rotated_at_ms FROM {c}"),
+        newest: each(&|g| format!("SELECT max(expires_at_ms) FROM {g}")),
         live: each(&|g| format!("SELECT EXISTS (SELECT 1 FROM {g} WHERE expires_at_ms > $1)")),
         rows: each(&rows_sql),
         truncate: each(&|g| format!("TRUNCATE {g}")),
@@ -536,6 +557,32 @@ async fn due(
         .fetch_one(&mut *conn)
         .await?;
     Ok(Some((current, rows)))
+}
+
+/// The table's rotations at `now_ms` (see
+/// [`SqlStore::rotations`](crate::store::SqlStore::rotations)): a rotation
+/// has been possible since the other generation's newest record expired,
+/// or since the last rotation if that came later (an empty generation).
+pub(super) async fn rotations(
+    base: &SqlBase<Postgres>,
+    rot: &RotationSql,
+    now_ms: i64,
+) -> Result<crate::store::Rotations, StoreError> {
+    let mut conn = base.pool.acquire().await?;
+    let (current, rotated_at_ms): (i16, i64) =
+        sqlx::query_as(&rot.state).fetch_one(&mut *conn).await?;
+    let other = usize::from(current == 0);
+    let newest: Option<i64> = sqlx::query_scalar(&rot.newest[other])
+        .fetch_one(&mut *conn)
+        .await?;
+    let possible_since_ms = match newest {
+        Some(newest) if newest > now_ms => None,
+        newest => Some(newest.unwrap_or(0).max(rotated_at_ms)),
+    };
+    Ok(crate::store::Rotations {
+        rotated_at_ms,
+        possible_since_ms,
+    })
 }
 
 /// The buckets of generation partition `g` (quoted) that hold anything

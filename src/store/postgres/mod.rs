@@ -456,4 +456,12 @@ impl Backend for Postgres {
         let rotation = base.sql.rotation.as_ref()?;
         Some(generations::rotate(base, rotation, now_ms).await)
     }
+
+    async fn rotations(
+        base: &SqlBase<Self>,
+        now_ms: i64,
+    ) -> Option<Result<super::Rotations, StoreError>> {
+        let rotation = base.sql.rotation.as_ref()?;
+        Some(generations::rotations(base, rotation, now_ms).await)
+    }
 }
