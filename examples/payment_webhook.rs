@@ -236,8 +236,8 @@ fn provider_of(
             }
             wechat.into()
         }
-        "stripe" => Stripe::new(secret()?).into(),
-        "github" => GitHub::new(secret()?).into(),
+        "stripe" => Stripe::new(secret()?)?.into(),
+        "github" => GitHub::new(secret()?)?.into(),
         "adyen" => Adyen::new(&secret()?)?.into(),
         other => return Err(format!("unknown provider {other}").into()),
     }))

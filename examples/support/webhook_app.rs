@@ -118,15 +118,18 @@ pub fn provider_payment(provider: &str, body: &[u8]) -> Result<Option<Payment>, 
     let int = |v: &Value, p: &str| v.pointer(p).and_then(Value::as_i64);
     let missing = |what: &str| AppError::BadInput(format!("{provider} callback without {what}"));
     let (settled, out_trade_no, account, amount) = match provider {
+        // One order makes several notifications, each its own event (and
+        // key): TRADE_SUCCESS books the payment; TRADE_FINISHED (refunds no
+        // longer possible), TRADE_CLOSED and refunds (with `out_biz_no`)
+        // are acknowledged without booking it again.
         "alipay" => (
-            matches!(
-                text(&v, "/trade_status").as_deref(),
-                Some("TRADE_SUCCESS" | "TRADE_FINISHED")
-            ),
+            text(&v, "/trade_status").as_deref() == Some("TRADE_SUCCESS")
+                && text(&v, "/out_biz_no").is_none(),
             text(&v, "/out_trade_no"),
             text(&v, "/buyer_id"),
             text(&v, "/total_amount").and_then(|yuan| yuan_to_fen(&yuan)),
         ),
+        // A refund's resource has `refund_status`, no `trade_state`.
         "wechatpay" => (
             text(&v, "/trade_state").as_deref() == Some("SUCCESS"),
             text(&v, "/out_trade_no"),
@@ -147,8 +150,9 @@ pub fn provider_payment(provider: &str, body: &[u8]) -> Result<Option<Payment>, 
                 text(item, "/eventCode").as_deref() == Some("AUTHORISATION")
                     && text(item, "/success").as_deref() == Some("true"),
                 text(item, "/merchantReference"),
-                text(item, "/additionalData/shopperReference")
-                    .or_else(|| text(item, "/merchantAccountCode")),
+                // Signed fields only reach the handler: `additionalData`
+                // (`shopperReference`) is not signed.
+                text(item, "/merchantAccountCode"),
                 int(item, "/amount/value"),
             )
         }
@@ -327,7 +331,7 @@ macro_rules! webhook_app {
                     "/amount".into(),
                 ]));
                 if let Some(secret) = secret {
-                    callbacks = callbacks.signature(SignatureCheck::new(secret));
+                    callbacks = callbacks.signature(SignatureCheck::new(secret)?);
                 }
                 let orders = orders(IdempotencyLayer::idempotency_key(store, "orders")).build()?;
                 Ok(Router::new()

@@ -84,7 +84,10 @@ async fn doctor_names_a_revoked_privilege_and_a_read_only_database() {
         detail.contains(&format!("{role} lacks DELETE on \"onceonly_keys\"")),
         "{detail}"
     );
-    assert_eq!(fix, &format!("GRANT DELETE ON \"onceonly_keys\" TO {role}"));
+    assert_eq!(
+        fix,
+        &format!("GRANT DELETE ON \"onceonly_keys\" TO \"{role}\"")
+    );
 
     // The database fails over to read-only as well: both problems, named.
     drop(admin);
@@ -201,18 +204,18 @@ async fn doctor_names_what_the_rotations_of_a_generations_table_need() {
     assert_eq!(
         fix,
         &format!(
-            "GRANT SELECT, UPDATE ON public.onceonly_keys_generation TO {role}; \
-             GRANT SELECT, TRUNCATE ON public.onceonly_keys_g0, public.onceonly_keys_g1 TO {role}; \
+            "GRANT SELECT, UPDATE ON public.onceonly_keys_generation TO \"{role}\"; \
+             GRANT SELECT, TRUNCATE ON public.onceonly_keys_g0, public.onceonly_keys_g1 TO \"{role}\"; \
              GRANT TRUNCATE ON public.onceonly_keys_g0_b0, public.onceonly_keys_g0_b1, \
-             public.onceonly_keys_g1_b0, public.onceonly_keys_g1_b1 TO {role}"
+             public.onceonly_keys_g1_b0, public.onceonly_keys_g1_b1 TO \"{role}\""
         )
     );
     assert_eq!(
         fails[1].2,
         format!(
-            "GRANT SELECT, UPDATE ON public.onceonly_outbox_generation TO {role}; \
+            "GRANT SELECT, UPDATE ON public.onceonly_outbox_generation TO \"{role}\"; \
              GRANT SELECT, DELETE, TRUNCATE ON public.onceonly_outbox_g0, \
-             public.onceonly_outbox_g1 TO {role}"
+             public.onceonly_outbox_g1 TO \"{role}\""
         )
     );
 

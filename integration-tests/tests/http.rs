@@ -437,10 +437,10 @@ macro_rules! http_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn payment_callbacks_dedupe_json_and_form_and_check_signatures() {
                 let store = store().await;
-                let secret = "whsec-test".to_owned();
+                let secret = "whsec-test-0123456789".to_owned();
                 let base = app(&store, Some(secret.clone())).await;
                 let c = Client::new();
-                let check = SignatureCheck::new(secret);
+                let check = SignatureCheck::new(secret).unwrap();
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .unwrap()
@@ -478,7 +478,9 @@ macro_rules! http_suite {
                 }
                 // Bad and stale signatures: 401, nothing stored.
                 let evil = pay("W-3", 999).account("mallory").to_string();
-                let forged = SignatureCheck::new("guess").sign(now, evil.as_bytes());
+                let forged = SignatureCheck::new("a-guessed-secret-0")
+                    .unwrap()
+                    .sign(now, evil.as_bytes());
                 let r = post_signed(evil.clone(), "application/json", forged)
                     .await
                     .unwrap();

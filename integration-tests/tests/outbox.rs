@@ -623,8 +623,9 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
         copies: usize,
     }
     let receiver = Arc::new(Mutex::new(Receiver::default()));
-    let secret = b"notify-secret".to_vec();
+    let secret = b"notify-secret-0123".to_vec();
     let check = onceonly::http::SignatureCheck::new(secret.clone())
+        .unwrap()
         .header(axum::http::HeaderName::from_static("x-onceonly-signature"));
     let state = Arc::clone(&receiver);
     let app = Router::new().route(

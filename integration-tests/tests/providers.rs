@@ -332,6 +332,28 @@ fn alipay_notification(key: &Path, fields: &[(&str, Vec<u8>)]) -> Vec<u8> {
     body.join("&").into_bytes()
 }
 
+/// `unix` as Alipay writes its times: `yyyy-MM-dd HH:mm:ss`, Beijing time.
+fn alipay_time(unix: u64) -> String {
+    let t = i64::try_from(unix).unwrap() + 8 * 3600;
+    let (days, secs) = (t.div_euclid(86_400), t.rem_euclid(86_400));
+    // The civil date of a day count (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
+}
+
 /// A `trade_status_sync` notification's fields (Alipay's "异步通知参数"),
 /// with the extra empty parameters Alipay sends, and `subject` in
 /// `charset`.
@@ -356,7 +378,7 @@ fn alipay_fields(
         ("receipt_amount", total_amount.as_bytes().to_vec()),
         ("app_id", b"2021000000000000".to_vec()),
         ("buyer_pay_amount", total_amount.as_bytes().to_vec()),
-        ("notify_time", b"2026-12-01 20:00:01".to_vec()),
+        ("notify_time", alipay_time(now()).into_bytes()),
         ("point_amount", b"0.00".to_vec()),
         ("total_amount", total_amount.as_bytes().to_vec()),
         ("trade_no", b"2026120122001424330500000001".to_vec()),
@@ -476,14 +498,15 @@ fn wechat_notification(
             },
         )
         .unwrap();
+    let refund = transaction.get("out_refund_no").is_some();
     let body = json!({
         "id": "EV-2018022511223320873",
         "create_time": "2026-12-01T20:00:00+08:00",
         "resource_type": "encrypt-resource",
-        "event_type": "TRANSACTION.SUCCESS",
-        "summary": "支付成功",
+        "event_type": if refund { "REFUND.SUCCESS" } else { "TRANSACTION.SUCCESS" },
+        "summary": if refund { "退款成功" } else { "支付成功" },
         "resource": {
-            "original_type": "transaction",
+            "original_type": if refund { "refund" } else { "transaction" },
             "algorithm": "AEAD_AES_256_GCM",
             "ciphertext": STANDARD.encode(ciphertext),
             "associated_data": aad,
@@ -830,4 +853,460 @@ async fn adyen_hmac_notifications() {
     server
         .refused(&json_ct, tampered.to_string().as_bytes(), "bad-signature")
         .await;
+}
+
+// ------------------------------------------------- attacks on one capture
+//
+// What an attacker holding one captured, validly signed callback (signed
+// here by openssl, as the provider would) can try, and what a provider's
+// ordinary traffic does: each must change money once.
+
+/// A payment booked, then the same signed body resent under fresh
+/// `X-GitHub-Delivery` ids (GitHub signs the body only): duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn github_a_captured_body_resent_with_new_delivery_ids_is_a_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "github".into(),
+            "--provider-secret".into(),
+            GITHUB_SECRET.into(),
+        ],
+    )
+    .await;
+    let payment = json!({"out_trade_no": "GH-9", "account": "alice", "amount": 900});
+    let (h, body) = github_delivery("72d3162e-cc78-11e3-81ab-4c9367dc0001", &payment);
+    server
+        .deliver(1, &h, &body, |a| a.status == StatusCode::NO_CONTENT)
+        .await;
+    for n in 2..=4 {
+        let mut replay = h.clone();
+        replay[2].1 = format!("72d3162e-cc78-11e3-81ab-4c9367dc000{n}");
+        server
+            .deliver(1, &replay, &body, |a| a.status == StatusCode::NO_CONTENT)
+            .await;
+    }
+    assert_eq!(server.ledger().await, vec![("GH-9".into(), 1, 900)]);
+    assert_eq!(server.claims().await, 1, "one key: a digest of the body");
+}
+
+/// `out_trade_no=ALI-1%26point_amount%3D0.00` without `point_amount`
+/// signs the same bytes as the original: refused, not booked as a new
+/// order `ALI-1&point_amount=0.00`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alipay_a_form_recut_around_the_signed_separators_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rsa_key(dir.path(), "alipay");
+    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "alipay".into(),
+            "--provider-key".into(),
+            public,
+        ],
+    )
+    .await;
+    let form = vec![(
+        "content-type",
+        "application/x-www-form-urlencoded; charset=utf-8".to_owned(),
+    )];
+    let body = alipay_notification(
+        &key,
+        &alipay_fields("ALI-1", "88.88", "utf-8", b"x".to_vec()),
+    );
+    server
+        .deliver(1, &form, &body, |a| a.body == "success")
+        .await;
+    let text = String::from_utf8(body).unwrap();
+    assert!(text.contains("&point_amount=0.00&"));
+    let recut = text.replace("&point_amount=0.00&", "&").replace(
+        "out_trade_no=ALI-1",
+        "out_trade_no=ALI-1%26point_amount%3D0.00",
+    );
+    server
+        .refused(&form, recut.as_bytes(), "malformed-signature")
+        .await;
+    assert_eq!(server.ledger().await, vec![("ALI-1".into(), 1, 8888)]);
+}
+
+/// With a `:` in `merchantReference`, the item's `:`-joined signed string
+/// can be cut elsewhere (`pspReference` `…4284:`, the account code moved
+/// into `originalReference`, ...): refused, not booked under a new key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adyen_an_item_repartitioned_around_colons_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "adyen".into(),
+            "--provider-secret".into(),
+            ADYEN_KEY.into(),
+        ],
+    )
+    .await;
+    let json_ct = vec![("content-type", "application/json".to_owned())];
+    let original = adyen_notification("7914073381342284", "AD:9", 500);
+    server
+        .deliver(1, &json_ct, original.to_string().as_bytes(), |a| {
+            a.body == "[accepted]"
+        })
+        .await;
+    // `7914073381342284::TestMerchant:AD:9:500:EUR:AUTHORISATION:true`, cut
+    // one colon further left.
+    let mut recut = original.clone();
+    let item = &mut recut["notificationItems"][0]["NotificationRequestItem"];
+    item["pspReference"] = "7914073381342284:".into();
+    item["originalReference"] = "TestMerchant".into();
+    item["merchantAccountCode"] = "AD".into();
+    item["merchantReference"] = "9".into();
+    server
+        .refused(
+            &json_ct,
+            recut.to_string().as_bytes(),
+            "malformed-signature",
+        )
+        .await;
+    assert_eq!(server.ledger().await, vec![("AD:9".into(), 1, 500)]);
+}
+
+/// `--provider-secret ""` (an unset variable) builds no verifier anyone
+/// could satisfy: the example refuses to start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_and_short_secrets_refuse_to_start() {
+    for (provider, secret) in [
+        ("stripe", ""),
+        ("github", ""),
+        ("github", "short"),
+        ("adyen", ""),
+        ("adyen", "00112233"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let logged = Logged::new("secrets");
+        let args: Vec<String> = [
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--database-url",
+            &format!("sqlite://{}?mode=rwc", dir.path().join("w.db").display()),
+            "--provider",
+            provider,
+            "--provider-secret",
+            secret,
+        ]
+        .iter()
+        .map(|a| (*a).to_owned())
+        .collect();
+        let mut child = logged.spawn("payment_webhook", &args);
+        let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{provider} {secret:?}: started:\n{}", logged.tail()))
+            .unwrap();
+        assert!(!status.success(), "{provider} {secret:?}");
+        let log = logged.tail();
+        assert!(
+            log.contains("HMAC key") || log.contains("too short"),
+            "{provider} {secret:?}: {log}"
+        );
+    }
+}
+
+/// One order's notifications are several events: Alipay's TRADE_SUCCESS,
+/// TRADE_FINISHED and a refund (`out_biz_no`); WeChat Pay's payment and
+/// its refund (`out_refund_no`); Adyen's failed and then successful
+/// authorisation. Each is handled (claimed) once; the payment is booked
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_events_of_one_order_are_each_handled_once() {
+    // Alipay.
+    let dir = tempfile::tempdir().unwrap();
+    let key = rsa_key(dir.path(), "alipay");
+    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "alipay".into(),
+            "--provider-key".into(),
+            public,
+        ],
+    )
+    .await;
+    let form = vec![(
+        "content-type",
+        "application/x-www-form-urlencoded".to_owned(),
+    )];
+    let base = alipay_fields("ALI-20", "10.00", "utf-8", b"x".to_vec());
+    let with = |status: &str, extra: &[(&'static str, &str)]| {
+        let mut fields: Vec<(&'static str, Vec<u8>)> = base
+            .iter()
+            .filter(|(k, _)| *k != "trade_status")
+            .cloned()
+            .collect();
+        fields.push(("trade_status", status.as_bytes().to_vec()));
+        for (k, v) in extra {
+            fields.push((k, v.as_bytes().to_vec()));
+        }
+        alipay_notification(&key, &fields)
+    };
+    for body in [
+        with("TRADE_SUCCESS", &[]),
+        with("TRADE_FINISHED", &[]),
+        with(
+            "TRADE_SUCCESS",
+            &[("out_biz_no", "RF-1"), ("refund_fee", "2.00")],
+        ),
+    ] {
+        // Each twice: the second is a duplicate.
+        server
+            .deliver(2, &form, &body, |a| a.body == "success")
+            .await;
+    }
+    assert_eq!(server.claims().await, 3, "three events, each handled once");
+    assert_eq!(server.ledger().await, vec![("ALI-20".into(), 1, 1000)]);
+
+    // WeChat Pay.
+    let dir = tempfile::tempdir().unwrap();
+    let platform = rsa_key(dir.path(), "platform");
+    let serial = "5157F09EFDC096DE15EBE81A47057A7232F1B8E1";
+    let pem = write(dir.path(), "platform.pem", &public_pem(&platform));
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "wechatpay".into(),
+            "--provider-secret".into(),
+            API_V3_KEY.into(),
+            "--provider-key".into(),
+            format!("{serial}={pem}"),
+        ],
+    )
+    .await;
+    let payment = transaction("WX-20", 300);
+    let refund = json!({
+        "mchid": "1230000109",
+        "out_trade_no": "WX-20",
+        "transaction_id": "1217752501201407033233368018",
+        "out_refund_no": "RF-20",
+        "refund_id": "50000000382019052709732678859",
+        "refund_status": "SUCCESS",
+        "success_time": "2026-12-02T10:00:00+08:00",
+        "amount": {"total": 300, "refund": 100, "payer_total": 300, "payer_refund": 100},
+    });
+    for resource in [&payment, &refund] {
+        let (h, body) = wechat_notification(&platform, serial, now(), API_V3_KEY, resource);
+        server
+            .deliver(2, &h, &body, |a| a.status == StatusCode::NO_CONTENT)
+            .await;
+    }
+    assert_eq!(server.claims().await, 2, "the payment and its refund");
+    assert_eq!(server.ledger().await, vec![("WX-20".into(), 1, 300)]);
+
+    // Adyen: a refused authorisation, then an accepted one.
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "adyen".into(),
+            "--provider-secret".into(),
+            ADYEN_KEY.into(),
+        ],
+    )
+    .await;
+    let json_ct = vec![("content-type", "application/json".to_owned())];
+    let failed = adyen_event("7914073381342299", "AD-20", 700, "false");
+    let succeeded = adyen_event("7914073381342299", "AD-20", 700, "true");
+    for body in [failed, succeeded] {
+        server
+            .deliver(2, &json_ct, body.to_string().as_bytes(), |a| {
+                a.body == "[accepted]"
+            })
+            .await;
+    }
+    assert_eq!(server.claims().await, 2);
+    assert_eq!(server.ledger().await, vec![("AD-20".into(), 1, 700)]);
+}
+
+/// [`adyen_notification`] with `success` as given.
+fn adyen_event(psp: &str, merchant_reference: &str, value: i64, success: &str) -> Value {
+    let signing =
+        format!("{psp}::TestMerchant:{merchant_reference}:{value}:EUR:AUTHORISATION:{success}");
+    let sig = STANDARD.encode(hmac(&format!("hexkey:{ADYEN_KEY}"), signing.as_bytes()));
+    let mut v = adyen_notification(psp, merchant_reference, value);
+    let item = &mut v["notificationItems"][0]["NotificationRequestItem"];
+    item["success"] = success.into();
+    item["additionalData"]["hmacSignature"] = sig.into();
+    v
+}
+
+/// Work before the signature is checked is bounded: a form of 200,000
+/// empty fields is refused before anything is sorted or decoded (`413`),
+/// a `Stripe-Signature` of 10,000 `v1` entries before any HMAC (`401`
+/// malformed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floods_of_fields_and_signatures_are_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rsa_key(dir.path(), "alipay");
+    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "alipay".into(),
+            "--provider-key".into(),
+            public,
+        ],
+    )
+    .await;
+    let form = vec![(
+        "content-type",
+        "application/x-www-form-urlencoded".to_owned(),
+    )];
+    let flood = "a=&".repeat(200_000);
+    let answer = server.post(&form, flood.as_bytes()).await;
+    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE, "{answer:?}");
+    assert_eq!(
+        answer.problem_type(),
+        "urn:onceonly:problem:too-many-fields"
+    );
+    assert_eq!(server.claims().await, 0);
+
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir,
+        &[
+            "--provider".into(),
+            "stripe".into(),
+            "--provider-secret".into(),
+            STRIPE_SECRET.into(),
+        ],
+    )
+    .await;
+    let (mut h, body) = stripe_event(now(), "evt_flood", "ST-9", 1);
+    let valid = h
+        .iter()
+        .find(|(k, _)| *k == "stripe-signature")
+        .unwrap()
+        .1
+        .clone();
+    let flooded = format!("{valid},{}", vec!["v1=00"; 10_000].join(","));
+    for header in &mut h {
+        if header.0 == "stripe-signature" {
+            header.1 = flooded.clone();
+        }
+    }
+    server.refused(&h, &body, "malformed-signature").await;
+}
+
+/// A captured Alipay notification replayed once its record was purged
+/// (the clock moved past the retention): refused by its signed
+/// `notify_time`, not processed again. Driven in process, with a test
+/// clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alipay_a_replay_after_the_purge_is_refused_by_its_signed_time() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use onceonly::SqlStore;
+    use onceonly::http::IdempotencyLayer;
+    use onceonly::http::providers::Alipay;
+
+    let dir = tempfile::tempdir().unwrap();
+    let key = rsa_key(dir.path(), "alipay");
+    let store =
+        onceonly_integration_tests::sqlite_store(&dir.path().join("k.db"), "onceonly_keys").await;
+    let clock = onceonly::ManualClock::starting_now();
+    let layer = IdempotencyLayer::provider(
+        store.clone(),
+        "alipay",
+        Alipay::new(&public_pem(&key)).unwrap(),
+    )
+    .clock(clock.clone())
+    .build()
+    .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let app = axum::Router::new().route(
+        "/notify",
+        axum::routing::post(move |_tx: onceonly::http::Tx<sqlx::Sqlite>| {
+            let runs = Arc::clone(&counted);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                "ok"
+            }
+        })
+        .layer(layer),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let now_secs =
+        |c: &onceonly::ManualClock| u64::try_from(onceonly::Clock::now_ms(c) / 1000).unwrap();
+    let mut fields = alipay_fields("ALI-30", "5.00", "utf-8", b"x".to_vec());
+    for f in &mut fields {
+        if f.0 == "notify_time" {
+            f.1 = alipay_time(now_secs(&clock)).into_bytes();
+        }
+    }
+    let body = alipay_notification(&key, &fields);
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{base}/notify"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body.clone())
+            .send()
+    };
+    assert_eq!(send().await.unwrap().text().await.unwrap(), "success");
+    assert_eq!(send().await.unwrap().text().await.unwrap(), "success");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Past the retention (2 days for Alipay), the record purged.
+    clock.advance_ms(3 * 24 * 3600 * 1000);
+    let purged = store
+        .purge_expired(None, onceonly::Clock::now_ms(&clock), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(purged, 1, "the record is gone");
+    let replay = send().await.unwrap();
+    assert_eq!(replay.status(), StatusCode::UNAUTHORIZED);
+    let problem: Value = replay.json().await.unwrap();
+    assert_eq!(problem["type"], "urn:onceonly:problem:expired-callback");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "not processed again");
+}
+
+/// The generic signed callback route (`--secret`): the signature covers
+/// the bytes, not the content type. The same signed form sent again as
+/// ISO-8859-1 would read `é` as `Ã©`, another key: refused (`415`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_form_under_another_charset_is_not_a_second_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = "a-shared-secret-0123456789";
+    let server = Server::start(dir, &["--secret".into(), secret.into()]).await;
+    let body = b"out_trade_no=CAF%C3%89-1&account=alice&amount=5".to_vec();
+    let t = now();
+    let signed = [t.to_string().as_bytes(), b".", &body].concat();
+    let sig = format!("t={t},v1={}", hex(&hmac(&format!("key:{secret}"), &signed)));
+    let as_charset = |charset: &str| {
+        vec![
+            (
+                "content-type",
+                format!("application/x-www-form-urlencoded; charset={charset}"),
+            ),
+            ("x-signature", sig.clone()),
+        ]
+    };
+    server
+        .deliver(1, &as_charset("utf-8"), &body, |a| a.body == "success")
+        .await;
+    let latin1 = server.post(&as_charset("ISO-8859-1"), &body).await;
+    assert_eq!(
+        latin1.status,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "{latin1:?}"
+    );
+    assert_eq!(server.ledger().await, vec![("CAFÉ-1".into(), 1, 5)]);
 }

@@ -60,10 +60,20 @@ pub(super) fn bad_form<S: SqlStore>(cfg: &Config<S>, e: &FormError) -> Response<
             "undecodable-form",
             "Form body is not UTF-8",
         ),
-        FormError::UnsupportedCharset(_) => (
+        FormError::UnsupportedCharset(_) | FormError::UnsignedCharset(_) => (
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported-charset",
             "Form charset not supported",
+        ),
+        FormError::BadEscape => (
+            StatusCode::BAD_REQUEST,
+            "undecodable-form",
+            "Form body has a broken escape",
+        ),
+        FormError::TooManyFields => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too-many-fields",
+            "Form body has too many fields",
         ),
     };
     refused(cfg, status, code, title, &e.to_string())

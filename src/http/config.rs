@@ -134,6 +134,38 @@ pub enum HttpBuildError {
     /// [`IdempotencyLayerBuilder::hash_keys_in_traces`]).
     #[error(transparent)]
     KeyRedaction(#[from] crate::redact::KeyRedactionError),
+    /// A layer for a payment provider keeps its records for less than the
+    /// provider's retry horizon and a margin: a retry sent after a record
+    /// was purged would be processed again (see
+    /// [`Provider::min_retention`](super::providers::Provider::min_retention)).
+    #[error(
+        "a retention of {retention:?} is shorter than {provider} retries callbacks for: keep records at least {min:?}"
+    )]
+    RetentionBelowRetries {
+        /// The provider's name.
+        provider: &'static str,
+        /// The retention asked for.
+        retention: Duration,
+        /// The shortest retention allowed.
+        min: Duration,
+    },
+    /// A signing secret too short to verify anything (see
+    /// [`SignatureCheck::new`](super::SignatureCheck::new)).
+    #[error(transparent)]
+    Secret(#[from] super::SecretError),
+    /// A layer for a payment provider keyed on a request header: no
+    /// provider signs its headers, so a captured callback resent with a
+    /// new header value would be processed again. Key on signed bytes (a
+    /// body field, or [`KeySpec::fingerprint`]).
+    #[error(
+        "{provider} callbacks keyed on header {header}, which {provider} does not sign: key on a body field or the body's digest"
+    )]
+    UnsignedKey {
+        /// The provider's name.
+        provider: &'static str,
+        /// The header named by the key.
+        header: String,
+    },
 }
 
 pub(crate) struct Config<S: SqlStore> {
@@ -158,6 +190,8 @@ pub(crate) struct Settings {
     pub(crate) provider: Option<super::providers::Provider>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) principal: PrincipalFn,
+    /// Refused callbacks, for the log.
+    pub(crate) refusals: super::verify::Refusals,
 }
 
 /// Builds an [`IdempotencyLayer`]: start with
@@ -218,6 +252,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 principal: Arc::new(|parts: &Parts| {
                     parts.extensions.get::<Principal>().map(|p| p.0.clone())
                 }),
+                refusals: super::verify::Refusals::default(),
             },
             key,
         }
@@ -243,9 +278,11 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     }
 
     /// Verify `provider`'s scheme and answer in its format (set by
-    /// [`IdempotencyLayer::provider`](super::IdempotencyLayer::provider)).
+    /// [`IdempotencyLayer::provider`](super::IdempotencyLayer::provider)),
+    /// keeping records for its [default retention](super::providers::Provider::default_retention).
     #[cfg(feature = "providers")]
     pub(crate) fn with_provider(mut self, provider: super::providers::Provider) -> Self {
+        self.retention = provider.default_retention();
         self.cfg.provider = Some(provider);
         self
     }
@@ -270,7 +307,11 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     }
 
     /// How long a key and its response are kept (default 24 hours, the
-    /// published expiry policy: a key reused after it is processed again).
+    /// published expiry policy: a key reused after it is processed again;
+    /// for a payment provider its
+    /// [default retention](super::providers::Provider::default_retention),
+    /// and no less than its
+    /// [retry horizon](super::providers::Provider::min_retention)).
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
@@ -414,6 +455,27 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         }
         let key = self.key?;
         key.validate()?;
+        #[cfg(feature = "providers")]
+        let mut cfg = self.cfg;
+        #[cfg(not(feature = "providers"))]
+        let cfg = self.cfg;
+        #[cfg(feature = "providers")]
+        if let Some(provider) = cfg.provider.take() {
+            if self.retention < provider.min_retention() {
+                return Err(HttpBuildError::RetentionBelowRetries {
+                    provider: provider.name(),
+                    retention: self.retention,
+                    min: provider.min_retention(),
+                });
+            }
+            if let crate::key::KeySource::Metadata { name, .. } = key.source() {
+                return Err(HttpBuildError::UnsignedKey {
+                    provider: provider.name(),
+                    header: name.clone(),
+                });
+            }
+            cfg.provider = Some(provider.with_retention(self.retention));
+        }
         let engine = self
             .engine
             .key(key)
@@ -425,9 +487,6 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 BuildError::KeyRedaction(e) => HttpBuildError::KeyRedaction(e),
                 _ => HttpBuildError::ZeroRetention,
             })?;
-        Ok(IdempotencyLayer::from_config(Config {
-            engine,
-            http: self.cfg,
-        }))
+        Ok(IdempotencyLayer::from_config(Config { engine, http: cfg }))
     }
 }

@@ -1,6 +1,12 @@
 //! `application/x-www-form-urlencoded` bodies (Alipay-style callbacks),
-//! decoded strictly: a key is derived from these bytes, so two different
-//! bodies must never decode to the same text.
+//! decoded strictly: bytes that are not valid in the charset are refused,
+//! never replaced, and so is a `%` that does not start an escape (`%zz`
+//! would otherwise read the same as `%25zz`). Two bodies that differ only
+//! in how they encode the same fields (`+` or `%20`, `%41` or `A`) are the
+//! same form and decode alike; two forms with different fields never do.
+//! The charset a key is read in must be one the sender signed: a
+//! `charset` parameter of the (unsigned) content type is refused on a
+//! signed callback unless it is UTF-8 (see [`form_as_json`]).
 
 use std::fmt;
 
@@ -12,7 +18,19 @@ pub(crate) enum FormError {
     NotUtf8,
     /// The `charset` parameter names an encoding the layer does not decode.
     UnsupportedCharset(String),
+    /// A signed form whose content type names another charset than UTF-8:
+    /// the charset is not signed, and the same signed bytes would read as
+    /// another key in another charset.
+    UnsignedCharset(String),
+    /// A `%` that does not start a two-digit escape.
+    BadEscape,
+    /// More fields than [`MAX_FORM_FIELDS`].
+    TooManyFields,
 }
+
+/// The most fields a form body may have: more is refused before anything
+/// is decoded or sorted (a payment notification has a few dozen).
+pub const MAX_FORM_FIELDS: usize = 256;
 
 impl fmt::Display for FormError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -20,6 +38,12 @@ impl fmt::Display for FormError {
             Self::NotUtf8 => f.write_str(
                 "the form body does not decode in its charset (UTF-8 unless the content type or the provider's `charset` field names another)",
             ),
+            Self::UnsignedCharset(c) => write!(
+                f,
+                "charset {c:?}: a signed form is read as UTF-8, the only charset its signature can vouch for (the content type is not signed)"
+            ),
+            Self::BadEscape => f.write_str("the form body has a `%` that does not start a two-digit escape"),
+            Self::TooManyFields => write!(f, "the form body has more than {MAX_FORM_FIELDS} fields"),
             Self::UnsupportedCharset(c) => write!(
                 f,
                 "charset {c:?} is not supported: send UTF-8 (or ISO-8859-1{}) form bodies",
@@ -115,10 +139,17 @@ pub(crate) fn form_content_type(content_type: &str) -> Option<Option<String>> {
         .then(|| content_type_charset(parts))
 }
 
+/// A form field, name and value, as unescaped bytes.
+pub(crate) type RawPair = (Vec<u8>, Vec<u8>);
+
 /// The fields of a form body as raw bytes: `+` is a space and `%XX` a
 /// byte, nothing decoded into text yet (a signature may cover these bytes
-/// in the body's own charset).
-pub(crate) fn raw_pairs(body: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+/// in the body's own charset). At most [`MAX_FORM_FIELDS`], counted before
+/// anything is decoded.
+pub(crate) fn raw_pairs(body: &[u8]) -> Result<Vec<RawPair>, FormError> {
+    if body.split(|&b| b == b'&').nth(MAX_FORM_FIELDS).is_some() {
+        return Err(FormError::TooManyFields);
+    }
     body.split(|&b| b == b'&')
         .filter(|p| !p.is_empty())
         .map(|pair| {
@@ -126,24 +157,49 @@ pub(crate) fn raw_pairs(body: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
                 Some(i) => (&pair[..i], &pair[i + 1..]),
                 None => (pair, &[][..]),
             };
-            (unescape(k), unescape(v))
+            Ok((unescape(k)?, unescape(v)?))
         })
         .collect()
 }
 
-fn unescape(raw: &[u8]) -> Vec<u8> {
-    let plus_as_space: Vec<u8> = raw
-        .iter()
-        .map(|&b| if b == b'+' { b' ' } else { b })
-        .collect();
-    percent_encoding::percent_decode(&plus_as_space).collect()
+/// `+` as a space and `%XX` as a byte; a `%` without two hex digits after
+/// it is refused.
+fn unescape(raw: &[u8]) -> Result<Vec<u8>, FormError> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = raw.get(i + 1..i + 3).ok_or(FormError::BadEscape)?;
+                let digit = |b: u8| char::from(b).to_digit(16).ok_or(FormError::BadEscape);
+                let byte = digit(hex[0])? * 16 + digit(hex[1])?;
+                out.push(u8::try_from(byte).map_err(|_| FormError::BadEscape)?);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    Ok(out)
 }
 
 /// A form body as a JSON object of its fields: a field that appears once is
 /// a string, a repeated one an array of strings (so `a=1&a=2` and `a=1&a=3`
-/// fingerprint differently). `None` if `content_type` is not a form.
-pub(crate) fn form_as_json(content_type: &str, body: &[u8]) -> Option<Result<Vec<u8>, FormError>> {
+/// fingerprint differently). `None` if `content_type` is not a form. A
+/// `signed` body (its bytes verified, not its content type) is read as
+/// UTF-8 only: another declared charset is [`FormError::UnsignedCharset`].
+pub(crate) fn form_as_json(
+    content_type: &str,
+    body: &[u8],
+    signed: bool,
+) -> Option<Result<Vec<u8>, FormError>> {
     let charset = match charset_of(content_type)? {
+        Ok(Charset::Utf8) => Charset::Utf8,
+        Ok(_) if signed => {
+            let label = content_type_charset(content_type.split(';').skip(1)).unwrap_or_default();
+            return Some(Err(FormError::UnsignedCharset(label)));
+        }
         Ok(c) => c,
         Err(e) => return Some(Err(e)),
     };
@@ -153,7 +209,7 @@ pub(crate) fn form_as_json(content_type: &str, body: &[u8]) -> Option<Result<Vec
 fn decode_fields(body: &[u8], charset: Charset) -> Result<Vec<u8>, FormError> {
     use serde_json::Value;
     let mut fields = serde_json::Map::new();
-    for (k, v) in raw_pairs(body) {
+    for (k, v) in raw_pairs(body)? {
         let k = charset.decode(k)?;
         let v = Value::String(charset.decode(v)?);
         match fields.get_mut(&k) {
@@ -174,7 +230,7 @@ mod tests {
     const FORM: &str = "application/x-www-form-urlencoded";
 
     fn json(ct: &str, body: &[u8]) -> Result<serde_json::Value, FormError> {
-        form_as_json(ct, body)
+        form_as_json(ct, body, false)
             .expect("a form")
             .map(|b| serde_json::from_slice(&b).unwrap())
     }
@@ -207,8 +263,45 @@ mod tests {
             json(&format!("{FORM}; charset=\"koi8-r\""), b"k=1"),
             Err(FormError::UnsupportedCharset("koi8-r".into()))
         );
-        assert!(form_as_json("application/json", b"{}").is_none());
+        assert!(form_as_json("application/json", b"{}", false).is_none());
         assert!(json(&format!("{FORM};charset=utf-8"), b"k=%C3%A9").is_ok());
+    }
+
+    #[test]
+    fn a_signed_form_is_read_in_utf8_only() {
+        let latin1 = format!("{FORM}; charset=ISO-8859-1");
+        // The same signed bytes: as UTF-8 `é`, as ISO-8859-1 `Ã©`.
+        assert!(matches!(
+            form_as_json(&latin1, b"k=%C3%A9", true),
+            Some(Err(FormError::UnsignedCharset(_)))
+        ));
+        assert!(matches!(
+            form_as_json(&latin1, b"k=%C3%A9", false),
+            Some(Ok(_))
+        ));
+        let utf8 = format!("{FORM}; charset=utf-8");
+        assert!(matches!(
+            form_as_json(&utf8, b"k=%C3%A9", true),
+            Some(Ok(_))
+        ));
+        assert!(matches!(form_as_json(FORM, b"k=%C3%A9", true), Some(Ok(_))));
+    }
+
+    #[test]
+    fn a_percent_that_starts_no_escape_is_refused() {
+        // `%zz` would otherwise read as `%25zz` does.
+        assert_eq!(json(FORM, b"k=%zz"), Err(FormError::BadEscape));
+        assert_eq!(json(FORM, b"k=%2"), Err(FormError::BadEscape));
+        assert_eq!(json(FORM, b"k=%+1"), Err(FormError::BadEscape));
+        assert_eq!(json(FORM, b"k=%25zz").unwrap()["k"], "%zz");
+    }
+
+    #[test]
+    fn too_many_fields_are_refused_before_decoding() {
+        let body = "a=&".repeat(MAX_FORM_FIELDS + 1);
+        assert_eq!(json(FORM, body.as_bytes()), Err(FormError::TooManyFields));
+        let body = "a=1&".repeat(MAX_FORM_FIELDS - 1);
+        assert!(json(FORM, body.as_bytes()).is_ok());
     }
 
     #[cfg(feature = "providers")]

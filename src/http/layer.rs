@@ -99,6 +99,12 @@ impl<S: SqlStore> IdempotencyLayer<S> {
     pub(crate) fn from_config(cfg: Config<S>) -> Self {
         Self { cfg: Arc::new(cfg) }
     }
+
+    /// The layer's configuration (tests that drive its steps one by one).
+    #[cfg(test)]
+    pub(crate) fn config(&self) -> &Config<S> {
+        &self.cfg
+    }
 }
 
 impl<S: SqlStore, I> Layer<I> for IdempotencyLayer<S> {
@@ -206,17 +212,17 @@ where
         }
     };
     let now_secs = u64::try_from(cfg.engine.now_ms() / 1000).unwrap_or(0);
-    let (parts, bytes) = match verify(http, &parts.headers, &bytes, now_secs) {
-        Ok(None) => (parts, bytes),
-        Ok(Some(payload)) => with_payload(parts, bytes, payload),
+    let path = parts.uri.path().to_owned();
+    let (parts, bytes) = match verified(http, parts, bytes, now_secs) {
+        Ok(verified) => verified,
         Err(e) => {
-            tracing::warn!(path = %parts.uri.path(), error = %e, "callback verification refused");
+            http.refusals.note(&path, &e);
             return answer::refused(
                 cfg,
-                StatusCode::UNAUTHORIZED,
+                e.status(),
                 e.code(),
                 "Callback verification failed",
-                &e.to_string(),
+                &e.public_detail(),
             );
         }
     };
@@ -228,7 +234,7 @@ where
         );
     }
     let principal = (http.principal)(&parts);
-    let delivery = match delivery_of(&parts, &bytes, principal.as_deref()) {
+    let delivery = match delivery_of(&parts, &bytes, principal.as_deref(), signed(http)) {
         Ok(delivery) => delivery,
         Err(e) => return answer::bad_form(cfg, &e),
     };
@@ -471,6 +477,21 @@ fn taken_answer<S: SqlStore>(cfg: &Config<S>, taken: Finished) -> Response<Body>
 
 /// The request with the provider's payload as its JSON body; the body as
 /// received goes into the extensions.
+/// The request once its signature(s) verified at `now_secs`: as
+/// received, or with the payload a provider made of it (decoded, decrypted,
+/// its signed fields only) as a JSON body.
+pub(super) fn verified(
+    http: &super::config::Settings,
+    parts: axum::http::request::Parts,
+    bytes: bytes::Bytes,
+    now_secs: u64,
+) -> Result<(axum::http::request::Parts, bytes::Bytes), super::VerifyError> {
+    Ok(match verify(http, &parts.headers, &bytes, now_secs)? {
+        None => (parts, bytes),
+        Some(payload) => with_payload(parts, bytes, payload),
+    })
+}
+
 fn with_payload(
     mut parts: axum::http::request::Parts,
     raw: bytes::Bytes,
@@ -486,6 +507,16 @@ fn with_payload(
     #[cfg(not(feature = "providers"))]
     drop(raw);
     (parts, bytes::Bytes::from(payload))
+}
+
+/// Whether the request's bytes were verified by a signature (its content
+/// type was not).
+pub(super) fn signed(http: &super::config::Settings) -> bool {
+    #[cfg(feature = "providers")]
+    if http.provider.is_some() {
+        return true;
+    }
+    http.signature.is_some()
 }
 
 /// The handler's response in the provider's format, if there is a

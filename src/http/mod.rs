@@ -34,7 +34,8 @@
 //! header), `undecodable-form` (400, a form body that is not UTF-8),
 //! `missing-signature`, `malformed-signature`, `bad-signature`,
 //! `stale-timestamp`, `unknown-serial`, `undecryptable-resource`,
-//! `unsupported-signature` (401, see [`VerifyError`]),
+//! `unsupported-signature`, `expired-callback` (401, see [`VerifyError`]),
+//! `too-many-fields` (413, a form of more than [`MAX_FORM_FIELDS`] fields),
 //! `request-in-flight` (409), `commit-refused` (409),
 //! `body-too-large` (413),
 //! `unsupported-charset` (415), `idempotency-key-reused` (422),
@@ -71,7 +72,7 @@
 
 mod answer;
 mod config;
-mod form;
+pub(crate) mod form;
 mod layer;
 mod problem;
 #[cfg(feature = "providers")]
@@ -87,7 +88,8 @@ pub use crate::engine::{Tx, TxGone, TxGuard};
 pub use config::{
     Ack, HttpBuildError, IdempotencyLayerBuilder, InFlight, OnStoreError, Principal, PrincipalFn,
 };
+pub use form::MAX_FORM_FIELDS;
 pub use layer::{IdempotencyLayer, Idempotent};
-pub use signature::{SignatureCheck, SignatureError};
+pub use signature::{MAX_SIGNATURES, MIN_SECRET_LEN, SecretError, SignatureCheck, SignatureError};
 pub use tx::TxRejection;
 pub use verify::VerifyError;

@@ -23,18 +23,24 @@ pub(super) fn repeated_key(headers: &HeaderMap) -> bool {
 
 /// The engine's view of the request: a form body is read as a JSON object
 /// of its fields, so JSON-pointer keys and fingerprints work on both. A form
-/// body that does not decode strictly is refused.
+/// body that does not decode strictly is refused, and so is a `signed` one
+/// (its signature checked) that declares another charset than UTF-8.
 pub(super) fn delivery_of(
     parts: &Parts,
     body: &Bytes,
     principal: Option<&str>,
+    signed: bool,
 ) -> Result<Delivery, FormError> {
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    let payload = match form_as_json(content_type, body) {
+    // Signed bytes that are JSON are read as JSON whatever the (unsigned)
+    // content type says: as a form they would make another payload, and
+    // another key for a digest key.
+    let json = signed && serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
+    let payload = match form_as_json(content_type, body, signed).filter(|_| !json) {
         None => body.to_vec(),
         Some(json) => json?,
     };
@@ -145,7 +151,8 @@ mod tests {
             "/orders?x=1",
             &[("Idempotency-Key", r#""k-1""#), ("X-Other", "v")],
         );
-        let d = delivery_of(&p, &Bytes::from_static(b"{}"), Some("tenant")).expect("delivery");
+        let d =
+            delivery_of(&p, &Bytes::from_static(b"{}"), Some("tenant"), false).expect("delivery");
         assert_eq!(d.metadata("idempotency-key"), Some(&b"k-1"[..]));
         assert_eq!(d.metadata("x-other"), Some(&b"v"[..]));
         assert_eq!(d.payload(), b"{}");
@@ -158,8 +165,13 @@ mod tests {
             "/notify",
             &[("Content-Type", "application/x-www-form-urlencoded")],
         );
-        let d = delivery_of(&p, &Bytes::from_static(b"out_trade_no=T%201&a=2"), None)
-            .expect("delivery");
+        let d = delivery_of(
+            &p,
+            &Bytes::from_static(b"out_trade_no=T%201&a=2"),
+            None,
+            false,
+        )
+        .expect("delivery");
         let json: serde_json::Value = serde_json::from_slice(d.payload()).expect("json");
         assert_eq!(json["out_trade_no"], "T 1");
     }

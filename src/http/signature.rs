@@ -10,6 +10,33 @@ use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// The shortest shared secret a verifier accepts, in bytes: a secret
+/// shorter than that (an unset variable, `--provider-secret ""`) would
+/// build a verifier anyone can satisfy. Use 32 random bytes.
+pub const MIN_SECRET_LEN: usize = 16;
+
+/// The most signatures one header may carry (Stripe sends one per active
+/// secret: two while a rotation overlaps): more is refused before any MAC
+/// is computed.
+pub const MAX_SIGNATURES: usize = 8;
+
+/// The longest signature header read, in bytes.
+const MAX_HEADER_LEN: usize = 2_048;
+
+/// A shared secret a verifier refuses to be built with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SecretError {
+    /// Shorter than [`MIN_SECRET_LEN`] (an empty one included).
+    #[error(
+        "a signing secret of {len} bytes is too short: at least {MIN_SECRET_LEN} (use 32 random bytes)"
+    )]
+    TooShort {
+        /// Its length in bytes.
+        len: usize,
+    },
+}
+
 /// Why a signature was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -31,8 +58,7 @@ pub enum SignatureError {
 /// A shared secret, the header carrying the signature and the tolerance.
 #[derive(Clone)]
 pub struct SignatureCheck {
-    /// `None` only if the MAC refused the key, which HMAC never does.
-    key: Option<HmacSha256>,
+    key: HmacSha256,
     header: HeaderName,
     tolerance: Duration,
 }
@@ -47,13 +73,14 @@ impl std::fmt::Debug for SignatureCheck {
 }
 
 impl SignatureCheck {
-    /// Checks header `X-Signature` with a five-minute tolerance.
-    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
-        Self {
-            key: HmacSha256::new_from_slice(&secret.into()).ok(),
+    /// Checks header `X-Signature` with a five-minute tolerance; a secret
+    /// shorter than [`MIN_SECRET_LEN`] is refused.
+    pub fn new(secret: impl Into<Vec<u8>>) -> Result<Self, SecretError> {
+        Ok(Self {
+            key: hmac_key(&secret.into())?,
             header: HeaderName::from_static("x-signature"),
             tolerance: Duration::from_secs(300),
-        }
+        })
     }
 
     /// Reads the signature from another header.
@@ -72,15 +99,14 @@ impl SignatureCheck {
 
     /// The header value a sender puts on `body` at `unix_secs`.
     pub fn sign(&self, unix_secs: u64, body: &[u8]) -> String {
-        let mac = self
-            .mac(unix_secs, body)
-            .map(|m| hex::encode(m.finalize().into_bytes()))
-            .unwrap_or_default();
+        let mac = hex::encode(self.mac(unix_secs, body).finalize().into_bytes());
         format!("t={unix_secs},v1={mac}")
     }
 
     /// Verifies the signature of `body` in `headers` at `now_secs`; the
-    /// comparison is constant-time.
+    /// comparison is constant-time. A header longer than 2 KiB or with
+    /// more than [`MAX_SIGNATURES`] signatures is malformed, before any
+    /// MAC is computed.
     pub fn verify(
         &self,
         headers: &HeaderMap,
@@ -89,9 +115,11 @@ impl SignatureCheck {
     ) -> Result<(), SignatureError> {
         let value = headers
             .get(&self.header)
-            .ok_or_else(|| SignatureError::Missing(self.header.to_string()))?
-            .to_str()
-            .map_err(|_| SignatureError::Malformed)?;
+            .ok_or_else(|| SignatureError::Missing(self.header.to_string()))?;
+        if value.len() > MAX_HEADER_LEN {
+            return Err(SignatureError::Malformed);
+        }
+        let value = value.to_str().map_err(|_| SignatureError::Malformed)?;
         let mut t = None;
         let mut candidates = Vec::new();
         for part in value.split(',').map(str::trim) {
@@ -106,16 +134,14 @@ impl SignatureCheck {
             }
         }
         let t = t.ok_or(SignatureError::Malformed)?;
-        if candidates.is_empty() {
+        if candidates.is_empty() || candidates.len() > MAX_SIGNATURES {
             return Err(SignatureError::Malformed);
         }
         let skew = now_secs.abs_diff(t);
         if skew > self.tolerance.as_secs() {
             return Err(SignatureError::Stale(skew));
         }
-        let Some(mac) = self.mac(t, body) else {
-            return Err(SignatureError::Mismatch);
-        };
+        let mac = self.mac(t, body);
         for candidate in candidates {
             if mac.clone().verify_slice(&candidate).is_ok() {
                 return Ok(());
@@ -124,13 +150,23 @@ impl SignatureCheck {
         Err(SignatureError::Mismatch)
     }
 
-    fn mac(&self, t: u64, body: &[u8]) -> Option<HmacSha256> {
-        let mut mac = self.key.clone()?;
+    fn mac(&self, t: u64, body: &[u8]) -> HmacSha256 {
+        let mut mac = self.key.clone();
         mac.update(t.to_string().as_bytes());
         mac.update(b".");
         mac.update(body);
-        Some(mac)
+        mac
     }
+}
+
+/// An HMAC-SHA256 key from a shared secret of at least [`MIN_SECRET_LEN`]
+/// bytes.
+pub(crate) fn hmac_key(secret: &[u8]) -> Result<HmacSha256, SecretError> {
+    if secret.len() < MIN_SECRET_LEN {
+        return Err(SecretError::TooShort { len: secret.len() });
+    }
+    // HMAC takes a key of any length.
+    HmacSha256::new_from_slice(secret).map_err(|_| SecretError::TooShort { len: secret.len() })
 }
 
 #[cfg(test)]
@@ -145,7 +181,7 @@ mod tests {
 
     #[test]
     fn accepts_a_fresh_signature_and_refuses_the_rest() {
-        let check = SignatureCheck::new("s3cret");
+        let check = SignatureCheck::new("s3cret-0123456789").unwrap();
         let body = br#"{"out_trade_no":"T-1"}"#;
         let good = check.sign(1_000, body);
         assert_eq!(check.verify(&headers(&good), body, 1_100), Ok(()));
@@ -157,7 +193,9 @@ mod tests {
             check.verify(&headers(&good), body, 1_400),
             Err(SignatureError::Stale(400))
         );
-        let other = SignatureCheck::new("other").sign(1_000, body);
+        let other = SignatureCheck::new("other-0123456789ab")
+            .unwrap()
+            .sign(1_000, body);
         assert_eq!(
             check.verify(&headers(&other), body, 1_000),
             Err(SignatureError::Mismatch)
@@ -172,5 +210,38 @@ mod tests {
             check.verify(&HeaderMap::new(), body, 0),
             Err(SignatureError::Missing(_))
         ));
+    }
+
+    #[test]
+    fn empty_and_short_secrets_build_no_verifier() {
+        assert_eq!(
+            SignatureCheck::new("").err(),
+            Some(SecretError::TooShort { len: 0 })
+        );
+        assert!(SignatureCheck::new("15 bytes secret").is_err());
+        assert!(SignatureCheck::new("16 bytes secret!").is_ok());
+    }
+
+    #[test]
+    fn a_header_with_too_many_signatures_is_refused_before_any_mac() {
+        let check = SignatureCheck::new("s3cret-0123456789").unwrap();
+        let body = b"{}";
+        let good = check.sign(1_000, body);
+        let v1 = &good[good.find("v1=").unwrap()..];
+        // The valid one last, after eight bogus ones.
+        let many = format!("t=1000,{},{v1}", ["v1=00"; 8].join(","));
+        assert_eq!(
+            check.verify(&headers(&many), body, 1_000),
+            Err(SignatureError::Malformed)
+        );
+        let huge = format!("t=1000,{}", vec!["v1=00"; 100_000].join(","));
+        let mut h = HeaderMap::new();
+        h.insert("x-signature", huge.parse().unwrap());
+        assert_eq!(
+            check.verify(&h, body, 1_000),
+            Err(SignatureError::Malformed)
+        );
+        let two = format!("t=1000,v1=00,{v1}");
+        assert_eq!(check.verify(&headers(&two), body, 1_000), Ok(()));
     }
 }

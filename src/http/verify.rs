@@ -3,13 +3,20 @@
 //! [`Provider`](super::providers::Provider)'s own scheme, over the raw
 //! bytes received, before any dedup work.
 
-use axum::http::HeaderMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::http::{HeaderMap, StatusCode};
 
 use super::config::Settings;
 use super::signature::SignatureError;
 
-/// Why a callback was refused before anything was claimed: always `401`
-/// with a problem document whose `type` ends in [`code`](Self::code).
+/// Why a callback was refused before anything was claimed: `401` (`413`
+/// for [`TooManyFields`](Self::TooManyFields)) with a problem document
+/// whose `type` ends in [`code`](Self::code) and whose detail is
+/// [`public_detail`](Self::public_detail) (the caller is not authenticated:
+/// nothing about the server's clock or keys).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum VerifyError {
@@ -39,6 +46,17 @@ pub enum VerifyError {
     /// SHA-1 `sign_type=RSA` (`unsupported-signature`).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A signed event time (Alipay's `notify_time`) older than the layer
+    /// replays callbacks for: this many seconds old (`expired-callback`).
+    /// Its record may have been purged, so it is refused rather than
+    /// processed again.
+    #[error("the signed event time is {0} s old, older than the layer's retention allows")]
+    Expired(u64),
+    /// A form with more fields than
+    /// [`MAX_FORM_FIELDS`](crate::http::MAX_FORM_FIELDS), refused before
+    /// anything was decoded or verified (`too-many-fields`, `413`).
+    #[error("more than {0} fields")]
+    TooManyFields(usize),
 }
 
 impl VerifyError {
@@ -52,7 +70,70 @@ impl VerifyError {
             Self::UnknownSerial(_) => "unknown-serial",
             Self::Undecryptable(_) => "undecryptable-resource",
             Self::Unsupported(_) => "unsupported-signature",
+            Self::Expired(_) => "expired-callback",
+            Self::TooManyFields(_) => "too-many-fields",
         }
+    }
+
+    /// The status it is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::TooManyFields(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// What the unauthenticated caller is told: the reason without the
+    /// server's clock skew or the serials it knows (those go to the log).
+    pub fn public_detail(&self) -> String {
+        match self {
+            Self::StaleTimestamp(_) => "the signed timestamp is outside the accepted window".into(),
+            Self::UnknownSerial(_) => "no platform key is configured for the serial sent".into(),
+            Self::Undecryptable(_) => "the resource could not be decrypted".into(),
+            Self::Expired(_) => {
+                "the signed event time is older than callbacks are accepted for".into()
+            }
+            other => other.to_string(),
+        }
+    }
+}
+
+/// Logs refused callbacks at `WARN` at most once per [`REFUSALS_EVERY`],
+/// with how many were refused since; the others at `DEBUG`: a flood of
+/// bad signatures does not flood the log.
+#[derive(Default)]
+pub(crate) struct Refusals {
+    last: Mutex<Option<Instant>>,
+    unlogged: AtomicU64,
+}
+
+/// The shortest time between two `WARN` lines about refused callbacks.
+pub(crate) const REFUSALS_EVERY: Duration = Duration::from_secs(10);
+
+impl Refusals {
+    /// Logs the refusal of a callback to `path` for `error`; whether at
+    /// `WARN`.
+    pub(crate) fn note(&self, path: &str, error: &VerifyError) -> bool {
+        let now = Instant::now();
+        let warn = {
+            let mut last = self
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let due = last.is_none_or(|at| now.duration_since(at) >= REFUSALS_EVERY);
+            if due {
+                *last = Some(now);
+            }
+            due
+        };
+        if warn {
+            let since = self.unlogged.swap(0, Ordering::Relaxed);
+            tracing::warn!(path, error = %error, refused_unlogged = since, "callback verification refused");
+        } else {
+            self.unlogged.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(path, error = %error, "callback verification refused");
+        }
+        warn
     }
 }
 
@@ -85,4 +166,35 @@ pub(super) fn verify(
         return provider.verify(headers, body, now_secs);
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_refusals_makes_one_warning() {
+        let refusals = Refusals::default();
+        let warned = (0..10_000)
+            .filter(|_| refusals.note("/cb", &VerifyError::BadSignature))
+            .count();
+        assert_eq!(warned, 1);
+        assert_eq!(refusals.unlogged.load(Ordering::Relaxed), 9_999);
+    }
+
+    #[test]
+    fn the_unauthenticated_caller_learns_no_clock_skew_and_no_serial() {
+        let stale = VerifyError::StaleTimestamp(4_321).public_detail();
+        assert!(
+            !stale.contains("4321") && !stale.contains("4_321"),
+            "{stale}"
+        );
+        let serial = VerifyError::UnknownSerial("5157F09E".into()).public_detail();
+        assert!(!serial.contains("5157F09E"), "{serial}");
+        assert_eq!(
+            VerifyError::TooManyFields(256).status(),
+            StatusCode::PAYLOAD_TOO_LARGE
+        );
+        assert_eq!(VerifyError::BadSignature.status(), StatusCode::UNAUTHORIZED);
+    }
 }

@@ -4,13 +4,22 @@
 //! engine and the handler see, names the business field the key comes
 //! from, and answers as the provider expects.
 //!
-//! | provider | verifies | key (default) | answers |
-//! |---|---|---|---|
-//! | [`Alipay`] | RSA2 (SHA256withRSA) over the sorted, non-empty form fields but `sign`, `sign_type`; UTF-8, GBK, GB18030 | `out_trade_no` | `200 success` |
-//! | [`WeChatPay`] | SHA256withRSA over `timestamp\nnonce\nbody\n` with the platform key of `Wechatpay-Serial`, timestamp tolerance; decrypts `resource` (AEAD_AES_256_GCM) | `out_trade_no` of the decrypted resource | `204` |
-//! | [`Stripe`] | `Stripe-Signature` `t=..,v1=..` HMAC-SHA256 over `t.body`, several `v1`, tolerance | event `id` | `200 {"received":true}` |
-//! | [`GitHub`] | `X-Hub-Signature-256: sha256=<hex>` HMAC-SHA256 over the body | header `X-GitHub-Delivery` | `204` |
-//! | [`Adyen`] | HMAC-SHA256 (hex key) over the notification item's fields, base64 in `additionalData.hmacSignature` | `pspReference` + `eventCode` | `200 [accepted]` |
+//! What each provider signs, what its payload and key are, its retry
+//! horizon (with the provider's own words as the source) and how long a
+//! replay is refused are in one table, the README's "Payment providers";
+//! each verifier's documentation says the same for its provider.
+//!
+//! A layer for a provider keeps its records at least that provider's retry
+//! horizon and one hour ([`Provider::min_retention`]; a shorter
+//! [`retention`](super::IdempotencyLayerBuilder::retention) fails the
+//! build), by default [`Provider::default_retention`]: a retry the provider
+//! sends after a record was purged would be processed again. Keys come
+//! from signed bytes only: a layer for a provider keyed on a header fails
+//! the build, since no provider signs one. Each key names one event, not
+//! one order: a payment and its refunds, or a failed and a later successful
+//! attempt, are distinct events, each handled once (sources: Alipay's
+//! `trade_status` and `out_biz_no` "退款通知中返回退款申请的流水号",
+//! WeChat Pay's `REFUND.*` notifications, Adyen's duplicate advice).
 //!
 //! A callback that fails verification gets `401` with a problem document
 //! naming the reason ([`VerifyError`]), and nothing is
@@ -37,9 +46,20 @@ pub use keys::ProviderKeyError;
 pub use stripe::Stripe;
 pub use wechat::WeChatPay;
 
+use std::time::Duration;
+
 use super::VerifyError;
 use super::config::Ack;
-use crate::key::KeySpec;
+use crate::delivery::Delivery;
+use crate::key::{KeyError, KeySpec};
+
+/// How much longer than a provider's retry horizon its records are kept at
+/// least, and how much younger than the retention a signed event time must
+/// be (clock skew, delivery delays).
+pub const REPLAY_MARGIN: Duration = Duration::from_secs(3600);
+
+const HOUR: u64 = 3600;
+const DAY: u64 = 24 * HOUR;
 
 /// One payment provider's callback scheme, for
 /// [`IdempotencyLayer::provider`](super::IdempotencyLayer::provider).
@@ -90,17 +110,66 @@ impl Provider {
 
     /// The key of a callback unless the layer is given another
     /// ([`key_expr`](super::IdempotencyLayerBuilder::key_expr)): see the
-    /// [module documentation](self).
+    /// [module documentation](self). Composite keys are the canonical JSON
+    /// array of their fields, an absent optional field empty.
     pub fn default_key(&self) -> KeySpec {
         match &self.kind {
-            Kind::Alipay(_) | Kind::WeChatPay(_) => KeySpec::json_field("/out_trade_no"),
+            Kind::Alipay(_) => fields_key(&["/out_trade_no", "/trade_status"], &["/out_biz_no"]),
+            Kind::WeChatPay(_) => fields_key(
+                &["/out_trade_no"],
+                &["/out_refund_no", "/refund_status", "/trade_state"],
+            ),
             Kind::Stripe(_) => KeySpec::json_field("/id"),
-            Kind::GitHub(_) => KeySpec::header("X-GitHub-Delivery"),
+            Kind::GitHub(_) => KeySpec::fingerprint(),
             Kind::Adyen(_) => KeySpec::json_fields([
                 "/notificationItems/0/NotificationRequestItem/pspReference",
                 "/notificationItems/0/NotificationRequestItem/eventCode",
+                "/notificationItems/0/NotificationRequestItem/success",
             ]),
         }
+    }
+
+    /// How long the provider keeps redelivering a callback it got no
+    /// success answer for (see the [module documentation](self) for the
+    /// sources): Alipay 25 h, WeChat Pay 24 h 4 min, Stripe 3 days,
+    /// GitHub 3 days (manual redelivery), Adyen 30 days.
+    pub fn retry_horizon(&self) -> Duration {
+        Duration::from_secs(match &self.kind {
+            Kind::Alipay(_) => 25 * HOUR,
+            Kind::WeChatPay(_) => 24 * HOUR + 4 * 60,
+            Kind::Stripe(_) | Kind::GitHub(_) => 3 * DAY,
+            Kind::Adyen(_) => 30 * DAY,
+        })
+    }
+
+    /// The shortest retention a layer for this provider may keep: its
+    /// [retry horizon](Self::retry_horizon) and [`REPLAY_MARGIN`].
+    pub fn min_retention(&self) -> Duration {
+        self.retry_horizon() + REPLAY_MARGIN
+    }
+
+    /// The retention of a layer for this provider unless it sets one:
+    /// Alipay and WeChat Pay 2 days, Stripe 4 days, GitHub 8 days (covers
+    /// Enterprise Server's 7 days of redelivery), Adyen 31 days.
+    pub fn default_retention(&self) -> Duration {
+        Duration::from_secs(match &self.kind {
+            Kind::Alipay(_) | Kind::WeChatPay(_) => 2 * DAY,
+            Kind::Stripe(_) => 4 * DAY,
+            Kind::GitHub(_) => 8 * DAY,
+            Kind::Adyen(_) => 31 * DAY,
+        })
+    }
+
+    /// The provider for a layer that keeps its records for `retention`:
+    /// signed event times older than that less [`REPLAY_MARGIN`] are
+    /// refused (Alipay's `notify_time`).
+    pub(crate) fn with_retention(self, retention: Duration) -> Self {
+        let max_age = retention.saturating_sub(REPLAY_MARGIN);
+        let kind = match self.kind {
+            Kind::Alipay(v) => Kind::Alipay(v.max_age(max_age)),
+            other => other,
+        };
+        Self { kind }
     }
 
     /// What a processed or duplicate callback gets.
@@ -113,8 +182,11 @@ impl Provider {
         }
     }
 
-    /// Verifies `body` as received with `headers` at `now_secs`;
-    /// `Some(payload)` replaces the body (see [`verify`](super::verify)).
+    /// Verifies `body` as received with `headers` at `now_secs`; the
+    /// payload that replaces the body (see [`verify`](super::verify)). It
+    /// is always the provider's reading of the signed bytes, never one the
+    /// (unsigned) content type chose: a JSON body sent as a form would
+    /// otherwise be read as another payload, under another key.
     pub(crate) fn verify(
         &self,
         headers: &HeaderMap,
@@ -122,11 +194,14 @@ impl Provider {
         now_secs: u64,
     ) -> Result<Option<Vec<u8>>, VerifyError> {
         match &self.kind {
-            Kind::Alipay(v) => v.verify(headers, body).map(Some),
+            Kind::Alipay(v) => v.verify(headers, body, now_secs).map(Some),
             Kind::WeChatPay(v) => v.verify(headers, body, now_secs).map(Some),
-            Kind::Stripe(v) => v.verify(headers, body, now_secs).map(|()| None),
-            Kind::GitHub(v) => v.verify(headers, body).map(|()| None),
-            Kind::Adyen(v) => v.verify(body).map(|()| None),
+            Kind::Stripe(v) => {
+                v.verify(headers, body, now_secs)?;
+                json_payload(body).map(Some)
+            }
+            Kind::GitHub(v) => v.verify(headers, body).map(Some),
+            Kind::Adyen(v) => v.verify(body).map(Some),
         }
     }
 
@@ -163,6 +238,39 @@ impl Provider {
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(failure.0));
         Response::from_parts(head, Body::from(failure.1))
     }
+}
+
+/// `body` as the JSON payload it must be.
+fn json_payload(body: &[u8]) -> Result<Vec<u8>, VerifyError> {
+    serde_json::from_slice::<serde::de::IgnoredAny>(body)
+        .map_err(|_| VerifyError::Malformed("callback (not JSON)".into()))?;
+    Ok(body.to_vec())
+}
+
+/// A key of the canonical JSON array of the JSON fields at `required`
+/// (absent: the key is missing) and at `optional` (absent: empty).
+fn fields_key(required: &'static [&'static str], optional: &'static [&'static str]) -> KeySpec {
+    KeySpec::custom(move |d: &Delivery| {
+        let json = d.json().map_err(|e| KeyError::NotJson(e.to_owned()))?;
+        let text = |pointer: &str| match json.pointer(pointer) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+            Some(serde_json::Value::Number(n)) => Ok(Some(n.to_string())),
+            Some(_) => Err(KeyError::NotScalar {
+                pointer: pointer.to_owned(),
+            }),
+        };
+        let mut values = Vec::with_capacity(required.len() + optional.len());
+        for pointer in required {
+            values.push(text(pointer)?.ok_or_else(|| KeyError::MissingField {
+                pointer: (*pointer).to_owned(),
+            })?);
+        }
+        for pointer in optional {
+            values.push(text(pointer)?.unwrap_or_default());
+        }
+        Ok(String::from_utf8_lossy(&crate::fingerprint::canonical_bytes(&values)).into_owned())
+    })
 }
 
 /// The value of header `name` as text, or [`VerifyError::Missing`].

@@ -8,6 +8,7 @@ use std::time::Duration;
 use axum::http::{HeaderMap, HeaderName};
 
 use super::VerifyError;
+use super::keys::ProviderKeyError;
 use crate::http::SignatureCheck;
 
 /// Stripe webhook verifier: `Stripe::new("whsec_...")`, five minutes of
@@ -19,12 +20,14 @@ pub struct Stripe {
 
 impl Stripe {
     /// The endpoint's signing secret, as Stripe shows it (`whsec_...`,
-    /// used as is).
-    pub fn new(signing_secret: impl Into<Vec<u8>>) -> Self {
-        Self {
-            check: SignatureCheck::new(signing_secret)
-                .header(HeaderName::from_static("stripe-signature")),
-        }
+    /// used as is); an empty or short one (under
+    /// [`MIN_SECRET_LEN`](crate::http::MIN_SECRET_LEN) bytes) is refused.
+    pub fn new(signing_secret: impl Into<Vec<u8>>) -> Result<Self, ProviderKeyError> {
+        let check = SignatureCheck::new(signing_secret)
+            .map_err(|e| ProviderKeyError::HmacKey(e.to_string()))?;
+        Ok(Self {
+            check: check.header(HeaderName::from_static("stripe-signature")),
+        })
     }
 
     /// How far `t` may be from now, either way (default five minutes).

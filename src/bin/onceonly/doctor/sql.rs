@@ -77,9 +77,33 @@ pub fn indexes_finding(table: &TableName, expected: &[String], present: &[String
     }
 }
 
-/// The finding on the privileges the role lacks on `table`.
+/// A PostgreSQL role as a `GRANT` names it: a quoted identifier.
+#[cfg(feature = "postgres")]
+pub fn pg_grantee(role: &str) -> String {
+    format!("\"{}\"", role.replace('"', "\"\""))
+}
+
+/// A MySQL account (`CURRENT_USER()`'s `user@host`) as a `GRANT` names
+/// it: `'user'@'host'`.
+#[cfg(feature = "mysql")]
+pub fn mysql_grantee(account: &str) -> String {
+    let quote = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
+    match account.rsplit_once('@') {
+        Some((user, host)) => format!("{}@{}", quote(user), quote(host)),
+        None => quote(account),
+    }
+}
+
+/// The finding on the privileges `role` (its name as shown) lacks on
+/// `table`; the fix grants them to `grantee` (the role quoted for `GRANT`).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub fn privileges_finding(role: &str, table: &str, missing: &[&str], needed: &[&str]) -> Finding {
+pub fn privileges_finding(
+    role: &str,
+    grantee: &str,
+    table: &str,
+    missing: &[&str],
+    needed: &[&str],
+) -> Finding {
     if missing.is_empty() {
         Finding::ok(
             "privileges",
@@ -92,7 +116,7 @@ pub fn privileges_finding(role: &str, table: &str, missing: &[&str], needed: &[&
                 "{role} lacks {} on {table}: claims, purges or the relay fail and deliveries wait",
                 missing.join(", ")
             ),
-            format!("GRANT {} ON {table} TO {role}", missing.join(", ")),
+            format!("GRANT {} ON {table} TO {grantee}", missing.join(", ")),
         )
     }
 }
@@ -131,6 +155,7 @@ pub fn layout_privileges_finding(role: &str, table: &str, layout: &LayoutPrivile
             None => grants.push((privileges, vec![relation])),
         }
     }
+    let grantee = pg_grantee(role);
     let lacks = grants
         .iter()
         .map(|(privileges, relations)| format!("{privileges} on {}", relations.join(", ")))
@@ -146,7 +171,10 @@ pub fn layout_privileges_finding(role: &str, table: &str, layout: &LayoutPrivile
         grants
             .iter()
             .map(|(privileges, relations)| {
-                format!("GRANT {privileges} ON {} TO {role}", relations.join(", "))
+                format!(
+                    "GRANT {privileges} ON {} TO {grantee}",
+                    relations.join(", ")
+                )
             })
             .collect::<Vec<_>>()
             .join("; "),
@@ -189,7 +217,7 @@ pub mod postgres {
 
     use super::{
         Checked, Finding, clock_finding, index_names, indexes_finding, layout_privileges_finding,
-        privileges_finding,
+        pg_grantee, privileges_finding,
     };
 
     const NEEDED: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
@@ -242,7 +270,13 @@ pub mod postgres {
                     missing.push(privilege);
                 }
             }
-            out.push(privileges_finding(&role, &name, &missing, &NEEDED));
+            out.push(privileges_finding(
+                &role,
+                &pg_grantee(&role),
+                &name,
+                &missing,
+                &NEEDED,
+            ));
             match layout_missing(pool, table, table_role.generation_needs()).await {
                 Ok(Some(layout)) => out.push(layout_privileges_finding(&role, &name, &layout)),
                 Ok(None) => {}
@@ -357,7 +391,8 @@ pub mod mysql {
     use sqlx::MySqlPool;
 
     use super::{
-        Checked, Finding, clock_finding, index_names, indexes_finding, privileges_finding,
+        Checked, Finding, clock_finding, index_names, indexes_finding, mysql_grantee,
+        privileges_finding,
     };
 
     const NEEDED: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
@@ -419,7 +454,13 @@ pub mod mysql {
                 }
                 let _ = tx.rollback().await;
             }
-            out.push(privileges_finding(&role, &name, &missing, &NEEDED));
+            out.push(privileges_finding(
+                &role,
+                &mysql_grantee(&role),
+                &name,
+                &missing,
+                &NEEDED,
+            ));
         }
         let read_only: Result<i64, _> = sqlx::query_scalar("SELECT @@global.read_only + 0")
             .fetch_one(pool)
@@ -519,8 +560,8 @@ mod tests {
         assert_eq!(
             f.fix.as_deref(),
             Some(
-                "GRANT SELECT, UPDATE ON public.k_generation TO app; \
-                 GRANT TRUNCATE ON public.k_g0, public.k_g1, public.k_g0_b0 TO app"
+                "GRANT SELECT, UPDATE ON public.k_generation TO \"app\"; \
+                 GRANT TRUNCATE ON public.k_g0, public.k_g1, public.k_g0_b0 TO \"app\""
             )
         );
         let fine = super::LayoutPrivileges {
@@ -529,6 +570,24 @@ mod tests {
         };
         let f = super::layout_privileges_finding("app", "\"k\"", &fine);
         assert_eq!(f.status, Status::Ok);
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn postgres_grantees_are_quoted_identifiers() {
+        assert_eq!(super::pg_grantee("app"), "\"app\"");
+        assert_eq!(super::pg_grantee("We\"ird role"), "\"We\"\"ird role\"");
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn mysql_grantees_are_quoted_accounts() {
+        assert_eq!(super::mysql_grantee("app@%"), "'app'@'%'");
+        assert_eq!(
+            super::mysql_grantee("o'neil@10.0.0.1"),
+            "'o''neil'@'10.0.0.1'"
+        );
+        assert_eq!(super::mysql_grantee("a@b@host"), "'a@b'@'host'");
     }
 
     #[cfg(any(feature = "postgres", feature = "mysql"))]
