@@ -29,61 +29,16 @@ const POISON: &str = "K-POISON";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_that_aborts_the_consumer_is_dead_lettered_crashed_and_the_partition_moves_on() {
-    let kafka = MockKafka::start(1);
-    let bootstrap = kafka.bootstrap().to_owned();
-    let topic = unique("kpoison");
-    let dlt = format!("{topic}.dlt");
-    kafka.create_topic(&topic, 3);
-    kafka.create_topic(&dlt, 1);
-    let url = pg_schema("kpoison").await;
-    let pool = PgPool::connect(&url).await.expect("postgres");
-
-    // 600 payments (and their duplicates), the poison in the middle.
-    let stream = crash_stream("K", 600);
-    let mut records: Vec<Record> = stream
-        .messages
-        .iter()
-        .map(|(no, body)| Record::new(no.clone(), body.clone()))
-        .collect();
-    let poison = Record::new(POISON, pay(POISON, 42).account("acct-poison").body());
-    records.insert(records.len() / 2, poison);
-    assert!(records.len() > 900);
-    let ends = produce_on(&bootstrap, &topic, &records).await;
-
-    let group = unique("kpoison_group");
-    let args: Vec<String> = [
-        "kafka",
-        bootstrap.as_str(),
-        topic.as_str(),
-        group.as_str(),
-        url.as_str(),
-        dlt.as_str(),
-        POISON,
-    ]
-    .iter()
-    .map(|a| (*a).to_owned())
-    .collect();
-    let log = Logged::new("poison_worker_kafka");
-    let worker = Path::new(env!("CARGO_BIN_EXE_poison_worker"));
-    log.poison_loop(worker, &args, MAX_CRASHES, "record").await;
-
-    // Every other payment exactly once; none for the poison (its write
-    // rolled back with each death).
-    assert_exact(&pool, &stream.expected).await;
-    let letters = read_all_on(&bootstrap, &dlt, 1, 2, Duration::from_secs(5));
-    assert!(!letters.is_empty(), "the poison is dead-lettered");
-    for letter in &letters {
-        assert_eq!(letter.key(), Some(POISON.as_bytes()), "only the poison");
-        assert_eq!(header(letter, "x-onceonly-reason"), Some("crashed"));
-    }
-    let positions = committed_on(&bootstrap, &group, &topic, 3);
-    for (p, end) in &ends {
-        assert_eq!(
-            positions.get(p),
-            Some(end),
-            "partition {p} is committed to its end: {positions:?}"
-        );
-    }
+    // 600 payments (and their duplicates) on 3 partitions, the poison in
+    // the middle; one record at a time.
+    poison_run(&Poisoned {
+        name: "kpoison",
+        partitions: 3,
+        distinct: 600,
+        at: None,
+        batch: 1,
+    })
+    .await;
 }
 
 /// The same with batches of 50: a crash rolls back the whole batch, so the
@@ -94,26 +49,54 @@ async fn a_record_that_aborts_the_consumer_is_dead_lettered_crashed_and_the_part
 /// it sat (here, 30 records in).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_deep_in_a_batch_is_dead_lettered_after_max_crashes_plus_one_deaths() {
+    poison_run(&Poisoned {
+        name: "kpoisonb",
+        partitions: 1,
+        distinct: 200,
+        at: Some(31),
+        batch: 50,
+    })
+    .await;
+}
+
+/// A topic with a poison record, consumed by `poison_worker` under a
+/// supervisor until a run ends by itself.
+struct Poisoned {
+    name: &'static str,
+    partitions: i32,
+    /// Distinct payments of the stream (with duplicates).
+    distinct: usize,
+    /// Where the poison goes among the records (default: the middle).
+    at: Option<usize>,
+    /// The consumer's batch size.
+    batch: usize,
+}
+
+/// Runs `p`: the poison is dead-lettered `crashed` after at most
+/// `max_crashes + 1` deaths, every other payment is charged exactly once,
+/// and every partition is committed to its end.
+async fn poison_run(p: &Poisoned) {
     let kafka = MockKafka::start(1);
     let bootstrap = kafka.bootstrap().to_owned();
-    let topic = unique("kpoisonb");
+    let topic = unique(p.name);
     let dlt = format!("{topic}.dlt");
-    kafka.create_topic(&topic, 1);
+    kafka.create_topic(&topic, p.partitions);
     kafka.create_topic(&dlt, 1);
-    let url = pg_schema("kpoisonb").await;
+    let url = pg_schema(p.name).await;
     let pool = PgPool::connect(&url).await.expect("postgres");
 
-    let stream = crash_stream("KB", 200);
+    let stream = crash_stream("K", p.distinct);
     let mut records: Vec<Record> = stream
         .messages
         .iter()
         .map(|(no, body)| Record::new(no.clone(), body.clone()))
         .collect();
     let poison = Record::new(POISON, pay(POISON, 42).account("acct-poison").body());
-    records.insert(31, poison);
+    let at = p.at.unwrap_or(records.len() / 2);
+    records.insert(at, poison);
     let ends = produce_on(&bootstrap, &topic, &records).await;
 
-    let group = unique("kpoisonb_group");
+    let group = unique(&format!("{}_group", p.name));
     let args: Vec<String> = [
         "kafka",
         bootstrap.as_str(),
@@ -126,11 +109,14 @@ async fn a_poison_deep_in_a_batch_is_dead_lettered_after_max_crashes_plus_one_de
     .iter()
     .map(|a| (*a).to_owned())
     .collect();
-    let log = Logged::new("poison_worker_kafka_batch").env("POISON_BATCH", "50");
+    let log =
+        Logged::new(&format!("poison_worker_{}", p.name)).env("POISON_BATCH", &p.batch.to_string());
     let worker = Path::new(env!("CARGO_BIN_EXE_poison_worker"));
-    log.poison_loop(worker, &args, MAX_CRASHES, "record in a batch")
-        .await;
+    let what = format!("record (batches of {})", p.batch);
+    log.poison_loop(worker, &args, MAX_CRASHES, &what).await;
 
+    // Every other payment exactly once; none for the poison (its write
+    // rolled back with each death).
     assert_exact(&pool, &stream.expected).await;
     let letters = read_all_on(&bootstrap, &dlt, 1, 2, Duration::from_secs(5));
     assert!(!letters.is_empty(), "the poison is dead-lettered");
@@ -138,8 +124,12 @@ async fn a_poison_deep_in_a_batch_is_dead_lettered_after_max_crashes_plus_one_de
         assert_eq!(letter.key(), Some(POISON.as_bytes()), "only the poison");
         assert_eq!(header(letter, "x-onceonly-reason"), Some("crashed"));
     }
-    let positions = committed_on(&bootstrap, &group, &topic, 1);
-    for (p, end) in &ends {
-        assert_eq!(positions.get(p), Some(end), "committed to its end");
+    let positions = committed_on(&bootstrap, &group, &topic, p.partitions);
+    for (partition, end) in &ends {
+        assert_eq!(
+            positions.get(partition),
+            Some(end),
+            "partition {partition} is committed to its end: {positions:?}"
+        );
     }
 }

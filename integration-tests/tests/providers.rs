@@ -892,28 +892,32 @@ async fn github_a_captured_body_resent_with_new_delivery_ids_is_a_duplicate() {
     assert_eq!(server.claims().await, 1, "one key: a digest of the body");
 }
 
+/// The example as an Alipay endpoint with a key of its own: the server,
+/// the private key to sign with, and the form content type.
+async fn alipay_server() -> (Server, PathBuf, Vec<(&'static str, String)>) {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rsa_key(dir.path(), "alipay");
+    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
+    let args = [
+        "--provider".into(),
+        "alipay".into(),
+        "--provider-key".into(),
+        public,
+    ];
+    let server = Server::start(dir, &args).await;
+    let form = vec![(
+        "content-type",
+        "application/x-www-form-urlencoded; charset=utf-8".to_owned(),
+    )];
+    (server, key, form)
+}
+
 /// `out_trade_no=ALI-1%26point_amount%3D0.00` without `point_amount`
 /// signs the same bytes as the original: refused, not booked as a new
 /// order `ALI-1&point_amount=0.00`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alipay_a_form_recut_around_the_signed_separators_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let key = rsa_key(dir.path(), "alipay");
-    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "alipay".into(),
-            "--provider-key".into(),
-            public,
-        ],
-    )
-    .await;
-    let form = vec![(
-        "content-type",
-        "application/x-www-form-urlencoded; charset=utf-8".to_owned(),
-    )];
+    let (server, key, form) = alipay_server().await;
     let body = alipay_notification(
         &key,
         &alipay_fields("ALI-1", "88.88", "utf-8", b"x".to_vec()),
@@ -1022,23 +1026,7 @@ async fn empty_and_short_secrets_refuse_to_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distinct_events_of_one_order_are_each_handled_once() {
     // Alipay.
-    let dir = tempfile::tempdir().unwrap();
-    let key = rsa_key(dir.path(), "alipay");
-    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "alipay".into(),
-            "--provider-key".into(),
-            public,
-        ],
-    )
-    .await;
-    let form = vec![(
-        "content-type",
-        "application/x-www-form-urlencoded".to_owned(),
-    )];
+    let (server, key, form) = alipay_server().await;
     let base = alipay_fields("ALI-20", "10.00", "utf-8", b"x".to_vec());
     let with = |status: &str, extra: &[(&'static str, &str)]| {
         let mut fields: Vec<(&'static str, Vec<u8>)> = base
@@ -1149,23 +1137,7 @@ fn adyen_event(psp: &str, merchant_reference: &str, value: i64, success: &str) -
 /// malformed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn floods_of_fields_and_signatures_are_refused_before_any_work() {
-    let dir = tempfile::tempdir().unwrap();
-    let key = rsa_key(dir.path(), "alipay");
-    let public = write(dir.path(), "alipay.pem", &public_pem(&key));
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "alipay".into(),
-            "--provider-key".into(),
-            public,
-        ],
-    )
-    .await;
-    let form = vec![(
-        "content-type",
-        "application/x-www-form-urlencoded".to_owned(),
-    )];
+    let (server, _key, form) = alipay_server().await;
     let flood = "a=&".repeat(200_000);
     let answer = server.post(&form, flood.as_bytes()).await;
     assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE, "{answer:?}");

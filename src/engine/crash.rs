@@ -174,14 +174,23 @@ impl<S: SqlStore> Engine<S> {
             "the process died every time this message's handler ran; dead-lettering it"
         );
         // A dead letter starts over: a replay of it gets its own attempts.
+        self.forget_counter(scope, key).await;
+        Ok(Start::Crashed(crashes))
+    }
+
+    /// Deletes the attempts-table counter `key` of `scope` (of a delivery
+    /// that is parked: a replay of its dead letter starts over), on a
+    /// connection of its own. A failure is logged only: the counter
+    /// expires with the dedup window.
+    pub(super) async fn forget_counter(&self, scope: &str, key: &str) {
+        let store = &self.inner.store;
         let cleared = async {
-            let mut conn = inner.store.pool().acquire().await?;
-            inner.store.clear_attempts(&mut *conn, scope, key).await
+            let mut conn = store.pool().acquire().await?;
+            store.clear_attempts(&mut *conn, scope, key).await
         };
         if let Err(e) = cleared.await {
-            tracing::warn!(error = %e, "could not delete the attempts counter of a crashed message; it expires with the dedup window");
+            tracing::warn!(error = %e, "could not delete the counter of a parked delivery; it expires with the dedup window");
         }
-        Ok(Start::Crashed(crashes))
     }
 
     /// Takes a counted start back; if the database cannot, remembers that

@@ -61,16 +61,7 @@ impl<S: SqlStore> Engine<S> {
             reason = "deadline",
             "the handler missed its transaction deadline every time; parking the delivery"
         );
-        let cleared = async {
-            let mut conn = inner.store.pool().acquire().await?;
-            inner
-                .store
-                .clear_attempts(&mut *conn, scope, &counter)
-                .await
-        };
-        if let Err(e) = cleared.await {
-            tracing::warn!(error = %e, "could not delete the deadline counter of a parked delivery; it expires with the dedup window");
-        }
+        self.forget_counter(scope, &counter).await;
         Some(Failure::Deadline { misses })
     }
 }

@@ -60,7 +60,9 @@ pub(super) fn bad_form<S: SqlStore>(cfg: &Config<S>, e: &FormError) -> Response<
             "undecodable-form",
             "Form body is not UTF-8",
         ),
-        FormError::UnsupportedCharset(_) | FormError::UnsignedCharset(_) => (
+        FormError::UnsupportedCharset(_)
+        | FormError::UnsignedCharset(_)
+        | FormError::SignedNotForm => (
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported-charset",
             "Form charset not supported",

@@ -191,7 +191,7 @@ pub(crate) struct Settings {
     pub(crate) on_store_error: OnStoreError,
     pub(crate) principal: PrincipalFn,
     /// Refused callbacks, for the log.
-    pub(crate) refusals: super::verify::Refusals,
+    pub(crate) refusals: super::refusals::Refusals,
 }
 
 /// Builds an [`IdempotencyLayer`]: start with
@@ -252,7 +252,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 principal: Arc::new(|parts: &Parts| {
                     parts.extensions.get::<Principal>().map(|p| p.0.clone())
                 }),
-                refusals: super::verify::Refusals::default(),
+                refusals: super::refusals::Refusals::default(),
             },
             key,
         }

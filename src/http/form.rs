@@ -24,6 +24,10 @@ pub(crate) enum FormError {
     UnsignedCharset(String),
     /// A `%` that does not start a two-digit escape.
     BadEscape,
+    /// A signed callback body that is neither JSON nor sent as a form: its
+    /// signature covers the bytes, not the content type, so such a body
+    /// would be read one way or another by a header nobody signed.
+    SignedNotForm,
     /// More fields than [`MAX_FORM_FIELDS`].
     TooManyFields,
 }
@@ -43,6 +47,9 @@ impl fmt::Display for FormError {
                 "charset {c:?}: a signed form is read as UTF-8, the only charset its signature can vouch for (the content type is not signed)"
             ),
             Self::BadEscape => f.write_str("the form body has a `%` that does not start a two-digit escape"),
+            Self::SignedNotForm => f.write_str(
+                "a signed callback is JSON or an application/x-www-form-urlencoded form",
+            ),
             Self::TooManyFields => write!(f, "the form body has more than {MAX_FORM_FIELDS} fields"),
             Self::UnsupportedCharset(c) => write!(
                 f,

@@ -509,14 +509,16 @@ fn with_payload(
     (parts, bytes::Bytes::from(payload))
 }
 
-/// Whether the request's bytes were verified by a signature (its content
-/// type was not).
+/// Whether the request is a callback whose bytes, not its content type,
+/// were verified by a signature: its key must come from those bytes
+/// alone.
 pub(super) fn signed(http: &super::config::Settings) -> bool {
     #[cfg(feature = "providers")]
     if http.provider.is_some() {
         return true;
     }
-    http.signature.is_some()
+    // In `Idempotency-Key` mode the key is a header, signed or not.
+    http.signature.is_some() && matches!(http.mode, Mode::Callback { .. })
 }
 
 /// The handler's response in the provider's format, if there is a

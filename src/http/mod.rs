@@ -78,6 +78,7 @@ mod problem;
 #[cfg(feature = "providers")]
 #[cfg_attr(docsrs, doc(cfg(feature = "providers")))]
 pub mod providers;
+mod refusals;
 mod request;
 mod signature;
 mod stored;

@@ -36,11 +36,12 @@ pub(super) fn delivery_of(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    // Signed bytes that are JSON are read as JSON whatever the (unsigned)
-    // content type says: as a form they would make another payload, and
-    // another key for a digest key.
+    // Signed bytes are read one way whatever the (unsigned) content type
+    // says, or the same signature would stand for two payloads, and two
+    // keys for a digest key: JSON as JSON, anything else as a form.
     let json = signed && serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
     let payload = match form_as_json(content_type, body, signed).filter(|_| !json) {
+        None if signed && !json => return Err(FormError::SignedNotForm),
         None => body.to_vec(),
         Some(json) => json?,
     };
@@ -174,6 +175,29 @@ mod tests {
         .expect("delivery");
         let json: serde_json::Value = serde_json::from_slice(d.payload()).expect("json");
         assert_eq!(json["out_trade_no"], "T 1");
+    }
+
+    #[test]
+    fn signed_callbacks_are_read_one_way_whatever_the_content_type() {
+        let form = parts(
+            "POST",
+            "/notify",
+            &[("Content-Type", "application/x-www-form-urlencoded")],
+        );
+        let text = parts("POST", "/notify", &[("Content-Type", "text/plain")]);
+        // JSON stays JSON, even sent as a form.
+        let json = Bytes::from_static(br#"{"out_trade_no":"T-1"}"#);
+        let as_form = delivery_of(&form, &json, None, true).expect("json");
+        assert_eq!(as_form.payload(), &json[..]);
+        // Anything else is a form, or refused: as plain text the same
+        // signed bytes would read as another payload.
+        let body = Bytes::from_static(b"out_trade_no=T-1");
+        assert!(delivery_of(&form, &body, None, true).is_ok());
+        assert_eq!(
+            delivery_of(&text, &body, None, true).err(),
+            Some(FormError::SignedNotForm)
+        );
+        assert!(delivery_of(&text, &body, None, false).is_ok());
     }
 
     #[test]

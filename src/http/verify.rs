@@ -3,10 +3,6 @@
 //! [`Provider`](super::providers::Provider)'s own scheme, over the raw
 //! bytes received, before any dedup work.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
-
 use axum::http::{HeaderMap, StatusCode};
 
 use super::config::Settings;
@@ -98,45 +94,6 @@ impl VerifyError {
     }
 }
 
-/// Logs refused callbacks at `WARN` at most once per [`REFUSALS_EVERY`],
-/// with how many were refused since; the others at `DEBUG`: a flood of
-/// bad signatures does not flood the log.
-#[derive(Default)]
-pub(crate) struct Refusals {
-    last: Mutex<Option<Instant>>,
-    unlogged: AtomicU64,
-}
-
-/// The shortest time between two `WARN` lines about refused callbacks.
-pub(crate) const REFUSALS_EVERY: Duration = Duration::from_secs(10);
-
-impl Refusals {
-    /// Logs the refusal of a callback to `path` for `error`; whether at
-    /// `WARN`.
-    pub(crate) fn note(&self, path: &str, error: &VerifyError) -> bool {
-        let now = Instant::now();
-        let warn = {
-            let mut last = self
-                .last
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let due = last.is_none_or(|at| now.duration_since(at) >= REFUSALS_EVERY);
-            if due {
-                *last = Some(now);
-            }
-            due
-        };
-        if warn {
-            let since = self.unlogged.swap(0, Ordering::Relaxed);
-            tracing::warn!(path, error = %error, refused_unlogged = since, "callback verification refused");
-        } else {
-            self.unlogged.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(path, error = %error, "callback verification refused");
-        }
-        warn
-    }
-}
-
 impl From<SignatureError> for VerifyError {
     fn from(e: SignatureError) -> Self {
         match e {
@@ -171,16 +128,6 @@ pub(super) fn verify(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_flood_of_refusals_makes_one_warning() {
-        let refusals = Refusals::default();
-        let warned = (0..10_000)
-            .filter(|_| refusals.note("/cb", &VerifyError::BadSignature))
-            .count();
-        assert_eq!(warned, 1);
-        assert_eq!(refusals.unlogged.load(Ordering::Relaxed), 9_999);
-    }
 
     #[test]
     fn the_unauthenticated_caller_learns_no_clock_skew_and_no_serial() {

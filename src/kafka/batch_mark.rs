@@ -23,14 +23,20 @@
 //! assignment and one per clean end, plus one renewal per half retention;
 //! never one per batch.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use tokio::sync::OnceCell;
 
 use crate::engine::Engine;
 use crate::store::{ClaimTimes, SqlStore, internal_key};
+
+/// Locks a mutex, taking the data even if a panicking thread poisoned it
+/// (an instant, set whole).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// The batch mark of one assigned partition, shared by its lanes.
 pub(crate) struct BatchMark {
@@ -112,15 +118,14 @@ impl BatchMark {
             .store()
             .bump_attempts(engine.scope(), &Self::key(topic, partition), times)
             .await?;
-        *crate::kafka::partition::lock(&self.set_at) = Some(Instant::now());
+        *lock(&self.set_at) = Some(Instant::now());
         Ok(marks)
     }
 
     /// Before a batch: sets the mark again once half its retention passed,
     /// so that it never expires under a long ownership.
     pub(crate) async fn renew<S: SqlStore>(&self, engine: &Engine<S>, topic: &str, partition: i32) {
-        let due = crate::kafka::partition::lock(&self.set_at)
-            .is_none_or(|at| at.elapsed() >= engine.retention() / 2);
+        let due = lock(&self.set_at).is_none_or(|at| at.elapsed() >= engine.retention() / 2);
         if due && let Err(e) = self.set(engine, topic, partition).await {
             tracing::debug!(error = %e, topic, partition, "could not renew the batch mark");
         }

@@ -50,6 +50,10 @@ fn check_forms(item: &Value) -> Result<(), VerifyError> {
         None | Some(Value::Null | Value::String(_)) => {}
         Some(_) => return Err(bad("merchantReference: a string")),
     }
+    match item.get("amount") {
+        None | Some(Value::Null | Value::Object(_)) => {}
+        Some(_) => return Err(bad("amount: an object")),
+    }
     match item.pointer("/amount/value") {
         None | Some(Value::Null) => {}
         Some(Value::Number(n)) if n.is_i64() || n.is_u64() => {}
@@ -64,10 +68,11 @@ fn check_forms(item: &Value) -> Result<(), VerifyError> {
     if !text("/eventCode").is_some_and(event) {
         return Err(bad("eventCode: capitals and _"));
     }
+    // A string, as Adyen sends it: a JSON `true` signs the same text and
+    // would read differently.
     match item.pointer("/success") {
         Some(Value::String(s)) if s == "true" || s == "false" => Ok(()),
-        Some(Value::Bool(_)) => Ok(()),
-        _ => Err(bad("success: true or false")),
+        _ => Err(bad("success: \"true\" or \"false\"")),
     }
 }
 
@@ -183,31 +188,31 @@ impl Adyen {
 /// trust. The unsigned rest (`additionalData`, `eventDate`, `reason`, ...)
 /// is in the raw body ([`RawCallback`](super::RawCallback)).
 fn signed_only(item: &Value) -> Vec<u8> {
+    // Built from what the signature covers, as it covers it: a field
+    // signed as empty (absent, `null` or `""`) is left out, whichever of
+    // the three was sent, so no unsigned difference reaches the payload.
     let mut signed = serde_json::Map::new();
     for field in [
         "pspReference",
         "originalReference",
         "merchantAccountCode",
         "merchantReference",
-        "amount",
         "eventCode",
         "success",
     ] {
-        if let Some(value) = item.get(field).filter(|v| !v.is_null()) {
-            let value = match (field, value) {
-                ("amount", Value::Object(amount)) => {
-                    let mut kept = serde_json::Map::new();
-                    for part in ["value", "currency"] {
-                        if let Some(v) = amount.get(part) {
-                            kept.insert(part.to_owned(), v.clone());
-                        }
-                    }
-                    Value::Object(kept)
-                }
-                _ => value.clone(),
-            };
-            signed.insert(field.to_owned(), value);
+        if let Some(Value::String(text)) = item.get(field).filter(|v| v.as_str() != Some("")) {
+            signed.insert(field.to_owned(), Value::String(text.clone()));
         }
+    }
+    let mut amount = serde_json::Map::new();
+    if let Some(value @ Value::Number(_)) = item.pointer("/amount/value") {
+        amount.insert("value".to_owned(), value.clone());
+    }
+    if let Some(currency @ Value::String(_)) = item.pointer("/amount/currency") {
+        amount.insert("currency".to_owned(), currency.clone());
+    }
+    if !amount.is_empty() {
+        signed.insert("amount".to_owned(), Value::Object(amount));
     }
     serde_json::json!({"notificationItems": [{"NotificationRequestItem": signed}]})
         .to_string()

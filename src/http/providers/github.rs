@@ -2,8 +2,10 @@
 //! HMAC-SHA256 of the raw body with the webhook's secret (GitHub's
 //! "Validating webhook deliveries"). Only the body is signed: no header
 //! (`X-GitHub-Delivery` included) and no timestamp. The key is therefore a
-//! digest of the body, so a captured body resent under a fresh delivery id
-//! is a duplicate; a replay after the retention is not refused.
+//! digest of the (canonical JSON) body and of nothing else (not the path
+//! it was sent to), so a captured body resent under a fresh delivery id,
+//! or to another path of the same route, is a duplicate; a replay after
+//! the retention is not refused.
 
 use axum::http::{HeaderMap, HeaderName};
 use hmac::{Hmac, Mac};

@@ -111,7 +111,8 @@ impl Provider {
     /// The key of a callback unless the layer is given another
     /// ([`key_expr`](super::IdempotencyLayerBuilder::key_expr)): see the
     /// [module documentation](self). Composite keys are the canonical JSON
-    /// array of their fields, an absent optional field empty.
+    /// array of their fields, an absent optional field empty; GitHub's is
+    /// the SHA-256 of the canonical JSON body alone.
     pub fn default_key(&self) -> KeySpec {
         match &self.kind {
             Kind::Alipay(_) => fields_key(&["/out_trade_no", "/trade_status"], &["/out_biz_no"]),
@@ -120,7 +121,7 @@ impl Provider {
                 &["/out_refund_no", "/refund_status", "/trade_state"],
             ),
             Kind::Stripe(_) => KeySpec::json_field("/id"),
-            Kind::GitHub(_) => KeySpec::fingerprint(),
+            Kind::GitHub(_) => body_digest_key(),
             Kind::Adyen(_) => KeySpec::json_fields([
                 "/notificationItems/0/NotificationRequestItem/pspReference",
                 "/notificationItems/0/NotificationRequestItem/eventCode",
@@ -238,6 +239,17 @@ impl Provider {
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(failure.0));
         Response::from_parts(head, Body::from(failure.1))
     }
+}
+
+/// A key of the SHA-256 (hex) of the canonical JSON payload, and of
+/// nothing else: not the request's path or principal, which nobody signs.
+fn body_digest_key() -> KeySpec {
+    KeySpec::custom(|d: &Delivery| {
+        use sha2::Digest as _;
+        let json = d.json().map_err(|e| KeyError::NotJson(e.to_owned()))?;
+        let canonical = crate::fingerprint::canonical_bytes(json);
+        Ok(hex::encode(sha2::Sha256::digest(&canonical)))
+    })
 }
 
 /// `body` as the JSON payload it must be.

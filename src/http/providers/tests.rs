@@ -535,12 +535,13 @@ fn layer_for(provider: Provider) -> crate::http::IdempotencyLayer<crate::SqliteS
 /// the layer refuses it.
 fn seen(
     layer: &crate::http::IdempotencyLayer<crate::SqliteStore>,
+    path: &str,
     headers: &HeaderMap,
     body: &[u8],
     now: u64,
 ) -> Option<(String, serde_json::Value)> {
     let cfg = layer.config();
-    let mut request = axum::http::Request::post("/callback").body(()).unwrap();
+    let mut request = axum::http::Request::post(path).body(()).unwrap();
     *request.headers_mut() = headers.clone();
     let (parts, ()) = request.into_parts();
     let bytes = bytes::Bytes::copy_from_slice(body);
@@ -651,6 +652,61 @@ fn mutate(rng: &mut Rng, headers: &mut HeaderMap, body: &mut Vec<u8>) {
     }
 }
 
+/// Adyen's item with a field's JSON type or presence changed where the
+/// signed text stays the same (`"true"` and `true`; absent, `null` and
+/// `""`), or an unsigned `amount` of another type added.
+fn retype(rng: &mut Rng, body: &[u8]) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let item = v.pointer_mut("/notificationItems/0/NotificationRequestItem")?;
+    let object = item.as_object_mut()?;
+    match rng.below(6) {
+        0 => {
+            object.insert("success".into(), serde_json::Value::Bool(true));
+        }
+        1 => {
+            let field = *rng.pick(&["originalReference", "merchantReference"]);
+            match object.get(field).and_then(serde_json::Value::as_str) {
+                Some("") | None => {
+                    let now = rng.pick(&[serde_json::Value::Null, "".into()]).clone();
+                    object.insert(field.into(), now);
+                }
+                Some(_) => {}
+            }
+        }
+        2 => {
+            if object
+                .get("originalReference")
+                .is_some_and(|r| r == "" || r.is_null())
+            {
+                object.remove("originalReference");
+            }
+        }
+        3 => {
+            if object.get("amount").is_none() {
+                let amounts = [
+                    serde_json::json!("100000 EUR"),
+                    serde_json::json!(100_000),
+                    serde_json::json!([100_000, "EUR"]),
+                    serde_json::json!({}),
+                    serde_json::json!({"value": null}),
+                ];
+                let amount = rng.pick(&amounts).clone();
+                object.insert("amount".into(), amount);
+            }
+        }
+        4 => {
+            object.insert("eventDate".into(), "2030-01-01T00:00:00Z".into());
+        }
+        _ => {
+            object.insert(
+                "amount".into(),
+                serde_json::json!({"value": 1130.0, "currency": "EUR"}),
+            );
+        }
+    }
+    Some(v.to_string().into_bytes())
+}
+
 /// Adyen's item re-partitioned across its `:`-joined signed fields, the
 /// signature kept: the same signed string, other fields.
 fn repartition(rng: &mut Rng, body: &[u8]) -> Option<Vec<u8>> {
@@ -702,7 +758,7 @@ fn fuzz(
     now: u64,
     extra: impl Fn(&mut Rng, &[u8]) -> Option<Vec<u8>>,
 ) {
-    let original = seen(layer, headers, body, now)
+    let original = seen(layer, "/callback", headers, body, now)
         .unwrap_or_else(|| panic!("{name}: the captured callback itself is refused"));
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ name.len() as u64);
     let mut accepted = 0;
@@ -715,7 +771,9 @@ fn fuzz(
         if let Some(other) = extra(&mut rng, &b) {
             b = other;
         }
-        if let Some(got) = seen(layer, &h, &b, now) {
+        // Another path of the same route: nobody signs the path.
+        let path = *rng.pick(&["/callback", "/callback/other", "/hooks/x"]);
+        if let Some(got) = seen(layer, path, &h, &b, now) {
             accepted += 1;
             assert_eq!(
                 got,
@@ -798,6 +856,28 @@ async fn mutated_captured_callbacks_are_refused_or_exactly_the_original() {
     let h = headers(&[("content-type", "application/json")]);
     let adyen_layer = layer_for(adyen.into());
     fuzz("adyen", &adyen_layer, &h, &body, now, |rng, b| {
-        (rng.below(3) == 0).then(|| repartition(rng, b)).flatten()
+        match rng.below(3) {
+            0 => repartition(rng, b),
+            1 => retype(rng, b),
+            _ => None,
+        }
+    });
+    // An item that signs no amount and no references (a report): nothing
+    // unsigned may take their place.
+    let adyen = Adyen::new(ADYEN_KEY).unwrap();
+    let mut report = serde_json::json!({
+        "pspReference": "8915542542127261",
+        "merchantAccountCode": "TestMerchant",
+        "eventCode": "REPORT_AVAILABLE",
+        "success": "true",
+        "reason": "https://example.com/report.csv",
+        "additionalData": {},
+    });
+    report["additionalData"]["hmacSignature"] = adyen.sign(&report).into();
+    let body = serde_json::json!({"live": "false", "notificationItems": [{"NotificationRequestItem": report}]})
+        .to_string()
+        .into_bytes();
+    fuzz("adyen report", &adyen_layer, &h, &body, now, |rng, b| {
+        (rng.below(2) == 0).then(|| retype(rng, b)).flatten()
     });
 }
