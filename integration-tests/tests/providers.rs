@@ -90,6 +90,17 @@ impl Server {
         server
     }
 
+    /// The example as the endpoint of `provider`, with `secret`.
+    async fn provider(provider: &str, secret: &str) -> Self {
+        let args = [
+            "--provider".into(),
+            provider.into(),
+            "--provider-secret".into(),
+            secret.into(),
+        ];
+        Self::start(tempfile::tempdir().unwrap(), &args).await
+    }
+
     /// POSTs a callback to `/webhooks/payments`.
     async fn post(&self, headers: &[(&str, String)], body: &[u8]) -> Answer {
         let mut req = self
@@ -719,17 +730,7 @@ fn hex(bytes: &[u8]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stripe_signed_events() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "stripe".into(),
-            "--provider-secret".into(),
-            STRIPE_SECRET.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("stripe", STRIPE_SECRET).await;
     let success = |a: &Answer| a.status == StatusCode::OK && a.body == r#"{"received":true}"#;
     let (h, body) = stripe_event(now(), "evt_1NG8Du2eZvKYlo2CUI79vXWy", "ST-1", 2000);
     server.deliver(5, &h, &body, success).await;
@@ -769,17 +770,7 @@ fn github_delivery(guid: &str, body: &Value) -> (Vec<(&'static str, String)>, Ve
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn github_style_signed_deliveries() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "github".into(),
-            "--provider-secret".into(),
-            GITHUB_SECRET.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("github", GITHUB_SECRET).await;
     let success = |a: &Answer| a.status == StatusCode::NO_CONTENT;
     let payment = json!({"out_trade_no": "GH-1", "account": "alice", "amount": 700});
     let (h, body) = github_delivery("72d3162e-cc78-11e3-81ab-4c9367dc0958", &payment);
@@ -831,17 +822,7 @@ fn adyen_notification(psp: &str, merchant_reference: &str, value: i64) -> Value 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adyen_hmac_notifications() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "adyen".into(),
-            "--provider-secret".into(),
-            ADYEN_KEY.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("adyen", ADYEN_KEY).await;
     let success = |a: &Answer| a.status == StatusCode::OK && a.body == "[accepted]";
     let json_ct = vec![("content-type", "application/json".to_owned())];
     let body = adyen_notification("7914073381342284", "AD-1", 1130).to_string();
@@ -865,17 +846,7 @@ async fn adyen_hmac_notifications() {
 /// `X-GitHub-Delivery` ids (GitHub signs the body only): duplicates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn github_a_captured_body_resent_with_new_delivery_ids_is_a_duplicate() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "github".into(),
-            "--provider-secret".into(),
-            GITHUB_SECRET.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("github", GITHUB_SECRET).await;
     let payment = json!({"out_trade_no": "GH-9", "account": "alice", "amount": 900});
     let (h, body) = github_delivery("72d3162e-cc78-11e3-81ab-4c9367dc0001", &payment);
     server
@@ -942,17 +913,7 @@ async fn alipay_a_form_recut_around_the_signed_separators_is_refused() {
 /// into `originalReference`, ...): refused, not booked under a new key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adyen_an_item_repartitioned_around_colons_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "adyen".into(),
-            "--provider-secret".into(),
-            ADYEN_KEY.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("adyen", ADYEN_KEY).await;
     let json_ct = vec![("content-type", "application/json".to_owned())];
     let original = adyen_notification("7914073381342284", "AD:9", 500);
     server
@@ -1094,17 +1055,7 @@ async fn distinct_events_of_one_order_are_each_handled_once() {
     assert_eq!(server.ledger().await, vec![("WX-20".into(), 1, 300)]);
 
     // Adyen: a refused authorisation, then an accepted one.
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "adyen".into(),
-            "--provider-secret".into(),
-            ADYEN_KEY.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("adyen", ADYEN_KEY).await;
     let json_ct = vec![("content-type", "application/json".to_owned())];
     let failed = adyen_event("7914073381342299", "AD-20", 700, "false");
     let succeeded = adyen_event("7914073381342299", "AD-20", 700, "true");
@@ -1147,17 +1098,7 @@ async fn floods_of_fields_and_signatures_are_refused_before_any_work() {
     );
     assert_eq!(server.claims().await, 0);
 
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        dir,
-        &[
-            "--provider".into(),
-            "stripe".into(),
-            "--provider-secret".into(),
-            STRIPE_SECRET.into(),
-        ],
-    )
-    .await;
+    let server = Server::provider("stripe", STRIPE_SECRET).await;
     let (mut h, body) = stripe_event(now(), "evt_flood", "ST-9", 1);
     let valid = h
         .iter()

@@ -178,18 +178,19 @@ impl<S: SqlStore> Engine<S> {
         Ok(Start::Crashed(crashes))
     }
 
-    /// Deletes the attempts-table counter `key` of `scope` (of a delivery
-    /// that is parked: a replay of its dead letter starts over), on a
-    /// connection of its own. A failure is logged only: the counter
-    /// expires with the dedup window.
-    pub(super) async fn forget_counter(&self, scope: &str, key: &str) {
+    /// Deletes the attempts-table counter `key` of `scope` (a parked
+    /// delivery's, so that a replay of its dead letter starts over; a
+    /// Kafka partition's batch mark), on a connection of its own, bounded
+    /// by the pool's acquire timeout and the statement deadline. A failure
+    /// is logged only: the counter expires with the dedup window.
+    pub(crate) async fn forget_counter(&self, scope: &str, key: &str) {
         let store = &self.inner.store;
         let cleared = async {
             let mut conn = store.pool().acquire().await?;
             store.clear_attempts(&mut *conn, scope, key).await
         };
         if let Err(e) = cleared.await {
-            tracing::warn!(error = %e, "could not delete the counter of a parked delivery; it expires with the dedup window");
+            tracing::warn!(error = %e, "could not delete an attempts-table counter; it expires with the dedup window");
         }
     }
 

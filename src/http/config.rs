@@ -155,8 +155,9 @@ pub enum HttpBuildError {
     Secret(#[from] super::SecretError),
     /// A layer for a payment provider keyed on a request header: no
     /// provider signs its headers, so a captured callback resent with a
-    /// new header value would be processed again. Key on signed bytes (a
-    /// body field, or [`KeySpec::fingerprint`]).
+    /// new header value would be processed again. Key on signed bytes: a
+    /// body field, or the provider's default key (not
+    /// [`KeySpec::fingerprint`], which also covers the unsigned path).
     #[error(
         "{provider} callbacks keyed on header {header}, which {provider} does not sign: key on a body field or the body's digest"
     )]

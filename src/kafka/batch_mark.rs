@@ -40,6 +40,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The batch mark of one assigned partition, shared by its lanes.
 pub(crate) struct BatchMark {
+    /// The mark's key in the attempts table.
+    key: String,
+    /// The partition, for the log.
+    topic: String,
+    partition: i32,
     /// How many records each lane processes alone after the assignment,
     /// once the mark was read (and set).
     window: OnceCell<usize>,
@@ -52,19 +57,18 @@ pub(crate) struct BatchMark {
 }
 
 impl BatchMark {
-    /// The mark of a partition with `lanes` lanes.
-    pub(crate) fn new(lanes: usize) -> Self {
+    /// The mark of `topic`'s partition `partition`, which has `lanes`
+    /// lanes.
+    pub(crate) fn new(topic: &str, partition: i32, lanes: usize) -> Self {
         Self {
+            key: internal_key("kafka-batches", &format!("{partition}/{topic}")),
+            topic: topic.to_owned(),
+            partition,
             window: OnceCell::new(),
             set_at: Mutex::new(None),
             running: AtomicUsize::new(lanes),
             suspect: AtomicUsize::new(lanes),
         }
-    }
-
-    /// The mark's key in `topic`'s partition `partition`.
-    fn key(topic: &str, partition: i32) -> String {
-        internal_key("kafka-batches", &format!("{partition}/{topic}"))
     }
 
     /// How many records each lane of the partition processes alone after
@@ -75,14 +79,13 @@ impl BatchMark {
     pub(crate) async fn window<S: SqlStore>(
         &self,
         engine: &Engine<S>,
-        topic: &str,
-        partition: i32,
         batch_size: usize,
     ) -> Option<usize> {
+        let (topic, partition) = (self.topic.as_str(), self.partition);
         let found = self
             .window
             .get_or_try_init(|| async {
-                let marks = self.set(engine, topic, partition).await?;
+                let marks = self.set(engine).await?;
                 let window = if marks > 1 { batch_size } else { 1 };
                 if window > 1 {
                     tracing::warn!(
@@ -107,16 +110,11 @@ impl BatchMark {
 
     /// Sets the mark (one more on its counter); how many marks the counter
     /// holds now: more than one when the former owner's was still there.
-    async fn set<S: SqlStore>(
-        &self,
-        engine: &Engine<S>,
-        topic: &str,
-        partition: i32,
-    ) -> Result<u32, crate::store::StoreError> {
+    async fn set<S: SqlStore>(&self, engine: &Engine<S>) -> Result<u32, crate::store::StoreError> {
         let times = ClaimTimes::new(engine.now_ms(), engine.retention());
         let marks = engine
             .store()
-            .bump_attempts(engine.scope(), &Self::key(topic, partition), times)
+            .bump_attempts(engine.scope(), &self.key, times)
             .await?;
         *lock(&self.set_at) = Some(Instant::now());
         Ok(marks)
@@ -124,9 +122,10 @@ impl BatchMark {
 
     /// Before a batch: sets the mark again once half its retention passed,
     /// so that it never expires under a long ownership.
-    pub(crate) async fn renew<S: SqlStore>(&self, engine: &Engine<S>, topic: &str, partition: i32) {
+    pub(crate) async fn renew<S: SqlStore>(&self, engine: &Engine<S>) {
         let due = lock(&self.set_at).is_none_or(|at| at.elapsed() >= engine.retention() / 2);
-        if due && let Err(e) = self.set(engine, topic, partition).await {
+        if due && let Err(e) = self.set(engine).await {
+            let (topic, partition) = (self.topic.as_str(), self.partition);
             tracing::debug!(error = %e, topic, partition, "could not renew the batch mark");
         }
     }
@@ -139,13 +138,9 @@ impl BatchMark {
     /// A lane ended with nothing in flight (its partition stopped, its
     /// queue closed, or it failed): the last one deletes the mark, unless
     /// the former owner's batch may still lie ahead (a lane left the
-    /// revoke still suspect after a death).
-    pub(crate) async fn lane_ended<S: SqlStore>(
-        &self,
-        engine: &Engine<S>,
-        topic: &str,
-        partition: i32,
-    ) {
+    /// revoke still suspect after a death). Should that fail, the next
+    /// owner checks its first records one by one.
+    pub(crate) async fn lane_ended<S: SqlStore>(&self, engine: &Engine<S>) {
         if self.running.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
@@ -156,17 +151,6 @@ impl BatchMark {
         if *window > 1 && self.suspect.load(Ordering::Acquire) > 0 {
             return;
         }
-        let cleared = async {
-            let store = engine.store();
-            let mut conn = store.pool().acquire().await?;
-            store
-                .clear_attempts(&mut *conn, engine.scope(), &Self::key(topic, partition))
-                .await
-        };
-        let deadlines = engine.store().deadlines();
-        let bound = deadlines.statement_deadline() + deadlines.acquire_timeout();
-        if let Err(e) = crate::store::deadline::within(bound, "batch mark", cleared).await {
-            tracing::debug!(error = %e, topic, partition, "could not delete the batch mark; the next owner checks its first records one by one");
-        }
+        engine.forget_counter(engine.scope(), &self.key).await;
     }
 }

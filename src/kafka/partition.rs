@@ -357,7 +357,7 @@ impl Registry {
             topic: tp.0.clone(),
             partition: tp.1,
             stop: CancellationToken::new(),
-            batches: BatchMark::new(self.lanes),
+            batches: BatchMark::new(&tp.0, tp.1, self.lanes),
             tracker: Mutex::default(),
             wake: Arc::clone(&self.wake),
         });

@@ -71,8 +71,7 @@ pub(crate) async fn run_lane<S, H>(
     lane(&env, &partition, rx).await;
     // Nothing of this lane is in flight any more.
     if env.batch_size > 1 {
-        let (topic, p) = (&partition.topic, partition.partition);
-        partition.batches.lane_ended(&env.engine, topic, p).await;
+        partition.batches.lane_ended(&env.engine).await;
     }
 }
 
@@ -177,8 +176,7 @@ async fn process<S, H>(
     let mut deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
     // A suspect lane goes record by record (marked as they come, below).
     let batched = if deliveries.len() > 1 && suspicion.trusted {
-        let (topic, p) = (&partition.topic, partition.partition);
-        partition.batches.renew(&env.engine, topic, p).await;
+        partition.batches.renew(&env.engine).await;
         env.engine
             .try_process_batch(&env.handler, &deliveries)
             .await
@@ -259,11 +257,7 @@ async fn trusted<S: SqlStore, H>(env: &Env<S, H>, partition: &Partition, process
     if env.batch_size <= 1 {
         return true;
     }
-    let (topic, p) = (&partition.topic, partition.partition);
-    let window = partition
-        .batches
-        .window(&env.engine, topic, p, env.batch_size)
-        .await;
+    let window = partition.batches.window(&env.engine, env.batch_size).await;
     let trusted = window.is_some_and(|window| processed >= window);
     if trusted {
         partition.batches.lane_trusted();

@@ -567,63 +567,77 @@ where
     }
 
     /// Counts one more start of `key`'s handler, in its own statement on
-    /// the pool (committed when it returns); the new count.
+    /// the pool (committed when it returns); the new count. Bounded like
+    /// every call of the store: a silent network fails it, never hangs it.
     pub async fn bump_attempts(
         &self,
         scope: &str,
         key: &str,
         times: ClaimTimes,
     ) -> Result<u32, StoreError> {
+        // MySQL may read the count back in a second statement.
+        let bound = self.pool_bound() + self.statement();
+        let count = within(
+            bound,
+            "attempts counter",
+            self.bump_unbounded(scope, key, times),
+        );
+        count
+            .await?
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n > 0)
+            .ok_or_else(|| StoreError::Corrupt("the attempts counter did not read back".into()))
+    }
+
+    async fn bump_unbounded(
+        &self,
+        scope: &str,
+        key: &str,
+        times: ClaimTimes,
+    ) -> Result<Option<u64>, StoreError> {
         let query = sqlx::query(&self.sql.attempts.bump)
             .bind(scope)
             .bind(key)
             .bind(times.expires_at_ms)
             .bind(times.now_ms)
             .bind(times.expires_at_ms);
-        let count = if DB::RETURNING {
+        if DB::RETURNING {
             let row = query.fetch_one(&self.pool).await?;
-            u64::try_from(row.int("attempts")?).ok()
-        } else {
-            let mut conn = self.pool.acquire().await?;
-            let done = query.execute(&mut *conn).await?;
-            match DB::last_insert_id(&done).filter(|n| *n > 0) {
-                Some(n) => Some(n),
-                None => {
-                    let row = sqlx::query(&self.sql.attempts.bump_read)
-                        .fetch_one(&mut *conn)
-                        .await?;
-                    u64::try_from(row.int("attempts")?).ok()
-                }
-            }
-        };
-        count
-            .and_then(|n| u32::try_from(n).ok())
-            .filter(|n| *n > 0)
-            .ok_or_else(|| StoreError::Corrupt("the attempts counter did not read back".into()))
+            return Ok(u64::try_from(row.int("attempts")?).ok());
+        }
+        let mut conn = self.pool.acquire().await?;
+        let done = query.execute(&mut *conn).await?;
+        if let Some(n) = DB::last_insert_id(&done).filter(|n| *n > 0) {
+            return Ok(Some(n));
+        }
+        let row = sqlx::query(&self.sql.attempts.bump_read)
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok(u64::try_from(row.int("attempts")?).ok())
     }
 
-    /// One start of `key`'s handler fewer, in its own statement.
+    /// One start of `key`'s handler fewer, in its own statement (bounded).
     pub async fn undo_attempt(&self, scope: &str, key: &str) -> Result<(), StoreError> {
-        sqlx::query(&self.sql.attempts.undo)
+        let undo = sqlx::query(&self.sql.attempts.undo)
             .bind(scope)
             .bind(key)
-            .execute(&self.pool)
-            .await?;
+            .execute(&self.pool);
+        within(self.pool_bound(), "attempts counter", undo).await?;
         Ok(())
     }
 
-    /// Deletes `key`'s attempts counter on `conn`.
+    /// Deletes `key`'s attempts counter on `conn` (bounded).
     pub async fn clear_attempts(
         &self,
         conn: &mut DB::Connection,
         scope: &str,
         key: &str,
     ) -> Result<(), StoreError> {
-        sqlx::query(&self.sql.attempts.clear)
+        let clear = sqlx::query(&self.sql.attempts.clear)
             .bind(scope)
             .bind(key)
-            .execute(&mut *conn)
-            .await?;
+            .execute(&mut *conn);
+        within(self.statement(), "attempts counter", clear).await?;
         Ok(())
     }
 }

@@ -241,14 +241,12 @@ impl Provider {
     }
 }
 
-/// A key of the SHA-256 (hex) of the canonical JSON payload, and of
+/// A key of the payload's canonical-JSON fingerprint (hex), and of
 /// nothing else: not the request's path or principal, which nobody signs.
 fn body_digest_key() -> KeySpec {
     KeySpec::custom(|d: &Delivery| {
-        use sha2::Digest as _;
         let json = d.json().map_err(|e| KeyError::NotJson(e.to_owned()))?;
-        let canonical = crate::fingerprint::canonical_bytes(json);
-        Ok(hex::encode(sha2::Sha256::digest(&canonical)))
+        Ok(crate::fingerprint::canonical_json(json).to_hex())
     })
 }
 
