@@ -11,11 +11,9 @@
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub mod amqp;
+#[cfg(feature = "_broker")]
+mod broker;
 pub mod clock;
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-mod consumer_stats;
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-mod consumer_support;
 pub mod delivery;
 pub mod engine;
 pub mod fingerprint;
@@ -35,10 +33,10 @@ pub mod redis;
 pub mod store;
 pub mod telemetry;
 
+#[cfg(feature = "_broker")]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "amqp", feature = "kafka"))))]
+pub use broker::ConsumerStats;
 pub use clock::{Clock, ManualClock, SystemClock};
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "kafka", feature = "amqp"))))]
-pub use consumer_stats::ConsumerStats;
 pub use delivery::Delivery;
 pub use engine::{
     BuildError, DecodeError, Engine, EngineBuilder, Failure, FromDelivery, Handler, HandlerError,

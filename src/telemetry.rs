@@ -8,7 +8,11 @@
 //! (Prometheus, StatsD, OpenTelemetry, ...). **Install the recorder before
 //! building engines, consumers and layers**: their metric handles are
 //! resolved once, when they are built, so that nothing is allocated per
-//! delivery.
+//! delivery. Call [`describe_metrics`] for help texts. The examples expose
+//! Prometheus with `--metrics-addr 127.0.0.1:9000`.
+//!
+//! This is the one table of onceonly's metrics; the rest of the
+//! documentation links here.
 //!
 //! | name | type | labels | meaning |
 //! |---|---|---|---|
@@ -16,9 +20,9 @@
 //! | [`onceonly_retried_total`](RETRIED_TOTAL) | counter | `scope`, `transport`, `reason` | retries scheduled after a retryable failure |
 //! | [`onceonly_dead_lettered_total`](DEAD_LETTERED_TOTAL) | counter | `scope`, `transport`, `reason` | deliveries dead-lettered (publish confirmed) |
 //! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
-//! | [`onceonly_claim_duration_seconds`](CLAIM_DURATION_SECONDS) | histogram | `scope`, `transport` | time from `BEGIN` to the claim's answer (new, duplicate, conflict), lock waits included |
+//! | [`onceonly_claim_duration_seconds`](CLAIM_DURATION_SECONDS) | histogram | `scope`, `transport` | time from `BEGIN` to the claim's answer (new, duplicate, conflict), lock waits behind a concurrent duplicate included |
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
-//! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark |
+//! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark (librdkafka statistics, every `statistics_interval`, default 5 s) |
 //! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
 //! | [`onceonly_deadline_misses_total`](DEADLINE_MISSES_TOTAL) | counter | `scope`, `transport` | handlers given up at the transaction deadline (rolled back); a key that misses it [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times is dead-lettered `deadline` |
 //! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
@@ -26,16 +30,16 @@
 //! | [`onceonly_purge_failures_total`](PURGE_FAILURES_TOTAL) | counter | `table` | [`Purger`](crate::ops::Purger) rounds that failed (database down, no privilege) |
 //! | [`onceonly_generation_rotated_timestamp_seconds`](GENERATION_ROTATED) | gauge | `table` | Unix time of the last rotation of a table of PostgreSQL's generations layout, read from the table by each [`Purger`](crate::ops::Purger) round (0: never rotated) |
 //! | [`onceonly_generation_rotation_overdue_seconds`](GENERATION_ROTATION_OVERDUE) | gauge | `table` | how long a rotation has been possible (no live record left in the other generation) without one happening, as of the last [`Purger`](crate::ops::Purger) round: 0 while the table rotates when it can |
+//! | `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds`, `onceonly_outbox_dead_rows` | gauge | `table` | pending outbox messages, the age of the oldest, dead messages (the [relay](crate::outbox::Relay) refreshes them every 5 s) |
+//! | `onceonly_outbox_published_total`, `onceonly_outbox_publish_seconds` | counter, histogram | `kind` | outbox messages confirmed by their destination, and the time of each publish, confirm included (for pipelined messages: until their key's last confirm) |
+//! | `onceonly_outbox_failures_total` | counter | `kind`, `destination`, `permanent` | failed outbox publishes |
 //!
-//! The outbox relay adds
-//! `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds` and
-//! `onceonly_outbox_dead_rows` (gauges by `table`),
-//! `onceonly_outbox_published_total` and `onceonly_outbox_publish_seconds`
-//! (by `kind`) and `onceonly_outbox_failures_total` (by `kind`,
-//! `destination`, `permanent`).
-//!
-//! Histograms: exporters that need bucket bounds (Prometheus) get good ones
-//! for every onceonly duration from [`DURATION_BUCKETS`].
+//! Histograms: exporters that need bucket bounds get good ones for every
+//! onceonly duration from [`DURATION_BUCKETS`] (1 ms to 30 s). With
+//! `metrics-exporter-prometheus`, set them
+//! (`PrometheusBuilder::new().set_buckets(onceonly::telemetry::DURATION_BUCKETS)?`,
+//! as the examples do): without them it renders summaries, which
+//! `histogram_quantile()` and the dashboard's latency panels cannot use.
 //!
 //! `transport` is `kafka`, `amqp`, `http`, or `engine` when an
 //! [`Engine`](crate::Engine) is driven directly (see
@@ -53,6 +57,9 @@
 //! bypass the layer (another method, or no key where the key is optional)
 //! are not counted.
 //!
+//! Alerting rules and a Grafana dashboard built on these metrics ship in
+//! `deploy/` (see [`crate::ops`]).
+//!
 //! # Tracing
 //!
 //! Each delivery runs in a span named [`SPAN_NAME`] (`onceonly.delivery`, at
@@ -63,18 +70,7 @@
 //! `key` field is shown as
 //! [`EngineBuilder::key_redaction`](crate::EngineBuilder::key_redaction)
 //! says, e.g. `hmac:` and 16 hex digits of a keyed hash (see
-//! [`KeyRedaction`]). Errors name no key: the span says which it was.
-
-use std::sync::Arc;
-use std::time::Duration;
-
-use metrics::{Counter, Gauge, Histogram, SharedString};
-use tracing::Span;
-use tracing::field::Empty;
-
-use crate::engine::OutcomeKind;
-use crate::redact::KeyRedaction;
-use crate::store::InfraFault;
+//! [`KeyRedaction`](crate::KeyRedaction)). Errors name no key: the span says which it was.
 
 /// Counter of processing attempts by outcome.
 pub const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
@@ -128,7 +124,7 @@ pub const LABEL_TABLE: &str = "table";
 pub const LABEL_SCOPE: &str = "scope";
 /// Label: the transport (`kafka`, `amqp`, `http`, `engine`).
 pub const LABEL_TRANSPORT: &str = "transport";
-/// Label: the outcome (see [`OutcomeKind::as_str`]).
+/// Label: the outcome (see [`OutcomeKind::as_str`](crate::OutcomeKind::as_str)).
 pub const LABEL_OUTCOME: &str = "outcome";
 /// Label: a dead-letter or retry reason code.
 pub const LABEL_REASON: &str = "reason";
@@ -226,255 +222,6 @@ pub fn describe_metrics() {
     );
 }
 
-const OUTCOMES: [OutcomeKind; 5] = [
-    OutcomeKind::Processed,
-    OutcomeKind::Duplicate,
-    OutcomeKind::Conflict,
-    OutcomeKind::Rejected,
-    OutcomeKind::Failed,
-];
-
-/// The metric handles and span settings of one scope and transport,
-/// resolved once when an engine, consumer or layer is built.
-#[derive(Clone)]
-pub(crate) struct Telemetry {
-    scope: SharedString,
-    transport: &'static str,
-    redaction: KeyRedaction,
-    outcomes: [Counter; 5],
-    handler: Histogram,
-    claim: Histogram,
-    commit: Histogram,
-    deadline_misses: Counter,
-    #[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
-    waits: Arc<Waits>,
-}
-
-/// Deliveries waiting for the infrastructure, shared by the clones of one
-/// [`Telemetry`]: the gauge, and the state that makes the log speak once per
-/// change (a fault starts, changes class, ends) rather than per attempt.
-#[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
-struct Waits {
-    gauge: Gauge,
-    state: std::sync::Mutex<WaitState>,
-}
-
-#[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
-#[derive(Default)]
-struct WaitState {
-    waiting: usize,
-    fault: Option<InfraFault>,
-    since: Option<std::time::Instant>,
-}
-
-impl Waits {
-    fn new(gauge: Gauge) -> Arc<Self> {
-        Arc::new(Self {
-            gauge,
-            state: std::sync::Mutex::default(),
-        })
-    }
-
-    #[cfg_attr(not(any(feature = "kafka", feature = "amqp")), allow(dead_code))]
-    fn lock(&self) -> std::sync::MutexGuard<'_, WaitState> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-impl Telemetry {
-    /// Resolves the handles of `scope` and `transport` with the recorder
-    /// installed now.
-    pub(crate) fn new(scope: &str, transport: &'static str, redaction: KeyRedaction) -> Self {
-        let scope = SharedString::from(Arc::<str>::from(scope));
-        let outcomes = OUTCOMES.map(|kind| {
-            metrics::counter!(
-                DELIVERIES_TOTAL,
-                LABEL_SCOPE => scope.clone(),
-                LABEL_TRANSPORT => transport,
-                LABEL_OUTCOME => kind.as_str(),
-            )
-        });
-        let handler = metrics::histogram!(
-            HANDLER_DURATION_SECONDS,
-            LABEL_SCOPE => scope.clone(),
-            LABEL_TRANSPORT => transport,
-        );
-        let claim = metrics::histogram!(
-            CLAIM_DURATION_SECONDS,
-            LABEL_SCOPE => scope.clone(),
-            LABEL_TRANSPORT => transport,
-        );
-        let commit = metrics::histogram!(
-            COMMIT_DURATION_SECONDS,
-            LABEL_SCOPE => scope.clone(),
-            LABEL_TRANSPORT => transport,
-        );
-        let deadline_misses = metrics::counter!(
-            DEADLINE_MISSES_TOTAL,
-            LABEL_SCOPE => scope.clone(),
-            LABEL_TRANSPORT => transport,
-        );
-        let waiting = metrics::gauge!(
-            WAITING_ON_INFRASTRUCTURE,
-            LABEL_SCOPE => scope.clone(),
-            LABEL_TRANSPORT => transport,
-        );
-        Self {
-            scope,
-            transport,
-            redaction,
-            outcomes,
-            handler,
-            claim,
-            commit,
-            deadline_misses,
-            waits: Waits::new(waiting),
-        }
-    }
-
-    /// A delivery of this scope starts waiting for the infrastructure.
-    #[cfg(any(feature = "kafka", feature = "amqp"))]
-    pub(crate) fn wait_started(&self, fault: InfraFault, error: &dyn std::fmt::Display) {
-        self.waits.gauge.increment(1.0);
-        let mut state = self.waits.lock();
-        state.waiting += 1;
-        if state.since.is_none() {
-            state.since = Some(std::time::Instant::now());
-        }
-        self.note_fault(&mut state, fault, error);
-    }
-
-    /// A waiting delivery failed again on `fault`: logged only if the
-    /// class changed.
-    #[cfg(any(feature = "kafka", feature = "amqp"))]
-    pub(crate) fn wait_again(&self, fault: InfraFault, error: &dyn std::fmt::Display) {
-        let mut state = self.waits.lock();
-        self.note_fault(&mut state, fault, error);
-    }
-
-    #[cfg(any(feature = "kafka", feature = "amqp"))]
-    fn note_fault(&self, state: &mut WaitState, fault: InfraFault, error: &dyn std::fmt::Display) {
-        if state.fault == Some(fault) {
-            tracing::debug!(%fault, %error, "still waiting for the database");
-            return;
-        }
-        state.fault = Some(fault);
-        tracing::warn!(
-            scope = &*self.scope,
-            transport = self.transport,
-            %fault,
-            %error,
-            "the database cannot take writes: deliveries wait in place (no ack, no offset commit, no dead letter)"
-        );
-    }
-
-    /// A delivery stopped waiting (processed, or its consumer stopped).
-    #[cfg(any(feature = "kafka", feature = "amqp"))]
-    pub(crate) fn wait_ended(&self) {
-        self.waits.gauge.decrement(1.0);
-        let mut state = self.waits.lock();
-        state.waiting = state.waiting.saturating_sub(1);
-        if state.waiting == 0 {
-            let waited = state.since.take().map(|s| s.elapsed());
-            if state.fault.take().is_some() {
-                tracing::info!(
-                    scope = &*self.scope,
-                    transport = self.transport,
-                    ?waited,
-                    "the database takes writes again; no delivery is waiting"
-                );
-            }
-        }
-    }
-
-    /// Counts one outcome and records it on `span`; a duplicate is logged
-    /// at `debug` (it is not an error).
-    pub(crate) fn outcome(&self, span: &Span, kind: OutcomeKind) {
-        if let Some(i) = OUTCOMES.iter().position(|k| *k == kind) {
-            self.outcomes[i].increment(1);
-        }
-        Self::record_outcome(span, kind);
-        if kind == OutcomeKind::Duplicate {
-            tracing::debug!("duplicate: already committed, handler not run");
-        }
-    }
-
-    /// Records `kind` on `span` without counting it (already counted).
-    pub(crate) fn record_outcome(span: &Span, kind: OutcomeKind) {
-        span.record("outcome", kind.as_str());
-    }
-
-    /// Time spent in the handler.
-    pub(crate) fn handler_time(&self, elapsed: Duration) {
-        self.handler.record(elapsed.as_secs_f64());
-    }
-
-    /// Time of a claim, from `BEGIN` to the store's answer.
-    pub(crate) fn claim_time(&self, elapsed: Duration) {
-        self.claim.record(elapsed.as_secs_f64());
-    }
-
-    /// Time of a commit.
-    pub(crate) fn commit_time(&self, elapsed: Duration) {
-        self.commit.record(elapsed.as_secs_f64());
-    }
-
-    /// One retry scheduled. Rare: the handle is resolved per call.
-    pub(crate) fn retried(&self, reason: &'static str) {
-        metrics::counter!(
-            RETRIED_TOTAL,
-            LABEL_SCOPE => self.scope.clone(),
-            LABEL_TRANSPORT => self.transport,
-            LABEL_REASON => reason,
-        )
-        .increment(1);
-    }
-
-    /// One delivery dead-lettered. Rare: the handle is resolved per call.
-    /// A handler was given up at the transaction deadline.
-    pub(crate) fn deadline_missed(&self) {
-        self.deadline_misses.increment(1);
-    }
-
-    #[cfg(any(feature = "kafka", feature = "amqp"))]
-    pub(crate) fn dead_lettered(&self, reason: &'static str) {
-        metrics::counter!(
-            DEAD_LETTERED_TOTAL,
-            LABEL_SCOPE => self.scope.clone(),
-            LABEL_TRANSPORT => self.transport,
-            LABEL_REASON => reason,
-        )
-        .increment(1);
-    }
-
-    /// A new delivery span (see the [module documentation](self)).
-    pub(crate) fn span(&self, source: Option<&str>) -> Span {
-        tracing::info_span!(
-            "onceonly.delivery",
-            scope = &*self.scope,
-            transport = self.transport,
-            source,
-            key = Empty,
-            outcome = Empty,
-        )
-    }
-
-    /// How keys are shown in spans and logs.
-    pub(crate) fn redaction(&self) -> &KeyRedaction {
-        &self.redaction
-    }
-
-    /// Records the key on `span`, as the redaction shows it.
-    pub(crate) fn record_key(&self, span: &Span, key: &str) {
-        if span.is_disabled() {
-            return;
-        }
-        span.record("key", &*self.redaction.show(key));
-    }
-}
-
 /// Counts `n` records purged from `table`.
 pub(crate) fn purged(table: &crate::store::TableName, n: u64) {
     if n > 0 {
@@ -511,18 +258,4 @@ pub(crate) fn rotations(
 /// A [`Purger`](crate::ops::Purger) round on `table` failed.
 pub(crate) fn purge_failed(table: &crate::store::TableName) {
     metrics::counter!(PURGE_FAILURES_TOTAL, LABEL_TABLE => table.to_string()).increment(1);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn outcome_table_matches_the_kinds() {
-        let names: Vec<_> = OUTCOMES.iter().map(OutcomeKind::as_str).collect();
-        assert_eq!(
-            names,
-            ["processed", "duplicate", "conflict", "rejected", "failed"]
-        );
-    }
 }

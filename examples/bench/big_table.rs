@@ -15,7 +15,7 @@
 //!   and autovacuum runs at the end.
 //!
 //! Sizes: `BENCH_BIG_TABLE=10000000,50000000,100000000` (records), else
-//! 20k (`--quick`), 1M (default), 10M (`--full`). At 100M records the
+//! 5k (`--quick`), 1M (default), 10M (`--full`). At 100M records the
 //! fill alone takes tens of minutes and ~20 GB of disk: opt in.
 //! `BENCH_BIG_TABLE_LAYOUTS` lists the layouts to measure (default
 //! `plain,generations:1,generations`): `plain`, `generations` (each
@@ -147,7 +147,7 @@ fn sizes(mode: Mode) -> Res<Vec<u64>> {
             .collect();
     }
     Ok(vec![match mode {
-        Mode::Quick => 20_000,
+        Mode::Quick => 5_000,
         Mode::Default => 1_000_000,
         Mode::Full => 10_000_000,
     }])
@@ -417,7 +417,7 @@ async fn fill_generations(db: &PgPool, n: u64, live_at: i64, expired_at: i64) ->
 /// second, plain vs generations, with and without a held `xmin`.
 async fn steady_state(b: &mut Bench) -> Res<Table> {
     let (ttl, run, every) = match b.mode {
-        Mode::Quick => (Duration::from_secs(2), Duration::from_secs(8), 2),
+        Mode::Quick => (Duration::from_secs(1), Duration::from_secs(2), 1),
         Mode::Default => (Duration::from_secs(10), Duration::from_secs(60), 10),
         Mode::Full => (Duration::from_secs(20), Duration::from_secs(180), 30),
     };

@@ -67,16 +67,18 @@ pub struct Sizes {
 impl Sizes {
     fn of(mode: Mode) -> Self {
         match mode {
+            // A smoke run: every scenario's code path and correctness
+            // checks, in seconds (its numbers mean little).
             Mode::Quick => Self {
-                backlog: 2_500,
-                paced: 40,
-                paced_rate: 100,
-                requests: 300,
+                backlog: 400,
+                paced: 10,
+                paced_rate: 200,
+                requests: 100,
                 http_clients: 8,
-                growth: vec![0, 100_000],
-                growth_claims: 300,
-                purge_rows: 20_000,
-                memory: 20_000,
+                growth: vec![0, 10_000],
+                growth_claims: 100,
+                purge_rows: 5_000,
+                memory: 2_000,
             },
             Mode::Default => Self {
                 backlog: 5_000,

@@ -75,6 +75,21 @@ fn free_ports() -> Vec<u16> {
     }
 }
 
+/// An exclusive lock, across processes, on picking a cluster's ports (a
+/// file lock: released when the file is dropped, or its process dies).
+fn lock_port_picking() -> std::fs::File {
+    let path = std::env::temp_dir().join("onceonly-redis-cluster-ports.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    file.lock()
+        .unwrap_or_else(|e| panic!("lock {}: {e}", path.display()));
+    file
+}
+
 fn cli(port: u16) -> Command {
     let mut cmd = Command::new("redis-cli");
     cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
@@ -97,6 +112,11 @@ impl RedisCluster {
     pub fn start() -> Self {
         require_redis_server();
         let dir = tempfile::tempdir().expect("temp dir");
+        // Test binaries run concurrently (cargo-nextest), each test in a
+        // process of its own: two clusters must not pick the same free
+        // ports before either binds them. The lock is held until every
+        // node answers.
+        let picking = lock_port_picking();
         let ports = free_ports();
         let cluster = Self {
             dir,
@@ -118,6 +138,7 @@ impl RedisCluster {
                 cluster.log(port)
             );
         }
+        drop(picking);
         let mut create = Command::new("redis-cli");
         create.args(["--cluster", "create"]);
         create.args(ports.iter().map(|p| format!("127.0.0.1:{p}")));

@@ -7,9 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ledger::Receipt;
-use onceonly::amqp::{
-    AmqpConsumer, AmqpConsumerBuilder, CancellationToken, ConsumerStats, headers,
-};
+use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken, headers};
 use onceonly::store::Deadlines;
 use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
@@ -56,7 +54,7 @@ fn consumer(s: &Setup) -> AmqpConsumerBuilder<PgStore> {
         .exit_when_idle(Duration::from_secs(3))
 }
 
-async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> ConsumerStats {
+async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> AmqpStats {
     let run = builder
         .build()
         .expect("consumer")
@@ -107,10 +105,10 @@ async fn duplicates_and_redeliveries_are_acked_without_running_twice() {
         280,
         "handler ran once per new key"
     );
-    assert_eq!(stats.processed, 280);
-    assert_eq!(stats.duplicates as usize, messages.len() - 280);
+    assert_eq!(stats.consumer.processed, 280);
+    assert_eq!(stats.consumer.duplicates as usize, messages.len() - 280);
     assert_eq!(
-        stats.acked as usize,
+        stats.consumer.acked as usize,
         messages.len(),
         "every message acked once"
     );
@@ -249,8 +247,11 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
         header(&flaky.delivery.properties, headers::IDEMPOTENCY_KEY).as_deref(),
         Some("P-2")
     );
-    assert_eq!(stats.retried, 2, "two delayed retries of the flaky message");
-    assert_eq!(stats.dead_lettered, 5);
+    assert_eq!(
+        stats.consumer.retried, 2,
+        "two delayed retries of the flaky message"
+    );
+    assert_eq!(stats.consumer.dead_lettered, 5);
     assert_eq!(depth(&channel, &s.queue).await, 0);
 }
 
@@ -317,7 +318,11 @@ async fn an_undecodable_stored_result_still_gets_an_error_reply() {
         .await
         .unwrap();
     assert_eq!(
-        (stats.duplicates, stats.replies, stats.dead_lettered),
+        (
+            stats.consumer.duplicates,
+            stats.replies,
+            stats.consumer.dead_lettered
+        ),
         (1, 1, 0),
         "{stats:?}"
     );
@@ -401,7 +406,11 @@ async fn a_declared_quorum_queue_works_the_same() {
     let stats = run.await.unwrap();
     assert_exact(&s.pool, &expected).await;
     assert_eq!(
-        (stats.processed, stats.duplicates, stats.dead_lettered),
+        (
+            stats.consumer.processed,
+            stats.consumer.duplicates,
+            stats.consumer.dead_lettered
+        ),
         (50, 50, 1)
     );
     assert_eq!(depth(&channel, &s.queue).await, 0);
@@ -473,7 +482,7 @@ async fn a_handler_always_slower_than_its_deadline_is_dead_lettered_deadline() {
     assert_eq!(dead.len(), 1, "the slow message is dead-lettered");
     let props = &dead[0].delivery.properties;
     assert_eq!(header(props, headers::REASON).as_deref(), Some("deadline"));
-    assert_eq!(stats.dead_lettered, 1);
+    assert_eq!(stats.consumer.dead_lettered, 1);
     assert_eq!(
         handler.calls.load(Ordering::SeqCst),
         20 + 3,

@@ -515,10 +515,13 @@ async fn a_purger_stopped_while_its_batch_waits_gives_it_up_after_the_grace() {
     // Until the purge waits on the lock.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
+        // This test's DELETE only: other test binaries run at the same time.
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE%'",
+             WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE%' \
+             AND datname = current_database() AND strpos(query, $1) > 0",
         )
+        .bind(store.table().table())
         .fetch_one(&holder)
         .await
         .expect("activity");

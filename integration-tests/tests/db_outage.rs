@@ -70,7 +70,7 @@ async fn a_database_outage_is_waited_out_never_dead_lettered() {
         .unwrap()
         .expect("consumer failed");
     assert_eq!(
-        stats.dead_lettered, 0,
+        stats.consumer.dead_lettered, 0,
         "an outage never dead-letters: {stats:?}"
     );
     assert_exact(&pool, &stream.expected).await;

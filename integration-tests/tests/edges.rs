@@ -736,8 +736,8 @@ mod commit_faults {
             .await
             .expect("the consumer waited on a message fault instead of dead-lettering it")
             .expect("consumer failed");
-        assert_eq!(stats.processed, 20, "{stats:?}");
-        assert_eq!(stats.dead_lettered, 2, "{stats:?}");
+        assert_eq!(stats.consumer.processed, 20, "{stats:?}");
+        assert_eq!(stats.consumer.dead_lettered, 2, "{stats:?}");
         let letters = take(&channel, &format!("{queue}.dlq"), 2, Duration::from_secs(5)).await;
         let mut seen: Vec<(String, Option<String>, Option<String>)> = letters
             .iter()

@@ -109,7 +109,7 @@ async fn amqp_consumer_waits_out_a_read_only_failover() {
         .expect("consumer did not drain after the failover")
         .unwrap()
         .expect("consumer failed");
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.consumer.dead_lettered, 0, "{stats:?}");
     assert_exact(&pool, &stream.expected).await;
     assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
     assert_eq!(depth(&channel, &format!("{queue}.dlq")).await, 0);
@@ -209,7 +209,7 @@ async fn a_missing_dedup_table_waits_for_migrate() {
         .expect("consumer did not drain after migrate")
         .unwrap()
         .unwrap();
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.consumer.dead_lettered, 0, "{stats:?}");
     assert_exact(&pool, &stream.expected).await;
     assert_eq!(depth(&channel, &queue).await, 0);
 }
@@ -320,7 +320,7 @@ async fn amqp_consumer_waits_out_a_read_only_mariadb() {
         .expect("consumer did not drain after read_only was lifted")
         .unwrap()
         .unwrap();
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.consumer.dead_lettered, 0, "{stats:?}");
     let (n, distinct): (i64, i64) = sqlx::query_as(&format!(
         "SELECT COUNT(*), COUNT(DISTINCT out_trade_no) FROM {name}.charges"
     ))
@@ -389,7 +389,7 @@ async fn a_panicking_key_function_does_not_stall_the_queue() {
     .expect("the queue stalled behind the panicking messages")
     .unwrap();
     assert_exact(&pool, &stream.expected).await;
-    assert_eq!(stats.dead_lettered, 2, "{stats:?}");
+    assert_eq!(stats.consumer.dead_lettered, 2, "{stats:?}");
     assert_eq!(depth(&channel, &queue).await, 0);
     assert_eq!(depth(&channel, &format!("{queue}.dlq")).await, 2);
 }

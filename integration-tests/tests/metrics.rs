@@ -450,7 +450,7 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
     )
     .await;
     let first = drain(consumer()).await;
-    assert_eq!(first.processed, 2);
+    assert_eq!(first.consumer.processed, 2);
     publish(
         &channel,
         &queue,
@@ -468,8 +468,8 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
 
     assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
     let dlq = depth(&channel, &format!("{queue}.dlq")).await;
-    assert_eq!(u64::from(dlq), stats.dead_lettered);
-    assert!(stats.retried >= 1, "flaky was retried: {stats:?}");
+    assert_eq!(u64::from(dlq), stats.consumer.dead_lettered);
+    assert!(stats.consumer.retried >= 1, "flaky was retried: {stats:?}");
     assert_eq!(
         outcomes(&queue, "amqp"),
         BTreeMap::from([
@@ -478,12 +478,12 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
             ("conflict", 1),
             ("rejected", 2),
             // broken once, flaky on its first try and on each retry
-            ("failed", 2 + stats.retried),
+            ("failed", 2 + stats.consumer.retried),
         ])
     );
     assert_eq!(
         by_reason(RETRIED_TOTAL, &queue, "amqp"),
-        BTreeMap::from([("handler_error", stats.retried)])
+        BTreeMap::from([("handler_error", stats.consumer.retried)])
     );
     assert_eq!(
         by_reason(DEAD_LETTERED_TOTAL, &queue, "amqp"),

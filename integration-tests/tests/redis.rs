@@ -305,11 +305,14 @@ async fn two_tier_works_under_the_amqp_consumer() {
     };
     publish(&channel, &queue, &messages).await;
     let first = run(store.clone()).await;
-    assert_eq!(first.processed, 100);
+    assert_eq!(first.consumer.processed, 100);
     // A redelivered batch (e.g. a dead-letter replay): all from Redis.
     publish(&channel, &queue, &messages).await;
     let second = run(store.clone()).await;
-    assert_eq!((second.processed, second.duplicates), (0, 100));
+    assert_eq!(
+        (second.consumer.processed, second.consumer.duplicates),
+        (0, 100)
+    );
     assert!(store.hits() >= 100, "hits {}", store.hits());
     assert_exact(store.pool(), &expected).await;
     assert_eq!(depth(&channel, &queue).await, 0);

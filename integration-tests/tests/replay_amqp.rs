@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use onceonly::amqp::{AmqpConsumer, CancellationToken, ConsumerStats, headers};
+use onceonly::amqp::{AmqpConsumer, AmqpStats, CancellationToken, headers};
 use onceonly::ops::replay::{ORIGIN, REPLAYED_FROM, REPLAYS};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::amqp::{
@@ -51,7 +51,7 @@ async fn setup(name: &str) -> Setup {
 }
 
 /// Runs the consumer (one handler at a time) until the queue is idle.
-async fn drain<H>(s: &Setup, handler: Arc<H>) -> ConsumerStats
+async fn drain<H>(s: &Setup, handler: Arc<H>) -> AmqpStats
 where
     H: onceonly::Handler<sqlx::Postgres> + 'static,
 {
@@ -132,7 +132,7 @@ async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
     }
     publish(&channel, &s.queue, &messages).await;
     let stats = drain(&s, Arc::new(Outage::down())).await;
-    assert_eq!(stats.dead_lettered, 4);
+    assert_eq!(stats.consumer.dead_lettered, 4);
     assert_eq!(depth(&channel, &s.dlq).await, 4);
     // Meanwhile K-1 and K-2 were sent again and went through.
     process_meanwhile(&s.store, s.queue.as_str(), &expected, &["K-1", "K-2"]).await;
@@ -155,7 +155,10 @@ async fn replayed_dead_letters_dedupe_against_keys_committed_meanwhile() {
         2,
         "only K-3 and K-4 ran"
     );
-    assert_eq!((stats.processed, stats.duplicates), (2, 2));
+    assert_eq!(
+        (stats.consumer.processed, stats.consumer.duplicates),
+        (2, 2)
+    );
     assert_eq!(
         depth(&channel, &s.dlq).await,
         0,
@@ -215,7 +218,7 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
         1,
         "back in the dead-letter queue"
     );
-    assert_eq!(stats.dead_lettered, 1, "dead-lettered again");
+    assert_eq!(stats.consumer.dead_lettered, 1, "dead-lettered again");
     assert_eq!(
         handler.ledger.calls.load(Ordering::SeqCst),
         1,
@@ -545,7 +548,10 @@ async fn dead_letters_in_failure_groups_dry_run_and_replay_of_one_group() {
     )
     .await;
     let stats = drain(&s, Arc::new(Outage::default())).await;
-    assert_eq!((stats.processed, stats.dead_lettered), (2, 4));
+    assert_eq!(
+        (stats.consumer.processed, stats.consumer.dead_lettered),
+        (2, 4)
+    );
     let mut down = Vec::new();
     for (no, amount) in [("G-3", 30), ("G-4", 40), ("G-5", 50)] {
         expected.insert(no.to_owned(), ("acct".to_owned(), amount));
@@ -553,7 +559,7 @@ async fn dead_letters_in_failure_groups_dry_run_and_replay_of_one_group() {
     }
     publish(&channel, &s.queue, &down).await;
     let stats = drain(&s, Arc::new(Outage::down())).await;
-    assert_eq!(stats.dead_lettered, 3);
+    assert_eq!(stats.consumer.dead_lettered, 3);
     assert_eq!(depth(&channel, &s.dlq).await, 7);
 
     // Three groups, nothing consumed.
@@ -650,7 +656,10 @@ async fn dead_letters_in_failure_groups_dry_run_and_replay_of_one_group() {
     assert_eq!(depth(&channel, &s.dlq).await, 4, "the other groups stay");
     let handler = Arc::new(Outage::default());
     let stats = drain(&s, Arc::clone(&handler)).await;
-    assert_eq!((stats.processed, stats.duplicates), (2, 1));
+    assert_eq!(
+        (stats.consumer.processed, stats.consumer.duplicates),
+        (2, 1)
+    );
     assert_exact(&s.pool, &expected).await;
 }
 
@@ -776,7 +785,7 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
     let payment = pay("L-1", 25).account("declined");
     publish(&channel, &s.queue, &[Msg::new(payment.clone())]).await;
     let stats = drain(&s, Arc::clone(&handler)).await;
-    assert_eq!(stats.dead_lettered, 1);
+    assert_eq!(stats.consumer.dead_lettered, 1);
     assert_eq!(depth(&channel, &s.dlq).await, 1);
     assert_eq!(
         peek_header(&channel, &s.dlq, REPLAYS).await,
@@ -802,7 +811,7 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
         );
         let stats = drain(&s, Arc::clone(&handler)).await;
         assert_eq!(
-            (stats.processed, stats.dead_lettered),
+            (stats.consumer.processed, stats.consumer.dead_lettered),
             (0, 1),
             "cycle {cycle}: failed again"
         );
@@ -832,7 +841,10 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
     assert_eq!(depth(&channel, &s.queue).await, 0, "not replayed again");
     // Nothing cycles any more: the consumer and another replay find nothing.
     let stats = drain(&s, Arc::clone(&handler)).await;
-    assert_eq!((stats.processed, stats.dead_lettered), (0, 0));
+    assert_eq!(
+        (stats.consumer.processed, stats.consumer.dead_lettered),
+        (0, 0)
+    );
     let run = replay(&s, &["--max-replays", &max]).await;
     assert!(run.stdout.contains("scanned 0"), "{}", run.stdout);
 
@@ -883,7 +895,7 @@ async fn error_texts_that_differ_in_keys_and_amounts_are_one_group() {
     )
     .await;
     let stats = drain(&s, Arc::new(Declining::default())).await;
-    assert_eq!(stats.dead_lettered, 5);
+    assert_eq!(stats.consumer.dead_lettered, 5);
 
     let url = url();
     let groups = onceonly(&[

@@ -300,7 +300,7 @@ async fn outlive(silence: Duration) {
         .expect("consumer run");
     println!("silence {silence:?}: {stats:?}");
     assert_eq!(
-        stats.dead_lettered, 0,
+        stats.consumer.dead_lettered, 0,
         "a silent network dead-letters nothing"
     );
     assert_eq!(

@@ -425,7 +425,7 @@ async fn an_amqp_consumer_works_over_amqps_with_a_client_certificate() {
     .await
     .expect("the consumer did not drain the queue over amqps")
     .expect("consumer failed");
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.consumer.dead_lettered, 0, "{stats:?}");
     assert_exact(store.pool(), &stream.expected).await;
     assert_eq!(depth(&channel, &queue).await, 0, "queue drained");
     assert!(proxy.handshakes() >= 1, "the consumer did not use TLS");

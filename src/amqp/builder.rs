@@ -6,8 +6,6 @@ use super::consumer::{AmqpConsumer, Settings};
 use super::topology::{DeadLetterTarget, QueueKind, Topology};
 use super::{AmqpConsumerError, AmqpTls};
 use crate::engine::{Engine, EngineBuilder, RetryPolicy};
-use crate::fingerprint::FingerprintSpec;
-use crate::key::KeySpec;
 use crate::store::SqlStore;
 
 /// Builds an [`AmqpConsumer`]. Required: [`url`](Self::url),

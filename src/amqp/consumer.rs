@@ -18,9 +18,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::AmqpConsumerError;
 use super::builder::AmqpConsumerBuilder;
+use super::stats::{AmqpCounters, AmqpStats};
 use super::topology::{Topology, is_connection_level};
 use super::worker::{Env, handle};
-use crate::consumer_stats::{ConsumerStats, Counters, bump};
+use crate::broker::bump;
+use crate::broker::wait::Waits;
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
@@ -42,6 +44,9 @@ pub struct AmqpConsumer<S: SqlStore> {
     engine: Engine<S>,
     topology: Topology,
     settings: Settings,
+    /// Its deliveries waiting for the infrastructure (the gauge's handle
+    /// resolved at build, like every other metric handle).
+    waits: Arc<Waits>,
 }
 
 /// Why a session ended.
@@ -58,6 +63,7 @@ impl<S: SqlStore> AmqpConsumer<S> {
 
     pub(super) fn new(engine: Engine<S>, topology: Topology, settings: Settings) -> Self {
         Self {
+            waits: Waits::new(engine.telemetry()),
             engine,
             topology,
             settings,
@@ -72,11 +78,11 @@ impl<S: SqlStore> AmqpConsumer<S> {
     /// Runs until SIGINT or SIGTERM (or until idle, if
     /// [`exit_when_idle`](AmqpConsumerBuilder::exit_when_idle) is set), then
     /// shuts down gracefully (see [`run_until`](Self::run_until)).
-    pub async fn run<H>(self, handler: H) -> Result<ConsumerStats, AmqpConsumerError>
+    pub async fn run<H>(self, handler: H) -> Result<AmqpStats, AmqpConsumerError>
     where
         H: Handler<S::Db> + 'static,
     {
-        crate::consumer_support::until_signal(|shutdown| self.run_until(handler, shutdown)).await
+        crate::broker::shutdown::until_signal(|shutdown| self.run_until(handler, shutdown)).await
     }
 
     /// Runs until `shutdown` is cancelled (or until idle, if configured),
@@ -92,15 +98,17 @@ impl<S: SqlStore> AmqpConsumer<S> {
         self,
         handler: H,
         shutdown: CancellationToken,
-    ) -> Result<ConsumerStats, AmqpConsumerError>
+    ) -> Result<AmqpStats, AmqpConsumerError>
     where
         H: Handler<S::Db> + 'static,
     {
+        let waits = self.waits;
         let env = Arc::new(Env {
             engine: self.engine,
             handler,
             topology: self.topology,
-            counters: Counters::default(),
+            counters: AmqpCounters::default(),
+            waits,
             publishing: super::publish::Confirms::new(super::publish::CONFIRM_TIMEOUT),
         });
         let settings = self.settings;

@@ -1,6 +1,7 @@
 //! One delivery, start to finish: process, then reply, retry later or
 //! dead-letter (each publish confirmed), and only then ack.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::BasicAckOptions;
@@ -12,10 +13,12 @@ use tracing::Instrument;
 use super::headers;
 use super::message::{header_text, set_int, set_text, to_delivery};
 use super::publish::{Confirms, copy_properties};
+use super::stats::AmqpCounters;
 use super::topology::Topology;
+use crate::broker::bump;
+use crate::broker::shutdown::{outage_backoff, sleep_unless};
+use crate::broker::wait::{InfraWait, Waits};
 use crate::clock::{Clock, SystemClock};
-use crate::consumer_stats::{Counters, bump};
-use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
 use crate::engine::{Decision, Engine, Handler, Outcome, decide};
 use crate::store::SqlStore;
 
@@ -24,7 +27,9 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) engine: Engine<S>,
     pub(crate) handler: H,
     pub(crate) topology: Topology,
-    pub(crate) counters: Counters,
+    pub(crate) counters: AmqpCounters,
+    /// The deliveries waiting for the infrastructure.
+    pub(crate) waits: Arc<Waits>,
     /// The channel's publishes: one at a time, each bounded.
     pub(crate) publishing: Confirms,
 }
@@ -79,7 +84,7 @@ async fn handle_in_span<S, H>(
         .unwrap_or(0);
     let attempt = prior.saturating_add(1);
     let (report, decision) = {
-        let mut outage = InfraWait::new(env.engine.telemetry());
+        let mut outage = InfraWait::new(&env.waits);
         loop {
             let report = env.engine.process_in_span(&env.handler, delivery).await;
             match decide(&report.outcome, attempt, env.engine.retry_policy()) {
@@ -95,11 +100,11 @@ async fn handle_in_span<S, H>(
     };
     let next = match (decision, &report.outcome) {
         (Decision::Ack, Outcome::Processed { result }) => {
-            bump(&env.counters.processed);
+            bump(&env.counters.consumer.processed);
             Next::Reply(reply_body(Some(result)), false)
         }
         (Decision::Ack, Outcome::Duplicate { result }) => {
-            bump(&env.counters.duplicates);
+            bump(&env.counters.consumer.duplicates);
             Next::Reply(reply_body(result.as_ref()), true)
         }
         (Decision::Retry { reason, .. }, _) => match env.topology.retry_queue(attempt) {
@@ -144,7 +149,7 @@ async fn handle_in_span<S, H>(
             )
             .await;
             if ok {
-                bump(&env.counters.retried);
+                bump(&env.counters.consumer.retried);
                 env.engine.telemetry().retried(reason);
                 tracing::debug!(attempt, queue = %queue, "retry scheduled");
             }
@@ -176,7 +181,7 @@ async fn handle_in_span<S, H>(
             )
             .await;
             if ok {
-                bump(&env.counters.dead_lettered);
+                bump(&env.counters.consumer.dead_lettered);
                 env.engine.telemetry().dead_lettered(reason);
                 tracing::warn!(queue = %env.topology.queue, reason, error = %error, "message dead-lettered");
             }
@@ -187,7 +192,7 @@ async fn handle_in_span<S, H>(
         return;
     }
     match message.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => bump(&env.counters.acked),
+        Ok(true) => bump(&env.counters.consumer.acked),
         Ok(false) => {
             bump(&env.counters.acks_lost);
             tracing::warn!(queue = %env.topology.queue, "ack not sent: the channel is gone; the broker redelivers and dedup absorbs it");

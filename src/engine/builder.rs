@@ -3,13 +3,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::Telemetry;
 use super::{Engine, Inner, RetryPolicy};
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{KeySpec, KeySpecError};
 use crate::redact::{KeyRedaction, KeyRedactionError};
 use crate::store::{SqlStore, StoreError, validate_scope};
-use crate::telemetry::Telemetry;
 
 /// The default retention of dedup records: 7 days (Kafka's default log
 /// retention). It must outlast the longest redelivery or replay horizon.
@@ -315,103 +315,3 @@ impl<S: SqlStore> EngineBuilder<S> {
         })
     }
 }
-
-/// The engine settings every transport builder offers, forwarded to its
-/// `engine: EngineBuilder<S>` field, with the same documentation everywhere.
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-macro_rules! forward_engine_settings {
-    () => {
-        /// How each message's key is derived: any core [`KeySpec`], including
-        /// [`KeySpec::message_key`] (the broker's message key: the Kafka
-        /// record key, the AMQP `message_id`) and [`KeySpec::header`] (a
-        /// header such as `Idempotency-Key`).
-        #[must_use]
-        pub fn key(mut self, key: KeySpec) -> Self {
-            self.engine = self.engine.key(key);
-            self
-        }
-
-        /// The key in string form: `json:/out_trade_no`, `message-key`,
-        /// `header:Idempotency-Key`, `fingerprint`, ... (see [`KeySpec::parse`]).
-        /// A malformed expression fails `build()`.
-        #[must_use]
-        pub fn key_expr(mut self, expr: &str) -> Self {
-            self.engine = self.engine.key_expr(expr);
-            self
-        }
-
-        /// What is fingerprinted to detect a key reused with another payload
-        /// (default [`FingerprintSpec::Auto`]).
-        #[must_use]
-        pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-            self.engine = self.engine.fingerprint(spec);
-            self
-        }
-
-        /// Optimistic claims: the handler first, the key claimed with its
-        /// result just before `COMMIT` (see [`EngineBuilder::optimistic`];
-        /// only for handlers whose every effect is a database write).
-        #[must_use]
-        pub fn optimistic(mut self, optimistic: bool) -> Self {
-            self.engine = self.engine.optimistic(optimistic);
-            self
-        }
-
-        /// How long dedup records are kept (default 7 days). Must outlast the
-        /// longest horizon over which a message can come back: broker
-        /// retention and offset resets, and the oldest dead letter you may
-        /// replay.
-        #[must_use]
-        pub fn retention(mut self, retention: std::time::Duration) -> Self {
-            self.engine = self.engine.retention(retention);
-            self
-        }
-
-        /// How keys are shown in spans and logs (default: as they are);
-        /// see [`EngineBuilder::key_redaction`].
-        #[must_use]
-        pub fn key_redaction(mut self, redaction: $crate::KeyRedaction) -> Self {
-            self.engine = self.engine.key_redaction(redaction);
-            self
-        }
-
-        /// Shorthand for a [`KeyRedaction::per_process`](crate::KeyRedaction::per_process)
-        /// (`true`) or plain keys (`false`, the default); see
-        /// [`EngineBuilder::hash_keys_in_traces`].
-        #[must_use]
-        pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
-            self.engine = self.engine.hash_keys_in_traces(hash);
-            self
-        }
-
-        /// How many times a message may kill the process (abort, out of
-        /// memory, segfault) before it is dead-lettered with reason
-        /// `crashed` (default 3); see [`EngineBuilder::max_crashes`].
-        #[must_use]
-        pub fn max_crashes(mut self, crashes: u32) -> Self {
-            self.engine = self.engine.max_crashes(crashes);
-            self
-        }
-
-        /// How many times one message's handler may miss the transaction
-        /// deadline before it is dead-lettered `deadline` (default 3); see
-        /// [`EngineBuilder::max_deadline_misses`].
-        #[must_use]
-        pub fn max_deadline_misses(mut self, misses: u32) -> Self {
-            self.engine = self.engine.max_deadline_misses(misses);
-            self
-        }
-
-        /// Any other engine setting (clock, transient retries, ...).
-        #[must_use]
-        pub fn configure_engine(
-            mut self,
-            f: impl FnOnce(EngineBuilder<S>) -> EngineBuilder<S>,
-        ) -> Self {
-            self.engine = f(self.engine);
-            self
-        }
-    };
-}
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-pub(crate) use forward_engine_settings;

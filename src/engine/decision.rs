@@ -1,23 +1,6 @@
 //! What a transport does with an outcome, decided in one place for every
-//! transport.
-//!
-//! | outcome | decision |
-//! |---|---|
-//! | processed, duplicate | [`Ack`](Decision::Ack) |
-//! | failed on the infrastructure (any [`InfraFault`]: unreachable, read-only, missing table, permission, resources, shutdown, timeout, contention, corrupt store) | [`Wait`](Decision::Wait): no ack, no offset commit, no dead letter; process again after a jittered backoff, for as long as it lasts |
-//! | retryable handler error or panic (in the handler, a key function, a decoder), or the message's writes refused at COMMIT ([`Failure::Commit`](super::Failure::Commit)), policy not exhausted | [`Retry`](Decision::Retry) after the policy's delay |
-//! | the same, policy exhausted | [`DeadLetter`](Decision::DeadLetter) `handler_error` |
-//! | permanent handler error, unserializable result | [`DeadLetter`](Decision::DeadLetter) `handler_error` |
-//! | data exception on a value of the message in the dedup store | [`DeadLetter`](Decision::DeadLetter) `store_error` |
-//! | key reused with another payload | [`DeadLetter`](Decision::DeadLetter) `fingerprint_mismatch` |
-//! | a [suspect](crate::Delivery::with_suspect) that crashed the process [`max_crashes`](crate::EngineBuilder::max_crashes) times ([`Failure::Crashed`](super::Failure::Crashed)) | [`DeadLetter`](Decision::DeadLetter) `crashed`, without running the handler again |
-//! | a handler that missed the transaction deadline [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times for one key while the database answered ([`Failure::Deadline`](super::Failure::Deadline)); fewer misses wait in place like any timeout | [`DeadLetter`](Decision::DeadLetter) `deadline` |
-//! | no key, undecodable payload | [`DeadLetter`](Decision::DeadLetter) `bad_key`, `decode_error` |
-//!
-//! The Kafka and AMQP consumers translate a decision to their wire (commit
-//! the offset or ack; wait in place; retry in place or through a retry
-//! queue; publish the dead letter, then commit or ack). The HTTP layer maps
-//! the same classes to statuses (its module documentation has the table).
+//! transport: [`decide`], whose documentation holds the table of outcomes
+//! and decisions.
 
 use std::time::Duration;
 
@@ -58,6 +41,33 @@ pub enum Decision {
 
 /// Decides what to do with `outcome` after `attempts` attempts under
 /// `policy`. Every transport calls this; none decides on its own.
+///
+/// This is the one table of outcomes and what becomes of them; the rest of
+/// the documentation links here.
+///
+/// | Outcome | Reason code | Meaning | Decision |
+/// |---|---|---|---|
+/// | [`Processed { result }`](Outcome::Processed) | – | the handler ran; claim, writes and result committed | [`Ack`](Decision::Ack): ack, commit the offset, answer 2xx with the result |
+/// | [`Duplicate { result }`](Outcome::Duplicate) | – | the key is already committed with the same fingerprint (also when its payload no longer decodes into the handler's input type); the handler does not run | [`Ack`](Decision::Ack); the stored result is replayed (an AMQP RPC caller whose stored result no longer decodes gets an error reply) |
+/// | [`Conflict { stored, received }`](Outcome::Conflict) | `fingerprint_mismatch` | the key is already committed with another payload; the handler does not run | [`DeadLetter`](Decision::DeadLetter) (HTTP `422`) |
+/// | [`Rejected`](Outcome::Rejected) | `bad_key`, `decode_error` | no valid key, or the payload does not decode (and its key is not committed); never retried | [`DeadLetter`](Decision::DeadLetter) (HTTP `400`) |
+/// | [`Failed`](Outcome::Failed) with an [`InfraFault`] (unreachable, read-only, missing table, permission, resources, shutdown, timeout, contention, corrupt store) | – | the database cannot take writes now; rolled back | [`Wait`](Decision::Wait): no ack, no offset commit, no dead letter; process again after a jittered backoff, for as long as it lasts; never counted as an attempt |
+/// | [`Failed`](Outcome::Failed): a retryable handler error or a panic (in the handler, a key function, a decoder), or the message's writes refused at COMMIT ([`Failure::Commit`](crate::Failure::Commit)) | `handler_error` | rolled back | [`Retry`](Decision::Retry) after the policy's delay; once the policy is exhausted, [`DeadLetter`](Decision::DeadLetter) (HTTP: a refusal at commit is `409 commit-refused`) |
+/// | [`Failed`](Outcome::Failed): a permanent handler error, an unserializable result | `handler_error` | rolled back | [`DeadLetter`](Decision::DeadLetter) |
+/// | [`Failed`](Outcome::Failed): a value of the message does not fit the dedup store (a data exception) | `store_error` | rolled back | [`DeadLetter`](Decision::DeadLetter) |
+/// | [`Failed(Failure::Crashed)`](crate::Failure::Crashed) | `crashed` | a [suspect](crate::Delivery::with_suspect) whose handler killed the process [`max_crashes`](crate::EngineBuilder::max_crashes) times; the handler does not run again | [`DeadLetter`](Decision::DeadLetter), never retried |
+/// | [`Failed(Failure::Deadline)`](crate::Failure::Deadline) | `deadline` | the handler kept its transaction past the [transaction deadline](crate::store::Deadlines::transaction) [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times (default 3) for this key while the database answered (fewer misses are a timeout: `Wait`); rolled back each time | [`DeadLetter`](Decision::DeadLetter), never retried (HTTP `500 deadline`); the key's counter starts over |
+///
+/// [`Outcome::reason`] gives the code, [`Outcome::kind`] a label for logs
+/// and metrics, [`Outcome::is_done`] whether the delivery may be acked, and
+/// [`Failure::infra_fault`](crate::Failure::infra_fault) /
+/// [`Failure::is_retryable`](crate::Failure::is_retryable) classify
+/// failures.
+///
+/// The Kafka and AMQP consumers translate a decision to their wire (commit
+/// the offset or ack; wait in place; retry in place or through a retry
+/// queue or topic; publish the dead letter, then commit or ack). The HTTP
+/// layer maps the same classes to statuses (see [`crate::http`]).
 pub fn decide<T>(outcome: &Outcome<T>, attempts: u32, policy: &RetryPolicy) -> Decision {
     let dead_letter = |attempts| Decision::DeadLetter {
         reason: outcome.reason().unwrap_or("handler_error"),

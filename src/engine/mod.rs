@@ -1,10 +1,10 @@
 //! The transport-neutral engine: derive the key, decode, claim, run the
 //! handler in the claim's transaction, record the result, commit, report.
+//! The engine never acknowledges anything: transports act on the
+//! [`Outcome`], as [`decide`] says.
 //!
-//! The engine never acknowledges anything. Transports act on the
-//! [`Outcome`]: acknowledge `Processed` and `Duplicate`, dead-letter
-//! `Conflict`, `Rejected` and exhausted handler failures, and back off on
-//! store failures.
+#![doc = include_str!("../../docs/engine.md")]
+#![doc = include_str!("../../docs/outcomes.md")]
 
 mod batch;
 mod builder;
@@ -15,6 +15,8 @@ mod outcome;
 mod overrun;
 mod retry;
 pub(crate) mod session;
+mod settings;
+mod telemetry;
 mod tx;
 
 use std::panic::AssertUnwindSafe;
@@ -29,10 +31,7 @@ use crate::delivery::Delivery;
 use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{IdemKey, KeySpec};
 use crate::store::{Claim, ClaimRequest, InfraFault, SqlStore, StoreError, classify_existing};
-use crate::telemetry::Telemetry;
 
-#[cfg(any(feature = "kafka", feature = "amqp"))]
-pub(crate) use builder::forward_engine_settings;
 pub use builder::{BuildError, DEFAULT_RETENTION, EngineBuilder};
 pub use crash::DEFAULT_MAX_CRASHES;
 pub use decision::{Decision, decide};
@@ -44,6 +43,9 @@ pub use overrun::DEFAULT_MAX_DEADLINE_MISSES;
 pub(crate) use overrun::HANDLER_DEADLINE;
 pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
+#[allow(unused_imports)] // no transport compiled in: no user
+pub(crate) use settings::forward_engine_settings;
+pub(crate) use telemetry::Telemetry;
 pub use tx::{Origin, Tx, TxGone, TxGuard};
 
 /// Claims keys and runs handlers exactly once per key, over a [`SqlStore`].
@@ -157,7 +159,7 @@ impl<S: SqlStore> Engine<S> {
     }
 
     /// The metric handles and span settings of this engine.
-    #[cfg(any(feature = "kafka", feature = "amqp", feature = "http"))]
+    #[cfg(any(feature = "_broker", feature = "http"))]
     pub(crate) fn telemetry(&self) -> &Telemetry {
         &self.inner.telemetry
     }

@@ -8,7 +8,6 @@ use axum::http::{HeaderName, Method, StatusCode};
 
 use super::layer::IdempotencyLayer;
 use super::signature::SignatureCheck;
-use crate::clock::Clock;
 use crate::engine::{BuildError, Engine, EngineBuilder};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{KeySpec, KeySpecError};
@@ -153,6 +152,11 @@ pub enum HttpBuildError {
     /// [`SignatureCheck::new`](super::SignatureCheck::new)).
     #[error(transparent)]
     Secret(#[from] super::SecretError),
+    /// Another engine setting is invalid (e.g.
+    /// [`max_deadline_misses`](IdempotencyLayerBuilder::max_deadline_misses)
+    /// of zero).
+    #[error(transparent)]
+    Engine(BuildError),
     /// A layer for a payment provider keyed on a request header: no
     /// provider signs its headers, so a captured callback resent with a
     /// new header value would be processed again. Key on signed bytes: a
@@ -345,7 +349,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     /// bounds. Only for handlers whose every effect is a write in the
     /// transaction: two concurrent copies both run the handler (one
     /// commits). Saves the result's `UPDATE` and the claim's lock-wait
-    /// statements on every new request; see the README's Benchmarks.
+    /// statements on every new request; see BENCHMARKS.md.
     #[must_use]
     pub fn optimistic(mut self, optimistic: bool) -> Self {
         self.engine = self.engine.optimistic(optimistic);
@@ -418,30 +422,17 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         self
     }
 
-    /// The clock for expiry (tests).
-    #[must_use]
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.engine = self.engine.clock(clock);
-        self
-    }
-
-    /// How keys are shown in spans and logs (default: as they are); see
-    /// [`EngineBuilder::key_redaction`](crate::EngineBuilder::key_redaction).
-    #[must_use]
-    pub fn key_redaction(mut self, redaction: crate::KeyRedaction) -> Self {
-        self.engine = self.engine.key_redaction(redaction);
-        self
-    }
-
-    /// Shorthand for a
-    /// [`KeyRedaction::per_process`](crate::KeyRedaction::per_process)
-    /// (`true`) or plain keys (`false`, the default); see
-    /// [`EngineBuilder::hash_keys_in_traces`](crate::EngineBuilder::hash_keys_in_traces).
-    #[must_use]
-    pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
-        self.engine = self.engine.hash_keys_in_traces(hash);
-        self
-    }
+    // Not `max_crashes`: a request is never a suspect (a crashed server
+    // does not see the request again the way a broker redelivers it).
+    // `configure_engine` cannot move the layer: its scope, key, retention
+    // and transport label are set again by `build`.
+    crate::engine::forward_engine_settings!(
+        key_redaction,
+        hash_keys_in_traces,
+        max_deadline_misses,
+        clock,
+        configure_engine,
+    );
 
     /// Validates the settings. Metric handles (label `transport="http"`,
     /// `scope` the layer's scope without the per-principal suffix) are
@@ -477,8 +468,12 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             }
             cfg.provider = Some(provider.with_retention(self.retention));
         }
+        // Set again after the user's `configure_engine`: what the layer
+        // checked above is what the engine runs with.
         let engine = self
             .engine
+            .scope(self.scope)
+            .transport(TRANSPORT_HTTP)
             .key(key)
             .retention(self.retention)
             .build()
@@ -486,8 +481,56 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 BuildError::Key(e) => HttpBuildError::Key(e),
                 BuildError::Scope(e) => HttpBuildError::Scope(e),
                 BuildError::KeyRedaction(e) => HttpBuildError::KeyRedaction(e),
-                _ => HttpBuildError::ZeroRetention,
+                BuildError::ZeroRetention => HttpBuildError::ZeroRetention,
+                other => HttpBuildError::Engine(other),
             })?;
         Ok(IdempotencyLayer::from_config(Config { engine, http: cfg }))
+    }
+}
+
+#[cfg(test)]
+#[cfg(feature = "sqlite")]
+mod tests {
+    use super::*;
+    use crate::SqliteStore;
+    use crate::http::IdempotencyLayer;
+
+    async fn store() -> SqliteStore {
+        SqliteStore::connect("sqlite::memory:").await.unwrap()
+    }
+
+    /// The engine settings a layer checks are the ones its engine runs
+    /// with: `configure_engine` cannot move it to another scope (a scope
+    /// past the per-principal room, say) or retention.
+    #[tokio::test]
+    async fn configure_engine_cannot_move_the_layer() {
+        let layer = IdempotencyLayer::idempotency_key(store().await, "orders")
+            .configure_engine(|e| {
+                e.scope("x".repeat(128))
+                    .retention(Duration::from_secs(1))
+                    .transport("kafka")
+            })
+            .build()
+            .unwrap();
+        let engine = &layer.config().engine;
+        assert_eq!(engine.scope(), "orders");
+        assert_eq!(engine.retention(), Duration::from_secs(24 * 3600));
+    }
+
+    #[tokio::test]
+    async fn an_invalid_engine_setting_is_named() {
+        let err = IdempotencyLayer::idempotency_key(store().await, "orders")
+            .max_deadline_misses(0)
+            .build()
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                err,
+                HttpBuildError::Engine(BuildError::ZeroMaxDeadlineMisses)
+            ),
+            "{err:?}"
+        );
+        assert_eq!(err.to_string(), "max_deadline_misses must be at least 1");
     }
 }

@@ -1,74 +1,41 @@
 //! HTTP transport (feature `http`): an axum/tower layer that makes POST and
 //! PATCH handlers idempotent with the `Idempotency-Key` header, or payment
 //! callbacks idempotent on a body field, inside the handler's transaction.
+//! The guide comes first; the table of every answer the layer gives
+//! follows it ([Answers](#answers)).
 //!
-//! # Flow
+#![doc = include_str!("../../docs/http.md")]
 //!
-//! 1. Methods not covered (default: POST, PATCH) pass through.
-//! 2. The body is buffered up to a limit (`413` beyond).
-//! 3. An optional HMAC signature ([`SignatureCheck`]) and, with feature
-//!    `providers`, a payment provider's own scheme
-//!    ([`providers::Provider`]: Alipay, WeChat Pay v3, Stripe, GitHub-style,
-//!    Adyen) are verified over the raw bytes received (`401` naming the
-//!    reason, nothing claimed); a provider may turn the callback into
-//!    another payload (decoded or decrypted) for the next steps.
-//! 4. The key is derived (`400` if missing or malformed) and claimed, with
-//!    the body's fingerprint, in a new transaction, in the scope of the
-//!    layer and of the caller's [`Principal`] if there is one.
-//! 5. A key already completed replays its stored status, allow-listed
-//!    headers and body byte for byte, with `Idempotent-Replayed: true` (a
-//!    payment callback gets the configured [`Ack`]); a key completed with
-//!    another payload gets `422`; a key held by a request in flight gets
-//!    `409` with `Retry-After` (or, with [`InFlight::WaitThenReplay`], the
-//!    replay once it completes).
-//! 6. Otherwise the handler runs with the claim's transaction ([`Tx`]
-//!    extractor; the engine's [claim session](crate::engine::Session)).
-//!    A 2xx response (and 4xx if configured) is stored in that same
-//!    transaction, which then commits; only then is the response sent. A
-//!    5xx, a 4xx not stored, or a panic rolls everything back and stores
-//!    nothing, so the client may retry with the same key.
+//! # Answers
 //!
-//! Errors the layer answers itself are RFC 9457 `application/problem+json`
-//! with `type` `urn:onceonly:problem:<code>`: `missing-idempotency-key`,
-//! `invalid-idempotency-key` (400, also for a repeated `Idempotency-Key`
-//! header), `undecodable-form` (400, a form body that is not UTF-8),
-//! `missing-signature`, `malformed-signature`, `bad-signature`,
-//! `stale-timestamp`, `unknown-serial`, `undecryptable-resource`,
-//! `unsupported-signature`, `expired-callback` (401, see [`VerifyError`]),
-//! `too-many-fields` (413, a form of more than [`MAX_FORM_FIELDS`] fields),
-//! `request-in-flight` (409), `commit-refused` (409),
-//! `body-too-large` (413),
-//! `unsupported-charset` (415), `idempotency-key-reused` (422),
-//! `deadline` (500: the handler missed its transaction deadline
-//! [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses)
-//! times for this key; its counter starts over),
-//! `store-unavailable` (503, also for a handler that missed its
-//! transaction deadline fewer times).
+//! What the layer answers, besides the handler's own response. This is the
+//! one table of HTTP failures; the rest of the documentation links here.
 //!
-//! # Failures of the store
-//!
-//! Classified once (see [`InfraFault`](crate::store::InfraFault)):
-//!
-//! | before the handler runs | answer |
+//! | Situation | Response |
 //! |---|---|
-//! | lock contention (the key is in flight, a deadlock, SQLite busy) | `409` with `Retry-After` (or wait and replay, see [`InFlight`]); never fail-open, since the request holding the key may still commit |
-//! | the database cannot be reached at all | `503`, or the handler without dedup with [`OnStoreError::FailOpen`] (never for a pool exhausted by the service's own in-flight requests: `503`) |
-//! | any other state of the database (read-only, missing table, no privilege, out of resources, shutting down, statement timeout) | `503` with `Retry-After` |
-//! | a value of the request does not fit the store | `400` |
+//! | Method not covered (default: POST, PATCH; callbacks: POST) | Passes through |
+//! | Body over `max_request_body` (default 1 MiB) | `413` `body-too-large` |
+//! | A form of more than [`MAX_FORM_FIELDS`] fields | `413` `too-many-fields`, before anything is decoded |
+//! | Bad, stale or missing signature (when configured), or a payment provider's callback that does not verify | `401`, nothing claimed; the problem `type` names the reason (see [`VerifyError`]): `missing-signature`, `malformed-signature`, `bad-signature`, `stale-timestamp`, `unknown-serial`, `undecryptable-resource`, `unsupported-signature`, `expired-callback` |
+//! | Key missing (`key_optional()` lets it through without dedup) | `400` `missing-idempotency-key` |
+//! | Key malformed: too long, not a UUID with `KeySpec::uuid_header`, control characters, repeated header | `400` `invalid-idempotency-key` (a structured-field string `"abc"` is unquoted first, as the draft sends it) |
+//! | Form body (`application/x-www-form-urlencoded`) that is not UTF-8 and declares no other charset | `400` `undecodable-form` (never lossy decoding into one key) |
+//! | Form body in a charset other than UTF-8 or ISO-8859-1 (and, with feature `providers`, GBK and GB18030) | `415` `unsupported-charset` |
+//! | A value of the request does not fit the store | `400` |
+//! | Key completed with the same payload fingerprint | Stored status, allow-listed headers and body, byte for byte, plus `Idempotent-Replayed: true`; payment callbacks get the configured [`Ack`] (e.g. `200 success`) |
+//! | Key completed with another payload, or sent to another method, path or query | `422` `idempotency-key-reused` |
+//! | Key held by a request in flight, or any lock contention before the handler runs (Postgres `55P03`/`40001`/`40P01`, MySQL 1205/1213, SQLite `BUSY` after the busy timeout) | `409` `request-in-flight` with `Retry-After` after waiting `InFlight::Conflict { wait }` (default 50 ms); [`InFlight::WaitThenReplay`] waits and replays. Never fail-open: the request holding the key may still commit |
+//! | Store unreachable (connection refused or lost, pool timed out) | `503` `store-unavailable` with `Retry-After` (fail closed, default); [`OnStoreError::FailOpen`] runs the handler without dedup and without `Tx`, logging an error for every request; never for a pool exhausted by the service's own in-flight requests: `503` |
+//! | Store reachable but unable to take writes (read-only, missing table, no privilege, out of resources, shutting down, statement timeout; see [`InfraFault`](crate::store::InfraFault)) | `503` `store-unavailable` with `Retry-After`, never fail-open |
+//! | The handler answered 5xx, a 4xx not stored (see `store_client_errors`), or panicked | its own answer (a panic: `500` `handler-panicked`); everything rolled back, nothing stored: the client may retry with the same key |
+//! | The handler missed its transaction deadline, fewer than [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times for this key | `503` `store-unavailable` |
+//! | The handler missed its transaction deadline `max_deadline_misses` times for this key | `500` `deadline`; its counter starts over |
+//! | The commit failed after the handler ran | `503`: the outcome is unknown until the client retries with the same key, which then replays the response or runs the request |
+//! | The database refused the commit because of the request's own writes (a deferred constraint, a constraint trigger, a transaction the handler left aborted: see [`is_write_fault`](crate::store::is_write_fault)) | `409` `commit-refused`: nothing was kept, and the same request would fail the same way |
 //!
-//! A failed commit after the handler ran is `503`: the outcome is unknown
-//! until the client retries with the same key. A commit the database
-//! refused because of the request's own writes (a deferred constraint, a
-//! constraint trigger, a transaction the handler left aborted: see
-//! [`is_write_fault`](crate::store::is_write_fault)) is `409`
-//! `commit-refused`: nothing was kept, and the same request would fail the
-//! same way.
-//!
-//! # Expiry policy
-//!
-//! Keys and responses are kept for the layer's retention (default 24 hours,
-//! [`IdempotencyLayerBuilder::retention`]); a key reused after that is a new
-//! request. Publish this to your clients, as the IETF draft asks.
+//! Every error the layer answers itself is RFC 9457
+//! `application/problem+json` with `type` `urn:onceonly:problem:<code>`,
+//! the code named in the table.
 
 mod answer;
 mod config;

@@ -9,8 +9,6 @@ use super::KafkaConsumerError;
 use super::consumer::{KafkaConsumer, Settings};
 use super::dead_letter::DeadLetterer;
 use crate::engine::{Engine, EngineBuilder, RetryPolicy};
-use crate::fingerprint::FingerprintSpec;
-use crate::key::KeySpec;
 use crate::store::SqlStore;
 
 /// The default [`KafkaConsumerBuilder::statistics_interval`]: 5 s.

@@ -18,8 +18,9 @@ use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
 use super::partition::{Dispatched, Registry, Spawner, Tp, Wake, lock};
 use super::worker::{Env, run_lane};
+use crate::broker::wait::Waits;
+use crate::broker::{ConsumerStats, Counters};
 use crate::clock::{Clock, SystemClock};
-use crate::consumer_stats::{ConsumerStats, Counters};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
 
@@ -48,6 +49,9 @@ pub struct KafkaConsumer<S: SqlStore> {
     config: ClientConfig,
     dead_letters: DeadLetterer,
     settings: Settings,
+    /// Its deliveries waiting for the infrastructure (the gauge's handle
+    /// resolved at build, like every other metric handle).
+    waits: Arc<Waits>,
 }
 
 impl<S: SqlStore> KafkaConsumer<S> {
@@ -63,6 +67,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
         settings: Settings,
     ) -> Self {
         Self {
+            waits: Waits::new(engine.telemetry()),
             engine,
             config,
             dead_letters,
@@ -82,7 +87,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
     where
         H: Handler<S::Db> + 'static,
     {
-        crate::consumer_support::until_signal(|shutdown| self.run_until(handler, shutdown)).await
+        crate::broker::shutdown::until_signal(|shutdown| self.run_until(handler, shutdown)).await
     }
 
     /// Runs until `shutdown` is cancelled (or until idle, if configured).
@@ -102,6 +107,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
         // Stops the polling thread if this future is dropped, too.
         let shutdown = shutdown.child_token();
         let _stop_on_drop = shutdown.clone().drop_guard();
+        let waits = self.waits;
         let env = Arc::new(Env {
             engine: self.engine,
             handler,
@@ -111,6 +117,7 @@ impl<S: SqlStore> KafkaConsumer<S> {
             shutdown: shutdown.clone(),
             failure: Mutex::new(None),
             counters: Counters::default(),
+            waits,
         });
         let spawn_on = runtime.clone();
         let lanes_env = Arc::clone(&env);

@@ -16,12 +16,13 @@ use tokio::time::Instant;
 use super::dead_letter::{DeadLetter, DeadLetterer, header_text, headers};
 use super::message::Envelope;
 use super::partition::{Partition, lock};
+use crate::broker::shutdown::{outage_backoff, sleep_unless};
+use crate::broker::wait::{InfraWait, Waits};
+use crate::broker::{Counters, bump};
 use crate::clock::{Clock, SystemClock};
-use crate::consumer_stats::{Counters, bump};
-use crate::consumer_support::{InfraWait, outage_backoff, sleep_unless};
+use crate::engine::Telemetry;
 use crate::engine::{Decision, Engine, Handler, OutcomeKind, Report, decide};
 use crate::store::SqlStore;
-use crate::telemetry::Telemetry;
 
 /// What every worker of a consumer shares.
 pub(crate) struct Env<S: SqlStore, H> {
@@ -36,6 +37,8 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) failure: Mutex<Option<String>>,
     /// What it did, returned by `run`.
     pub(crate) counters: Counters,
+    /// The deliveries waiting for the infrastructure.
+    pub(crate) waits: Arc<Waits>,
 }
 
 impl<S: SqlStore, H> Env<S, H> {
@@ -289,7 +292,7 @@ where
     } else {
         1
     };
-    let mut outage = InfraWait::new(env.engine.telemetry());
+    let mut outage = InfraWait::new(&env.waits);
     loop {
         match decide(&report.outcome, attempts, env.engine.retry_policy()) {
             Decision::Ack => {

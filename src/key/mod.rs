@@ -4,17 +4,12 @@
 //! it must respect. It is built in code ([`KeySpec::header`],
 //! [`KeySpec::json_field`], [`KeySpec::json_fields`], [`KeySpec::fingerprint`],
 //! [`KeySpec::custom`]) or parsed from a string ([`KeySpec::parse`], see
-//! [`parse`](self#string-form) for the grammar) so that it can live in a config
+//! [the string form](self#string-form) for the grammar) so that it can live in a config
 //! file or a CLI flag. A malformed expression is a [`KeySpecError`] when the
 //! consumer is built; a delivery without a usable key is a [`KeyError`] with a
 //! precise reason, never a panic.
 //!
-//! # String form
-//!
-//! `header:Idempotency-Key;uuid`, `meta:message_id`, `json:/out_trade_no`,
-//! `json:/user_id+/coupon_id`, `fingerprint`, with options `;max=N` (1..=255,
-//! default 255), `;compact` (hash keys over the maximum into `sha256:<hex>`
-//! instead of rejecting them) and `;uuid` (header keys only).
+#![doc = include_str!("../../docs/keys.md")]
 
 mod error;
 mod parse;

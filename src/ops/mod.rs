@@ -1,10 +1,14 @@
 //! Operations on a running deployment: purging the dedup table (once, or in
 //! the background with [`Purger`]) and, with the `amqp` or `kafka` feature,
 //! replaying dead letters ([`replay`]). The `onceonly` command-line tool
-//! (feature `cli`) is built on this module.
+//! (feature `cli`) is built on this module. The guide below covers the
+//! CLI, checking a deployment, replaying dead letters, metrics, alerts and
+//! the dashboard, tracing, and running at scale.
+//!
+#![doc = include_str!("../../docs/operations.md")]
 
 pub mod purge;
-#[cfg(any(feature = "amqp", feature = "kafka"))]
+#[cfg(feature = "_broker")]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "amqp", feature = "kafka"))))]
 pub mod replay;
 

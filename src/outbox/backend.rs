@@ -1,11 +1,13 @@
-//! The outbox statements run on each SQL backend. The SQL text comes from
-//! [`OutboxSql`]; only the driver types differ, so one macro stamps the
-//! same code out per backend.
+//! The outbox statements, written once for every SQL backend of the dedup
+//! store (its `Backend`). The SQL text comes from [`OutboxSql`].
 
 use async_trait::async_trait;
-use sqlx::{Database, Pool, Transaction};
+use sqlx::{
+    ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Transaction, Type,
+};
 
-use super::sql::{Dialect, OutboxSql};
+use super::sql::OutboxSql;
+use crate::store::{Backend, Dialect};
 
 /// A row about to be inserted.
 pub struct NewRow<'a> {
@@ -136,9 +138,8 @@ pub struct StatusCount {
 /// A SQL backend the outbox runs on: PostgreSQL, MySQL/MariaDB or SQLite.
 #[async_trait]
 pub trait OutboxBackend: Database {
-    /// The backend's SQL dialect.
-    #[doc(hidden)]
-    const DIALECT: OutboxDialect;
+    /// The database: the same value as its dedup store's.
+    const DIALECT: Dialect;
 
     /// Creates the table and its indexes if missing.
     #[doc(hidden)]
@@ -240,11 +241,6 @@ pub enum RecordsFilter<'a> {
     /// The row with this message id.
     MessageId(&'a str),
 }
-
-/// The SQL dialect of an [`OutboxBackend`] (opaque).
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug)]
-pub struct OutboxDialect(pub(crate) Dialect);
 
 /// A failed attempt.
 #[doc(hidden)]
@@ -351,246 +347,256 @@ where
     })
 }
 
-macro_rules! outbox_backend {
-    ($db:ty, $dialect:expr, $begin:expr) => {
-        #[async_trait]
-        impl OutboxBackend for $db {
-            const DIALECT: OutboxDialect = OutboxDialect($dialect);
+/// Every database a dedup store runs on, through the store's own
+/// `Backend`: one generic implementation, whose statements differ only by
+/// their SQL text (`OutboxSql`) and the [`Dialect`].
+#[async_trait]
+impl<DB> OutboxBackend for DB
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q [u8]>: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Vec<u8>: Decode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> i32: Decode<'q, DB> + Type<DB>,
+    for<'q> i16: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> bool: Decode<'q, DB> + Type<DB>,
+    (i16,): for<'r> sqlx::FromRow<'r, DB::Row>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
+    usize: ColumnIndex<DB::Row>,
+    for<'c> &'c str: ColumnIndex<DB::Row>,
+{
+    // The store's value for this database, not derived again.
+    const DIALECT: Dialect = <DB as Backend>::DIALECT;
 
-            async fn create(pool: &Pool<Self>, sql: &OutboxSql) -> Result<(), sqlx::Error> {
-                // One transaction: PostgreSQL's advisory lock (the first
-                // statement) holds until the DDL commits.
-                let mut tx = pool.begin().await?;
-                // PostgreSQL: lock waits bounded, so that a migration
-                // behind a stuck transaction fails instead of blocking
-                // forever (the caller bounds the whole migration).
-                if matches!($dialect, Dialect::Postgres) {
-                    let timeout = crate::store::Deadlines::default().migration_lock_timeout();
-                    let set = format!(
-                        "SET LOCAL lock_timeout = '{}ms'",
-                        timeout.as_millis().max(1)
-                    );
-                    sqlx::query(&set).execute(&mut *tx).await?;
-                }
-                for ddl in &sql.ddl {
-                    sqlx::query(ddl).execute(&mut *tx).await?;
-                }
-                tx.commit().await
-            }
-
-            async fn insert(
-                conn: &mut Self::Connection,
-                sql: &OutboxSql,
-                row: &NewRow<'_>,
-                channel: &str,
-            ) -> Result<(), sqlx::Error> {
-                let mut q = sqlx::query(&sql.enqueue)
-                    .bind(row.message_id)
-                    .bind(row.scope)
-                    .bind(row.causation)
-                    .bind(row.traceparent)
-                    .bind(row.kind)
-                    .bind(row.destination)
-                    .bind(row.routing_key)
-                    .bind(row.message_key)
-                    .bind(row.order_key)
-                    .bind(row.headers)
-                    .bind(row.payload)
-                    .bind(row.now_ms)
-                    .bind(row.now_ms);
-                if matches!($dialect, Dialect::Postgres) {
-                    q = q.bind(channel);
-                }
-                q.execute(&mut *conn).await?;
-                Ok(())
-            }
-
-            async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-                match $begin {
-                    Some(begin) => pool.begin_with(begin).await,
-                    None => pool.begin().await,
-                }
-            }
-
-            async fn claim(
-                conn: &mut Self::Connection,
-                heads: &str,
-                sql: &OutboxSql,
-                now_ms: i64,
-                limit: i64,
-            ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-                let read = |r: &_| read_row::<Self>(r, matches!($dialect, Dialect::MySql));
-                let head_rows = sqlx::query(heads)
-                    .bind(now_ms)
-                    .bind(limit)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                if head_rows.is_empty() {
-                    return Ok(Vec::new());
-                }
-                let heads: Vec<OutboxRow> = head_rows.iter().map(read).collect::<Result<_, _>>()?;
-                // Rows behind a locked head cannot be any other relay's
-                // head until this transaction ends: take some along.
-                let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.follow_prefix);
-                let mut keys = qb.separated(", ");
-                for head in &heads {
-                    keys.push_bind(head.order_key.clone());
-                }
-                // In id order under one limit: a key's head always comes
-                // before the rows behind it, so a cut never takes a row
-                // without its head.
-                qb.push(") ORDER BY id LIMIT ");
-                qb.push_bind(limit);
-                qb.push(sql.follow_lock);
-                let rows = qb.build().fetch_all(&mut *conn).await?;
-                rows.iter().map(read).collect()
-            }
-
-            async fn update_pending(
-                conn: &mut Self::Connection,
-                prefix: &str,
-                value: i64,
-                ids: &[i64],
-            ) -> Result<(), sqlx::Error> {
-                if ids.is_empty() {
-                    return Ok(());
-                }
-                let mut qb = sqlx::QueryBuilder::<Self>::new(prefix);
-                qb.push_bind(value);
-                qb.push(" WHERE status = 0 AND id IN (");
-                let mut list = qb.separated(", ");
-                for id in ids {
-                    list.push_bind(*id);
-                }
-                qb.push(")");
-                qb.build().execute(&mut *conn).await?;
-                Ok(())
-            }
-
-            async fn mark_failed(
-                conn: &mut Self::Connection,
-                sql: &OutboxSql,
-                failure: &Failed<'_>,
-            ) -> Result<(), sqlx::Error> {
-                sqlx::query(&sql.failed)
-                    .bind(
-                        if failure.dead {
-                            Status::Dead
-                        } else {
-                            Status::Pending
-                        }
-                        .code(),
-                    )
-                    .bind(failure.next_ms)
-                    .bind(failure.error)
-                    .bind(failure.id)
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(())
-            }
-
-            async fn stats(
-                pool: &Pool<Self>,
-                sql: &OutboxSql,
-            ) -> Result<Vec<StatusCount>, sqlx::Error> {
-                use sqlx::Row as _;
-                let rows = sqlx::query(&sql.stats).fetch_all(pool).await?;
-                let mut out = Vec::with_capacity(rows.len());
-                for r in &rows {
-                    let code: i16 = r.try_get("status")?;
-                    let Some(status) = Status::from_code(code) else {
-                        continue;
-                    };
-                    out.push(StatusCount {
-                        status,
-                        kind: text_nn::<Self>(r, "kind", matches!($dialect, Dialect::MySql))?,
-                        rows: r.try_get("n")?,
-                        oldest_ms: r.try_get("oldest_ms")?,
-                    });
-                }
-                Ok(out)
-            }
-
-            async fn purge_sent(
-                pool: &Pool<Self>,
-                sql: &OutboxSql,
-                before_ms: i64,
-                limit: i64,
-            ) -> Result<u64, sqlx::Error> {
-                let done = sqlx::query(&sql.purge_sent)
-                    .bind(before_ms)
-                    .bind(limit)
-                    .execute(pool)
-                    .await?;
-                Ok(done.rows_affected())
-            }
-
-            async fn rotate_sent(
-                pool: &Pool<Self>,
-                sql: &OutboxSql,
-                before_ms: i64,
-                now_ms: i64,
-            ) -> Result<Option<u64>, sqlx::Error> {
-                match &sql.rotation {
-                    Some(rotation) => {
-                        super::generations::rotate::<Self>(pool, rotation, before_ms, now_ms).await
-                    }
-                    None => Ok(None),
-                }
-            }
-
-            async fn retry_dead(
-                pool: &Pool<Self>,
-                sql: &OutboxSql,
-                message_id: Option<&str>,
-                now_ms: i64,
-            ) -> Result<u64, sqlx::Error> {
-                let done = match message_id {
-                    None => {
-                        sqlx::query(&sql.retry_all)
-                            .bind(now_ms)
-                            .execute(pool)
-                            .await?
-                    }
-                    Some(id) => {
-                        sqlx::query(&sql.retry_one)
-                            .bind(now_ms)
-                            .bind(id)
-                            .execute(pool)
-                            .await?
-                    }
-                };
-                Ok(done.rows_affected())
-            }
-
-            async fn records(
-                pool: &Pool<Self>,
-                sql: &OutboxSql,
-                filter: RecordsFilter<'_>,
-            ) -> Result<Vec<OutboxRecord>, sqlx::Error> {
-                let rows = match filter {
-                    RecordsFilter::Status(status, limit) => {
-                        sqlx::query(&sql.list)
-                            .bind(status.code())
-                            .bind(limit)
-                            .fetch_all(pool)
-                            .await?
-                    }
-                    RecordsFilter::MessageId(id) => {
-                        sqlx::query(&sql.find).bind(id).fetch_all(pool).await?
-                    }
-                };
-                rows.iter()
-                    .map(|r| read_record::<Self>(r, matches!($dialect, Dialect::MySql)))
-                    .collect()
-            }
+    async fn create(pool: &Pool<Self>, sql: &OutboxSql) -> Result<(), sqlx::Error> {
+        // One transaction: PostgreSQL's advisory lock (the first
+        // statement) holds until the DDL commits.
+        let mut tx = pool.begin().await?;
+        // PostgreSQL: lock waits bounded, so that a migration
+        // behind a stuck transaction fails instead of blocking
+        // forever (the caller bounds the whole migration).
+        if matches!(Self::DIALECT, Dialect::Postgres) {
+            let timeout = crate::store::Deadlines::default().migration_lock_timeout();
+            let set = format!(
+                "SET LOCAL lock_timeout = '{}ms'",
+                timeout.as_millis().max(1)
+            );
+            sqlx::query(&set).execute(&mut *tx).await?;
         }
-    };
-}
+        for ddl in &sql.ddl {
+            sqlx::query(ddl).execute(&mut *tx).await?;
+        }
+        tx.commit().await
+    }
 
-#[cfg(feature = "postgres")]
-outbox_backend!(sqlx::Postgres, Dialect::Postgres, None::<&'static str>);
-#[cfg(feature = "mysql")]
-outbox_backend!(sqlx::MySql, Dialect::MySql, None::<&'static str>);
-#[cfg(feature = "sqlite")]
-outbox_backend!(sqlx::Sqlite, Dialect::Sqlite, Some("BEGIN IMMEDIATE"));
+    async fn insert(
+        conn: &mut Self::Connection,
+        sql: &OutboxSql,
+        row: &NewRow<'_>,
+        channel: &str,
+    ) -> Result<(), sqlx::Error> {
+        let mut q = sqlx::query(&sql.enqueue)
+            .bind(row.message_id)
+            .bind(row.scope)
+            .bind(row.causation)
+            .bind(row.traceparent)
+            .bind(row.kind)
+            .bind(row.destination)
+            .bind(row.routing_key)
+            .bind(row.message_key)
+            .bind(row.order_key)
+            .bind(row.headers)
+            .bind(row.payload)
+            .bind(row.now_ms)
+            .bind(row.now_ms);
+        if matches!(Self::DIALECT, Dialect::Postgres) {
+            q = q.bind(channel);
+        }
+        q.execute(&mut *conn).await?;
+        Ok(())
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        match Self::DIALECT {
+            // SQLite: take the write lock now, so that two relays
+            // queue instead of failing on a lock upgrade.
+            Dialect::Sqlite => pool.begin_with(<DB as Backend>::BEGIN).await,
+            _ => pool.begin().await,
+        }
+    }
+
+    async fn claim(
+        conn: &mut Self::Connection,
+        heads: &str,
+        sql: &OutboxSql,
+        now_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+        let read = |r: &_| read_row::<Self>(r, Self::DIALECT.byte_text());
+        let head_rows = sqlx::query(heads)
+            .bind(now_ms)
+            .bind(limit)
+            .fetch_all(&mut *conn)
+            .await?;
+        if head_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let heads: Vec<OutboxRow> = head_rows.iter().map(read).collect::<Result<_, _>>()?;
+        // Rows behind a locked head cannot be any other relay's
+        // head until this transaction ends: take some along.
+        let mut qb = sqlx::QueryBuilder::<Self>::new(&sql.follow_prefix);
+        let mut keys = qb.separated(", ");
+        for head in &heads {
+            keys.push_bind(head.order_key.clone());
+        }
+        // In id order under one limit: a key's head always comes
+        // before the rows behind it, so a cut never takes a row
+        // without its head.
+        qb.push(") ORDER BY id LIMIT ");
+        qb.push_bind(limit);
+        qb.push(sql.follow_lock);
+        let rows = DB::build(&mut qb).fetch_all(&mut *conn).await?;
+        rows.iter().map(read).collect()
+    }
+
+    async fn update_pending(
+        conn: &mut Self::Connection,
+        prefix: &str,
+        value: i64,
+        ids: &[i64],
+    ) -> Result<(), sqlx::Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut qb = sqlx::QueryBuilder::<Self>::new(prefix);
+        qb.push_bind(value);
+        qb.push(" WHERE status = 0 AND id IN (");
+        let mut list = qb.separated(", ");
+        for id in ids {
+            list.push_bind(*id);
+        }
+        qb.push(")");
+        DB::build(&mut qb).execute(&mut *conn).await?;
+        Ok(())
+    }
+
+    async fn mark_failed(
+        conn: &mut Self::Connection,
+        sql: &OutboxSql,
+        failure: &Failed<'_>,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(&sql.failed)
+            .bind(
+                if failure.dead {
+                    Status::Dead
+                } else {
+                    Status::Pending
+                }
+                .code(),
+            )
+            .bind(failure.next_ms)
+            .bind(failure.error)
+            .bind(failure.id)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn stats(pool: &Pool<Self>, sql: &OutboxSql) -> Result<Vec<StatusCount>, sqlx::Error> {
+        use sqlx::Row as _;
+        let rows = sqlx::query(&sql.stats).fetch_all(pool).await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let code: i16 = r.try_get("status")?;
+            let Some(status) = Status::from_code(code) else {
+                continue;
+            };
+            out.push(StatusCount {
+                status,
+                kind: text_nn::<Self>(r, "kind", Self::DIALECT.byte_text())?,
+                rows: r.try_get("n")?,
+                oldest_ms: r.try_get("oldest_ms")?,
+            });
+        }
+        Ok(out)
+    }
+
+    async fn purge_sent(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        before_ms: i64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(&sql.purge_sent)
+            .bind(before_ms)
+            .bind(limit)
+            .execute(pool)
+            .await?;
+        Ok(<DB as Backend>::rows_affected(&done))
+    }
+
+    async fn rotate_sent(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        before_ms: i64,
+        now_ms: i64,
+    ) -> Result<Option<u64>, sqlx::Error> {
+        match &sql.rotation {
+            Some(rotation) => {
+                super::generations::rotate::<Self>(pool, rotation, before_ms, now_ms).await
+            }
+            None => Ok(None),
+        }
+    }
+
+    async fn retry_dead(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        message_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = match message_id {
+            None => {
+                sqlx::query(&sql.retry_all)
+                    .bind(now_ms)
+                    .execute(pool)
+                    .await?
+            }
+            Some(id) => {
+                sqlx::query(&sql.retry_one)
+                    .bind(now_ms)
+                    .bind(id)
+                    .execute(pool)
+                    .await?
+            }
+        };
+        Ok(<DB as Backend>::rows_affected(&done))
+    }
+
+    async fn records(
+        pool: &Pool<Self>,
+        sql: &OutboxSql,
+        filter: RecordsFilter<'_>,
+    ) -> Result<Vec<OutboxRecord>, sqlx::Error> {
+        let rows = match filter {
+            RecordsFilter::Status(status, limit) => {
+                sqlx::query(&sql.list)
+                    .bind(status.code())
+                    .bind(limit)
+                    .fetch_all(pool)
+                    .await?
+            }
+            RecordsFilter::MessageId(id) => sqlx::query(&sql.find).bind(id).fetch_all(pool).await?,
+        };
+        rows.iter()
+            .map(|r| read_record::<Self>(r, Self::DIALECT.byte_text()))
+            .collect()
+    }
+}

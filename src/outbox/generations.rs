@@ -24,7 +24,7 @@ use super::sql::{DEAD, OutboxSql, PENDING, SENT};
 #[cfg(feature = "postgres")]
 use crate::store::TableName;
 #[cfg(feature = "postgres")]
-use crate::store::postgres::{partitions_ddl, rows_sql, switch_sql};
+use crate::store::postgres::{adopt_plain_table, partitions_ddl, rows_sql, switch_sql};
 
 /// Every column of an outbox row, in table order.
 #[cfg(feature = "postgres")]
@@ -57,7 +57,7 @@ pub struct OutboxRotation {
 /// The statements of an outbox on `table` in the generations layout.
 #[cfg(feature = "postgres")]
 pub(crate) fn sql(table: &TableName) -> OutboxSql {
-    let mut sql = OutboxSql::new(super::sql::Dialect::Postgres, table);
+    let mut sql = OutboxSql::new(crate::store::Dialect::Postgres, table);
     let t = table.quoted('"');
     let g = [
         table.suffixed("g0").quoted('"'),
@@ -65,32 +65,12 @@ pub(crate) fn sql(table: &TableName) -> OutboxSql {
     ];
     let c = table.suffixed("generation").quoted('"');
     let seq = table.suffixed("id_seq").quoted('"');
-    let g0_name = table.suffixed("g0").table().to_owned();
-    let renamed = |suffix: &str| {
-        let from = table.suffixed(suffix).quoted('"');
-        let to = format!("{g0_name}_{suffix}");
-        format!(
-            "IF to_regclass('{from}') IS NOT NULL THEN ALTER INDEX {from} RENAME TO \"{to}\"; END IF; "
-        )
-    };
     let mut ddl = vec![
         format!("SELECT pg_advisory_xact_lock(hashtext('onceonly_outbox:{table}'))"),
         // A plain outbox becomes generation 0: its ids and their sequence
         // stay; its keys are replaced by the partitioned table's, its
         // indexes renamed to match the partitioned table's.
-        format!(
-            "DO $onceonly$ DECLARE k record; BEGIN \
-             IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('{t}') AND relkind = 'r') THEN \
-             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS generation smallint NOT NULL DEFAULT 0; \
-             FOR k IN SELECT conname FROM pg_constraint \
-             WHERE conrelid = to_regclass('{t}') AND contype IN ('p', 'u') LOOP \
-             EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', '{t}', k.conname); END LOOP; \
-             {pending}{sent}\
-             ALTER TABLE {t} RENAME TO \"{g0_name}\"; \
-             END IF; END $onceonly$",
-            pending = renamed("pending"),
-            sent = renamed("sent"),
-        ),
+        adopt_plain_table(table, "'p', 'u'", &["pending", "sent"]),
         format!("CREATE SEQUENCE IF NOT EXISTS {seq}"),
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (\

@@ -1,63 +1,11 @@
 //! The transactional outbox: messages a handler sends (Kafka records, AMQP
 //! messages, webhooks) commit with its claim and leave exactly once in
-//! effect.
-//!
-//! Inside the handler, [`Outbox::enqueue`] inserts the message into the
-//! outbox table in the claim's transaction: it commits with the claim and
-//! the handler's writes, or not at all. A [`Relay`] publishes committed
+//! effect. Inside the handler, [`Outbox::enqueue`] inserts the message into
+//! the outbox table in the claim's transaction: it commits with the claim
+//! and the handler's writes, or not at all. A [`Relay`] publishes committed
 //! rows and marks them sent only after the destination confirmed them.
 //!
-//! ```no_run
-//! # #[cfg(feature = "postgres")]
-//! # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! use onceonly::outbox::{Outbox, OutboxMessage};
-//! use onceonly::{Json, Tx, handler_fn};
-//! use sqlx::Postgres;
-//!
-//! #[derive(serde::Deserialize)]
-//! struct Payment { out_trade_no: String, account: String, amount: i64 }
-//!
-//! let outbox = Outbox::<Postgres>::new();
-//! outbox.migrate(&pool).await?;
-//! let handler = handler_fn(move |tx: Tx<Postgres>, Json(p): Json<Payment>| {
-//!     let outbox = outbox.clone();
-//!     async move {
-//!         let mut conn = tx.lock().await?;
-//!         // ... the handler's own writes through &mut *conn ...
-//!         let settled = serde_json::json!({ "out_trade_no": p.out_trade_no, "amount": p.amount });
-//!         outbox
-//!             .enqueue(&mut conn, OutboxMessage::kafka("payments.settled", p.account, settled.to_string()))
-//!             .await?;
-//!         Ok(())
-//!     }
-//! });
-//! # Ok(()) }
-//! ```
-//!
-//! # Guarantees
-//!
-//! | | |
-//! |---|---|
-//! | a message of a committed handler run | is published at least once, after the commit; never lost by a crash of the handler, the relay or the broker |
-//! | a message of a rolled-back run (failure, crash, duplicate, conflict, rejection) | is never published: its row never committed |
-//! | every copy of one message | carries the same id in header [`MESSAGE_ID_HEADER`]: the `n`-th message of the handling of inbound key `k` in scope `s` always has the same id, even when `k` is processed again after its record expired |
-//! | order | the messages of one ordering key (destination and message key, see [`OutboxMessage::order_by`]) are published in enqueue order, even with several relays |
-//! | a message the destination refuses permanently, or that failed [`RelayBuilder::max_attempts`] times | is parked as dead (visible in `onceonly outbox stats`, retried with `onceonly outbox retry`); the messages behind it in its order go on |
-//!
-//! A relay that crashes after a publish and before marking the row sent
-//! publishes it again: **the downstream side must dedupe on the message
-//! id**, e.g. a onceonly consumer keyed on `header:x-onceonly-message-id`.
-//! Together this is exactly once in effect from the inbound message to the
-//! downstream effect.
-//!
-//! # Metrics
-//!
-//! `onceonly_outbox_backlog{table}` (pending rows),
-//! `onceonly_outbox_oldest_pending_seconds{table}`,
-//! `onceonly_outbox_published_total{kind}`,
-//! `onceonly_outbox_publish_seconds{kind}` (publish latency, confirm
-//! included: for pipelined messages the time until their key's last
-//! confirm), `onceonly_outbox_failures_total{kind,destination,permanent}`.
+#![doc = include_str!("../../docs/outbox.md")]
 
 mod admin;
 mod backend;
@@ -111,7 +59,7 @@ impl Outbox<sqlx::Postgres> {
         let sql = if generations {
             generations::sql(&self.table)
         } else {
-            OutboxSql::new(sql::Dialect::Postgres, &self.table)
+            OutboxSql::new(crate::store::Dialect::Postgres, &self.table)
         };
         Self {
             sql: Arc::new(sql),
@@ -184,7 +132,7 @@ impl<DB: OutboxBackend> Outbox<DB> {
 
     fn build(table: &TableName) -> Self {
         Self {
-            sql: Arc::new(OutboxSql::new(DB::DIALECT.0, table)),
+            sql: Arc::new(OutboxSql::new(DB::DIALECT, table)),
             channel: Arc::from(notify_channel(table.table())),
             table: table.clone(),
             _db: PhantomData,

@@ -139,7 +139,7 @@ impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
 /// [`publish_ordered`](Publisher::publish_ordered): `message` alone, by
 /// `timeout` from now (`what` names the publisher in the error when
 /// nothing was tried).
-#[cfg(any(feature = "amqp", feature = "kafka"))]
+#[cfg(feature = "_broker")]
 pub(crate) async fn publish_alone<P: Publisher + ?Sized>(
     publisher: &P,
     message: &Outgoing<'_>,

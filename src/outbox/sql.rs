@@ -2,7 +2,7 @@
 //! table names and this module's own constants are ever put into SQL
 //! text; every value is bound.
 
-use crate::store::TableName;
+use crate::store::{Dialect, TableName};
 
 /// The default outbox table name.
 pub const DEFAULT_OUTBOX_TABLE: &str = "onceonly_outbox";
@@ -13,33 +13,6 @@ pub(crate) const PENDING: i16 = 0;
 pub(crate) const SENT: i16 = 1;
 /// A row failed permanently, or too often: parked until retried by hand.
 pub(crate) const DEAD: i16 = 2;
-
-/// The SQL dialect of a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-// Each backend's variant is constructed only with its feature.
-#[allow(dead_code)]
-pub(crate) enum Dialect {
-    Postgres,
-    MySql,
-    Sqlite,
-}
-
-impl Dialect {
-    /// The `n`-th bind placeholder (1-based).
-    fn p(self, n: usize) -> String {
-        match self {
-            Self::MySql => "?".to_owned(),
-            Self::Postgres | Self::Sqlite => format!("${n}"),
-        }
-    }
-
-    fn quote(self) -> char {
-        match self {
-            Self::MySql => '`',
-            Self::Postgres | Self::Sqlite => '"',
-        }
-    }
-}
 
 /// The columns a relay reads.
 pub(crate) const ROW_COLS: &str = "id, message_id, scope, causation, traceparent, kind, destination, \
@@ -93,7 +66,7 @@ impl OutboxSql {
     pub(crate) fn new(dialect: Dialect, table: &TableName) -> Self {
         let q = dialect.quote();
         let t = table.quoted(q);
-        let p = |n| dialect.p(n);
+        let p = |n| dialect.placeholder(n);
         // Partial indexes (PostgreSQL, SQLite): only pending rows are
         // searched by key, only sent rows by age.
         let idx_pending = format!(

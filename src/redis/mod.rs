@@ -1,22 +1,8 @@
-//! Redis tier (feature `redis`).
+//! Redis tier (feature `redis`): a cache in front of any SQL store
+//! ([`CachedStore`]), and fenced, leased claims for effects outside any SQL
+//! transaction ([`RedisStore`]), on one server or a Redis Cluster.
 //!
-//! - [`RedisStore`]: fenced, leased claims in Redis alone, for effects that
-//!   are not database writes (send an SMS once, call a third-party API
-//!   once). Read its guarantee: it is not atomic with the effect.
-//! - [`CachedStore`]: Redis in front of a SQL store. Duplicates are answered
-//!   from Redis without SQL; SQL stays the source of truth and Redis is
-//!   written only after the SQL commit. Works wherever a SQL store does.
-//!
-//! Both take a [`RedisConnection`]: one server or a Redis Cluster
-//! (`redis+cluster://host1:7000,host2:7000`, or
-//! [`RedisConnection::builder`]`.cluster(nodes)`).
-//!
-//! Keys are `<prefix><scope>:<key>`, with no hash tag: on a Redis Cluster
-//! the keys of one scope spread over every slot, and so over every master
-//! (see [`RedisStore`] for the upgrade from the earlier
-//! `<prefix>{<scope>}:<key>`). Log lines and errors never show these Redis
-//! keys (they hold the business key); [`RedisStore`]'s lines show the key
-//! as its [`KeyRedaction`](crate::KeyRedaction) says.
+#![doc = include_str!("../../docs/redis.md")]
 
 mod cached;
 mod conn;

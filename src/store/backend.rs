@@ -10,18 +10,15 @@ use sqlx::{Database, QueryBuilder};
 
 use super::base::SqlBase;
 use super::claim::Existing;
+use super::dialect::{Dialect, Layout};
 use super::sql::Sql;
 use super::{Claim, ClaimRequest, ClaimTimes, StoreError, TableName};
 
-/// The dialect of one SQL database.
+/// What one SQL database does its own way.
 pub(crate) trait Backend: Database {
-    /// The identifier quote (`"` or `` ` ``).
-    const QUOTE: char;
-
-    /// Text columns are byte strings (MySQL's byte-exact `VARBINARY`): they
-    /// decode from bytes that must be UTF-8, and prefixes are measured in
-    /// bytes. Elsewhere text decodes as text and prefixes count characters.
-    const BYTE_TEXT: bool;
+    /// Which database this is: the one value the store, the outbox and the
+    /// CLI read the dialect from.
+    const DIALECT: Dialect;
 
     /// Row values compare as index ranges (`(scope, idem_key) > (?, ?)`);
     /// otherwise key ranges are written out for the range optimizer.
@@ -67,8 +64,17 @@ pub(crate) trait Backend: Database {
         None
     }
 
-    /// Every statement of a store on `table`.
-    fn sql(table: &TableName) -> Sql;
+    /// Every statement of a store on `table`, laid out as `layout` (a
+    /// backend without the layout answers with its plain statements: only
+    /// a store of a backend that has the layout can ask for it).
+    fn sql(table: &TableName, layout: Layout) -> Sql;
+
+    /// The `BEGIN` of a claim transaction on `table`, laid out as `layout`
+    /// (PostgreSQL's generations: with the rotation fence). A store may
+    /// add settings of its own.
+    fn begin(_table: &TableName, _layout: Layout) -> std::borrow::Cow<'static, str> {
+        std::borrow::Cow::Borrowed(Self::BEGIN)
+    }
 
     /// How many rows a statement wrote (matched, with MySQL's
     /// `CLIENT_FOUND_ROWS`).

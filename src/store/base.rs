@@ -15,6 +15,7 @@ use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Transaction, Type};
 use super::backend::Backend;
 use super::claim::Existing;
 use super::deadline::{Deadlines, within};
+use super::dialect::Layout;
 use super::rows::StoreRow;
 use super::sql::{Sql, lock_timeout_value};
 use super::{
@@ -27,6 +28,8 @@ use super::{
 pub(crate) struct SqlBase<DB: Database> {
     pub pool: Pool<DB>,
     pub table: TableName,
+    /// The table's layout: `sql` and `begin` are built from it.
+    pub layout: Layout,
     pub sql: Arc<Sql>,
     /// The `BEGIN` of claim transactions.
     pub begin: Cow<'static, str>,
@@ -39,6 +42,7 @@ impl<DB: Database> Clone for SqlBase<DB> {
         Self {
             pool: self.pool.clone(),
             table: self.table.clone(),
+            layout: self.layout,
             sql: Arc::clone(&self.sql),
             begin: self.begin.clone(),
             deadlines: self.deadlines,
@@ -47,22 +51,37 @@ impl<DB: Database> Clone for SqlBase<DB> {
 }
 
 impl<DB: Backend> SqlBase<DB> {
-    /// A store on `table` over `pool`.
+    /// A store on `table` (of the plain layout) over `pool`.
     pub fn new(pool: Pool<DB>, table: TableName) -> Self {
         Self {
-            sql: Arc::new(DB::sql(&table)),
+            sql: Arc::new(DB::sql(&table, Layout::Plain)),
+            begin: DB::begin(&table, Layout::Plain),
             pool,
             table,
-            begin: Cow::Borrowed(DB::BEGIN),
+            layout: Layout::Plain,
             deadlines: Deadlines::default(),
         }
     }
 
-    /// The same store on another table.
+    /// The same store on another table of the same layout: the statements
+    /// and `BEGIN` are rebuilt from both.
     pub fn on_table(self, table: TableName) -> Self {
         Self {
-            sql: Arc::new(DB::sql(&table)),
+            sql: Arc::new(DB::sql(&table, self.layout)),
+            begin: DB::begin(&table, self.layout),
             table,
+            ..self
+        }
+    }
+
+    /// The same store with the table laid out as `layout`: the statements
+    /// and `BEGIN` are rebuilt from both.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // the only layout beside the plain one
+    pub fn with_layout(self, layout: Layout) -> Self {
+        Self {
+            sql: Arc::new(DB::sql(&self.table, layout)),
+            begin: DB::begin(&self.table, layout),
+            layout,
             ..self
         }
     }
@@ -79,7 +98,7 @@ impl<DB: Backend> SqlBase<DB> {
 
     /// The table, quoted for this backend.
     pub fn quoted_table(&self) -> String {
-        self.table.quoted(DB::QUOTE)
+        self.table.quoted(DB::DIALECT.quote())
     }
 
     /// The bounds of every call.

@@ -1,20 +1,14 @@
-//! Dedup records and the SQL stores that claim them inside the caller's transaction.
-//!
-//! A record is `(scope, key)` → fingerprint, result, source, created_at,
-//! expires_at, under a primary key on `(scope, key)`. The claim is an insert
-//! in the same transaction as the handler's business writes: if the
-//! transaction commits, the key is done together with its effects; if it
-//! rolls back (handler error, crash, lost connection), nothing is left behind
-//! and a redelivery processes the key again. Concurrent claims of one key are
-//! serialized by the database's unique index.
-//!
-//! One store per backend, each behind its cargo feature:
-//! [`PgStore`](crate::store::postgres::PgStore) (`postgres`),
+//! Dedup records and the SQL stores that claim them inside the caller's
+//! transaction. A record is `(scope, key)` → fingerprint, result, source,
+//! created_at, expires_at, under a primary key on `(scope, key)`; the claim
+//! is an insert in the same transaction as the handler's business writes,
+//! so the key is done together with its effects or, if the transaction
+//! rolls back, not at all. One store per backend, each behind its cargo
+//! feature: [`PgStore`](crate::store::postgres::PgStore) (`postgres`),
 //! [`MySqlStore`](crate::store::mysql::MySqlStore) (`mysql`, also MariaDB),
-//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`). Their
-//! statements are run by one implementation, generic over the sqlx database;
-//! a backend module holds only what differs (its dialect, DDL and SQL text,
-//! and PostgreSQL's batch statements).
+//! [`SqliteStore`](crate::store::sqlite::SqliteStore) (`sqlite`).
+//!
+#![doc = include_str!("../../docs/stores.md")]
 
 pub mod admin;
 mod backend;
@@ -23,6 +17,7 @@ mod batch;
 mod claim;
 pub(crate) mod claim_tx;
 pub(crate) mod deadline;
+mod dialect;
 pub(crate) mod error;
 pub(crate) mod forward;
 mod rows;
@@ -44,12 +39,14 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::fingerprint::Fingerprint;
 
+pub(crate) use backend::Backend;
 pub use claim_tx::ClaimTx;
 pub use deadline::{
     DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
     DEFAULT_STATEMENT_DEADLINE, DEFAULT_TCP_KEEPALIVE, DEFAULT_TRANSACTION_DEADLINE,
     DeadlineMissed, Deadlines, PING_IDLE_AFTER, TcpKeepalive, pool_options_for,
 };
+pub use dialect::{Dialect, Layout};
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
 };
@@ -503,20 +500,6 @@ pub(crate) async fn finish_by_statements<S: SqlStore>(
     deadline::within(bound, "commit", tx.commit()).await
 }
 
-/// A SQL backend, for [`migration_sql`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum BackendKind {
-    /// PostgreSQL.
-    Postgres,
-    /// PostgreSQL, the generations layout ([`PgStore::generations`](crate::PgStore::generations)).
-    PostgresGenerations,
-    /// MySQL or MariaDB.
-    MySql,
-    /// SQLite.
-    Sqlite,
-}
-
 /// The default number of buckets PostgreSQL's generations layout splits
 /// each generation into (`PgStore::generation_buckets`): 8.
 pub const DEFAULT_GENERATION_BUCKETS: u16 = 8;
@@ -532,25 +515,24 @@ pub(crate) fn without_migration_lock(ddl: Vec<String>) -> Vec<String> {
         .collect()
 }
 
-/// The DDL [`SqlStore::migrate`] runs for dedup table `table` on
-/// `backend` (the table, its attempts table [`TableName::attempts`] and
-/// their indexes, `IF NOT EXISTS`), for your own
-/// migration tool; `None` if the backend is not compiled in. PostgreSQL's
-/// migration lock is left out: run the statements in one migration.
+/// The DDL [`SqlStore::migrate`] runs for dedup table `table` of `layout`
+/// on `dialect` (the table, its attempts table [`TableName::attempts`] and
+/// their indexes, `IF NOT EXISTS`), for your own migration tool: the same
+/// statements the store builds (`Backend::sql`). `None` if the backend is
+/// not compiled in, or has no such layout (generations: PostgreSQL only).
+/// PostgreSQL's migration lock is left out: run the statements in one
+/// migration.
 // Without any backend compiled in every arm returns `None`.
 #[allow(unreachable_code, unused_variables)]
-pub fn migration_sql(backend: BackendKind, table: &TableName) -> Option<Vec<String>> {
-    let ddl: Vec<String> = match backend {
+pub fn migration_sql(dialect: Dialect, layout: Layout, table: &TableName) -> Option<Vec<String>> {
+    use backend::Backend;
+    let ddl: Vec<String> = match (dialect, layout) {
         #[cfg(feature = "postgres")]
-        BackendKind::Postgres => sql::Sql::postgres(table).ddl,
-        #[cfg(feature = "postgres")]
-        BackendKind::PostgresGenerations => {
-            postgres::generations_sql(table, postgres::DEFAULT_GENERATION_BUCKETS).ddl
-        }
+        (Dialect::Postgres, layout) => sqlx::Postgres::sql(table, layout).ddl,
         #[cfg(feature = "mysql")]
-        BackendKind::MySql => sql::Sql::mysql(table).ddl,
+        (Dialect::MySql, Layout::Plain) => sqlx::MySql::sql(table, layout).ddl,
         #[cfg(feature = "sqlite")]
-        BackendKind::Sqlite => sql::Sql::sqlite(table).ddl,
+        (Dialect::Sqlite, Layout::Plain) => sqlx::Sqlite::sql(table, layout).ddl,
         #[allow(unreachable_patterns)]
         _ => return None,
     };

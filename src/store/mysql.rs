@@ -63,6 +63,7 @@ use sqlx::query::Query;
 
 use super::backend::Backend;
 use super::base::SqlBase;
+use super::dialect::{Dialect, Layout};
 use super::sql::Sql;
 use super::{Deadlines, StoreError, TableName};
 
@@ -157,8 +158,7 @@ super::forward::forward_sql_store!(impl[] for MySqlStore => base, Db = MySql);
 super::forward::forward_admin_store!(impl[] for MySqlStore => base);
 
 impl Backend for MySql {
-    const QUOTE: char = '`';
-    const BYTE_TEXT: bool = true;
+    const DIALECT: Dialect = Dialect::MySql;
     const ROW_VALUES: bool = false;
     const BEGIN: &'static str = BEGIN;
     const TX_CHECK: Option<&'static str> = Some(TX_CHECK);
@@ -185,7 +185,8 @@ impl Backend for MySql {
         ))
     }
 
-    fn sql(table: &TableName) -> Sql {
+    /// MySQL has the plain layout only.
+    fn sql(table: &TableName, _layout: Layout) -> Sql {
         Sql::mysql(table)
     }
 

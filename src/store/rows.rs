@@ -1,7 +1,7 @@
 //! Reading records and statistics out of result rows, once for every
 //! backend. Only text columns differ: Postgres and SQLite return `TEXT`,
 //! MySQL's byte-exact `VARBINARY` columns return bytes that must be UTF-8
-//! ([`Backend::BYTE_TEXT`]).
+//! ([`Dialect::byte_text`](super::Dialect::byte_text)).
 
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
@@ -47,7 +47,7 @@ where
     for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
 {
     fn text_opt(&self, column: &str) -> Result<Option<String>, StoreError> {
-        if !<R::Database as Backend>::BYTE_TEXT {
+        if !<R::Database as Backend>::DIALECT.byte_text() {
             return Ok(self.try_get(column)?);
         }
         let bytes: Option<Vec<u8>> = self.try_get(column)?;

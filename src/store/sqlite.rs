@@ -23,6 +23,7 @@ use sqlx::sqlite::{
 
 use super::backend::Backend;
 use super::base::SqlBase;
+use super::dialect::{Dialect, Layout};
 use super::sql::Sql;
 use super::{Deadlines, StoreError, TableName};
 
@@ -104,14 +105,14 @@ super::forward::forward_sql_store!(impl[] for SqliteStore => base, Db = Sqlite);
 super::forward::forward_admin_store!(impl[] for SqliteStore => base);
 
 impl Backend for Sqlite {
-    const QUOTE: char = '"';
-    const BYTE_TEXT: bool = false;
+    const DIALECT: Dialect = Dialect::Sqlite;
     const ROW_VALUES: bool = true;
     /// Writers queue on the write lock instead of failing on a lock upgrade.
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
     const MIGRATE_BEGIN: Option<&'static str> = Some(Self::BEGIN);
 
-    fn sql(table: &TableName) -> Sql {
+    /// SQLite has the plain layout only.
+    fn sql(table: &TableName, _layout: Layout) -> Sql {
         Sql::sqlite(table)
     }
 

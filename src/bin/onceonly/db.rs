@@ -127,18 +127,26 @@ impl Db {
         }
     }
 
-    /// The backend, for [`onceonly::store::migration_sql`].
-    pub fn kind(&self) -> onceonly::store::BackendKind {
-        use onceonly::store::BackendKind;
+    /// The database, for [`onceonly::store::migration_sql`].
+    pub fn dialect(&self) -> onceonly::store::Dialect {
+        use onceonly::store::Dialect;
         match self {
             #[cfg(feature = "postgres")]
-            Self::Postgres(s) if s.has_generations() => BackendKind::PostgresGenerations,
-            #[cfg(feature = "postgres")]
-            Self::Postgres(_) => BackendKind::Postgres,
+            Self::Postgres(_) => Dialect::Postgres,
             #[cfg(feature = "mysql")]
-            Self::MySql(_) => BackendKind::MySql,
+            Self::MySql(_) => Dialect::MySql,
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => BackendKind::Sqlite,
+            Self::Sqlite(_) => Dialect::Sqlite,
+        }
+    }
+
+    /// The dedup table's layout, for [`onceonly::store::migration_sql`].
+    pub fn layout(&self) -> onceonly::store::Layout {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres(s) => s.layout_of_table(),
+            #[allow(unreachable_patterns)]
+            _ => onceonly::store::Layout::Plain,
         }
     }
 

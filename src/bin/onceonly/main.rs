@@ -4,7 +4,7 @@
 //! compute the logged form of a key.
 
 mod db;
-#[cfg(any(feature = "amqp", feature = "kafka"))]
+#[cfg(feature = "_broker")]
 mod dlq;
 mod doctor;
 mod inspect;
@@ -13,7 +13,7 @@ mod migrate;
 mod outbox;
 mod purge;
 mod relay;
-#[cfg(any(feature = "amqp", feature = "kafka"))]
+#[cfg(feature = "_broker")]
 mod replay;
 mod stats;
 mod time;
@@ -65,10 +65,10 @@ enum Command {
     Relay(relay::RelayArgs),
     Doctor(doctor::DoctorArgs),
     /// Replay dead letters back to where they came from.
-    #[cfg(any(feature = "amqp", feature = "kafka"))]
+    #[cfg(feature = "_broker")]
     Replay(replay::ReplayArgs),
     /// Look into dead-letter queues and topics (failure groups).
-    #[cfg(any(feature = "amqp", feature = "kafka"))]
+    #[cfg(feature = "_broker")]
     Dlq(dlq::DlqArgs),
     KeyHash(key_hash::KeyHashArgs),
 }
@@ -178,9 +178,9 @@ fn main() -> ExitCode {
             Command::Outbox(a) => outbox::run(a).await,
             Command::Relay(a) => relay::run(a).await.map(|()| ExitCode::SUCCESS),
             Command::Doctor(a) => doctor::run(a).await,
-            #[cfg(any(feature = "amqp", feature = "kafka"))]
+            #[cfg(feature = "_broker")]
             Command::Replay(a) => replay::run(a).await.map(|()| ExitCode::SUCCESS),
-            #[cfg(any(feature = "amqp", feature = "kafka"))]
+            #[cfg(feature = "_broker")]
             Command::Dlq(a) => dlq::run(a).await,
             Command::KeyHash(a) => key_hash::run(a).map(|()| ExitCode::SUCCESS),
         }

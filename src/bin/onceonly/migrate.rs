@@ -50,7 +50,7 @@ pub struct MigrateArgs {
     backend: Option<BackendArg>,
     /// PostgreSQL: the dedup table's layout. `generations` partitions it
     /// into two generations purged by TRUNCATE, never by DELETE (for big
-    /// tables; see the README), and upgrades a plain table to it. Default:
+    /// tables; see docs/stores.md), and upgrades a plain table to it. Default:
     /// the layout the table has, plain for a new one.
     #[arg(long, value_enum)]
     layout: Option<LayoutArg>,
@@ -88,27 +88,21 @@ enum BackendArg {
 
 /// Prints the DDL of the dedup table (and the outbox table) for `backend`.
 fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
-    use onceonly::store::{BackendKind, migration_sql};
-    let kind = match backend {
-        BackendArg::Postgres if args.layout == Some(LayoutArg::Generations) => {
-            BackendKind::PostgresGenerations
-        }
-        BackendArg::Postgres => BackendKind::Postgres,
-        BackendArg::Mysql => BackendKind::MySql,
-        BackendArg::Sqlite => BackendKind::Sqlite,
+    use onceonly::store::{Dialect, Layout, migration_sql};
+    let dialect = match backend {
+        BackendArg::Postgres => Dialect::Postgres,
+        BackendArg::Mysql => Dialect::MySql,
+        BackendArg::Sqlite => Dialect::Sqlite,
+    };
+    let layout = match args.layout {
+        Some(LayoutArg::Generations) => Layout::Generations {
+            buckets: args.buckets,
+        },
+        _ => Layout::Plain,
     };
     let table = TableName::new(&args.table)?;
-    #[cfg(feature = "postgres")]
-    let dedup = match kind {
-        BackendKind::PostgresGenerations => Some(
-            onceonly::store::postgres::generations_migration_sql(&table, args.buckets),
-        ),
-        kind => migration_sql(kind, &table),
-    };
-    #[cfg(not(feature = "postgres"))]
-    let dedup = migration_sql(kind, &table);
-    let dedup = dedup.ok_or_else(|| {
-        format!("this build has no {backend:?} support (rebuild with its feature)")
+    let dedup = migration_sql(dialect, layout, &table).ok_or_else(|| {
+        format!("{backend:?} with this layout: the generations layout is PostgreSQL's only, and a backend needs its feature in this build")
     })?;
     out!("-- onceonly dedup table {table} ({backend:?})");
     for statement in dedup {
@@ -116,7 +110,7 @@ fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
     }
     if !args.no_outbox {
         let name = TableName::new(&args.outbox.outbox_table)?.to_string();
-        let outbox = crate::outbox::outbox_sql(kind, &name)?;
+        let outbox = crate::outbox::outbox_sql(dialect, &name)?;
         out!("");
         out!("-- onceonly outbox table {name} ({backend:?})");
         for statement in outbox {
@@ -128,9 +122,10 @@ fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
 
 /// ", generations layout" for a PostgreSQL table of that layout.
 fn layout_note(db: &Db) -> &'static str {
-    match db.kind() {
-        onceonly::store::BackendKind::PostgresGenerations => ", generations layout",
-        _ => "",
+    if db.layout().is_generations() {
+        ", generations layout"
+    } else {
+        ""
     }
 }
 

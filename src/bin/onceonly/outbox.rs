@@ -127,20 +127,15 @@ impl OutboxLayout for sqlx::Sqlite {
 }
 
 /// The outbox DDL on `table` for `backend`, without a database.
-pub(crate) fn outbox_sql(
-    backend: onceonly::store::BackendKind,
-    table: &str,
-) -> CliResult<Vec<String>> {
-    use onceonly::store::BackendKind;
-    Ok(match backend {
+pub(crate) fn outbox_sql(dialect: onceonly::store::Dialect, table: &str) -> CliResult<Vec<String>> {
+    use onceonly::store::Dialect;
+    Ok(match dialect {
         #[cfg(feature = "postgres")]
-        BackendKind::Postgres | BackendKind::PostgresGenerations => {
-            Outbox::<sqlx::Postgres>::on_table(table)?.migration_sql()
-        }
+        Dialect::Postgres => Outbox::<sqlx::Postgres>::on_table(table)?.migration_sql(),
         #[cfg(feature = "mysql")]
-        BackendKind::MySql => Outbox::<sqlx::MySql>::on_table(table)?.migration_sql(),
+        Dialect::MySql => Outbox::<sqlx::MySql>::on_table(table)?.migration_sql(),
         #[cfg(feature = "sqlite")]
-        BackendKind::Sqlite => Outbox::<sqlx::Sqlite>::on_table(table)?.migration_sql(),
+        Dialect::Sqlite => Outbox::<sqlx::Sqlite>::on_table(table)?.migration_sql(),
         #[allow(unreachable_patterns)]
         other => return Err(format!("this build has no {other:?} support").into()),
     })

@@ -2,31 +2,12 @@
 //! verifies a callback as its provider specifies, over the raw bytes
 //! received and before any dedup work, turns it into the payload the
 //! engine and the handler see, names the business field the key comes
-//! from, and answers as the provider expects.
+//! from, and answers as the provider expects. The guide below has the one
+//! table of what each provider signs, its payload, key, retry horizon
+//! (with the provider's own words as the source) and how long a replay is
+//! refused.
 //!
-//! What each provider signs, what its payload and key are, its retry
-//! horizon (with the provider's own words as the source) and how long a
-//! replay is refused are in one table, the README's "Payment providers";
-//! each verifier's documentation says the same for its provider.
-//!
-//! A layer for a provider keeps its records at least that provider's retry
-//! horizon and one hour ([`Provider::min_retention`]; a shorter
-//! [`retention`](super::IdempotencyLayerBuilder::retention) fails the
-//! build), by default [`Provider::default_retention`]: a retry the provider
-//! sends after a record was purged would be processed again. Keys come
-//! from signed bytes only: a layer for a provider keyed on a header fails
-//! the build, since no provider signs one. Each key names one event, not
-//! one order: a payment and its refunds, or a failed and a later successful
-//! attempt, are distinct events, each handled once (sources: Alipay's
-//! `trade_status` and `out_biz_no` "退款通知中返回退款申请的流水号",
-//! WeChat Pay's `REFUND.*` notifications, Adyen's duplicate advice).
-//!
-//! A callback that fails verification gets `401` with a problem document
-//! naming the reason ([`VerifyError`]), and nothing is
-//! claimed. A duplicate gets the same success answer as the first
-//! delivery. A handler's non-2xx answer is rolled back and keeps its status
-//! (every provider retries a non-2xx answer); Alipay's body becomes `fail`,
-//! WeChat Pay's `{"code":"FAIL","message":..}`.
+#![doc = include_str!("../../../docs/providers.md")]
 
 mod adyen;
 mod alipay;

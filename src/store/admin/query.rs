@@ -73,13 +73,13 @@ where
             // syntax depends on server settings), and case-sensitive on SQLite
             // too. MySQL's VARBINARY counts bytes, the others characters (and
             // take the length typed).
-            let len = if DB::BYTE_TEXT {
+            let len = if DB::DIALECT.byte_text() {
                 prefix.len()
             } else {
                 prefix.chars().count()
             };
             let len = i64::try_from(len).unwrap_or(i64::MAX);
-            if DB::BYTE_TEXT {
+            if DB::DIALECT.byte_text() {
                 s.qb.push(" AND substr(source, 1, ")
                     .push_bind(len)
                     .push(")");

@@ -25,7 +25,7 @@ where
         let rows = DB::build(&mut q.qb).fetch_all(&self.pool);
         within(self.pool_bound(), "column check", rows).await?;
         // The attempts table next to it (crash counting of suspects).
-        let attempts = self.table.attempts().quoted(DB::QUOTE);
+        let attempts = self.table.attempts().quoted(DB::DIALECT.quote());
         let sql =
             format!("SELECT scope, idem_key, attempts, expires_at_ms FROM {attempts} WHERE 1 = 0");
         let rows = sqlx::query(&sql).fetch_all(&self.pool);

@@ -244,6 +244,40 @@ pub(crate) fn sql(table: &TableName, buckets: u16) -> Sql {
     sql
 }
 
+/// The statement that makes a plain `table`, if there is one, generation 0
+/// of its generations layout, for every table of the layout (the dedup
+/// table and the outbox): the `generation` column (0 for every row), its
+/// keys of the constraint types `key_types` (SQL, e.g. `'p', 'u'`) dropped
+/// (the partitioned table's replace them), its indexes `indexes` (by the
+/// suffix [`TableName::index`] gave them) renamed to generation 0's, and
+/// the table renamed `<table>_g0`. Idempotent: nothing happens once the
+/// table is partitioned.
+pub(crate) fn adopt_plain_table(table: &TableName, key_types: &str, indexes: &[&str]) -> String {
+    let t = table.quoted('"');
+    let g0_name = table.suffixed("g0").table().to_owned();
+    let renames: String = indexes
+        .iter()
+        .map(|suffix| {
+            let from = table.suffixed(suffix).quoted('"');
+            format!(
+                "IF to_regclass('{from}') IS NOT NULL THEN \
+                 ALTER INDEX {from} RENAME TO \"{g0_name}_{suffix}\"; END IF; "
+            )
+        })
+        .collect();
+    format!(
+        "DO $onceonly$ DECLARE k record; BEGIN \
+         IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('{t}') AND relkind = 'r') THEN \
+         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS generation smallint NOT NULL DEFAULT 0; \
+         FOR k IN SELECT conname FROM pg_constraint \
+         WHERE conrelid = to_regclass('{t}') AND contype IN ({key_types}) LOOP \
+         EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', '{t}', k.conname); END LOOP; \
+         {renames}\
+         ALTER TABLE {t} RENAME TO \"{g0_name}\"; \
+         END IF; END $onceonly$"
+    )
+}
+
 /// The DDL every table of the generations layout shares, run after its
 /// partitioned table was created: a plain table renamed to generation 0 by
 /// the upgrade attached (with a validated check and a matching index, in
@@ -335,27 +369,12 @@ pub(crate) fn switch_sql(c: &str) -> String {
 /// The DDL of the generations layout, upgrading a plain table in place.
 fn ddl(table: &TableName, buckets: u16) -> Vec<String> {
     let t = table.quoted('"');
-    let g0_name = table.suffixed("g0").table().to_owned();
-    let expires = table.suffixed("expires_at").quoted('"');
-    let g0_expires = format!("{g0_name}_expires_at");
     let mut ddl = vec![
         format!("SELECT pg_advisory_xact_lock(hashtext('onceonly:{table}'))"),
         // A plain table becomes generation 0: the column (instant, or
         // already added by `PgStore::prepare_generations`), its primary key
         // dropped (the partitioned one replaces it), renamed.
-        format!(
-            "DO $onceonly$ DECLARE pk text; BEGIN \
-             IF EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass('{t}') AND relkind = 'r') THEN \
-             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS generation smallint NOT NULL DEFAULT 0; \
-             SELECT conname INTO pk FROM pg_constraint \
-             WHERE conrelid = to_regclass('{t}') AND contype = 'p'; \
-             IF pk IS NOT NULL THEN \
-             EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', '{t}', pk); END IF; \
-             IF to_regclass('{expires}') IS NOT NULL THEN \
-             ALTER INDEX {expires} RENAME TO \"{g0_expires}\"; END IF; \
-             ALTER TABLE {t} RENAME TO \"{g0_name}\"; \
-             END IF; END $onceonly$"
-        ),
+        adopt_plain_table(table, "'p'", &["expires_at"]),
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (\
              scope text NOT NULL, idem_key text NOT NULL, fingerprint bytea, result bytea, \

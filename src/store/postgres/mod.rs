@@ -29,7 +29,7 @@
 mod generations;
 mod pipelined;
 pub use generations::DEFAULT_ROTATION_STEP;
-pub(crate) use generations::{partitions_ddl, rows_sql, sql as generations_sql, switch_sql};
+pub(crate) use generations::{adopt_plain_table, partitions_ddl, rows_sql, switch_sql};
 mod unnest;
 
 use std::borrow::Cow;
@@ -44,6 +44,7 @@ use super::backend::Backend;
 use super::base::SqlBase;
 use super::claim::Existing;
 use super::deadline::within;
+use super::dialect::{Dialect, Layout};
 use super::sql::{Sql, lock_timeout_value};
 use super::{Claim, ClaimRequest, ClaimTimes, Deadlines, StoreError, TableName};
 
@@ -55,7 +56,8 @@ pub struct PgStore {
     lock_timeout: Option<Duration>,
     /// Whether claims travel with `BEGIN` and results with `COMMIT`.
     pipelined: bool,
-    /// Whether the table has the generations layout.
+    /// Whether the table has the generations layout (its buckets are
+    /// `buckets`); the table's [`Layout`] is on `base`, built from both.
     generations: bool,
     /// How many buckets each generation's migration creates.
     buckets: u16,
@@ -68,15 +70,6 @@ pub use crate::store::{DEFAULT_GENERATION_BUCKETS, MAX_GENERATION_BUCKETS};
 /// `buckets` within 1 ..= [`MAX_GENERATION_BUCKETS`].
 fn bucket_count(buckets: u16) -> u16 {
     buckets.clamp(1, MAX_GENERATION_BUCKETS)
-}
-
-/// The DDL of the generations layout for dedup table `table`, each
-/// generation split into `buckets` (see [`PgStore::generation_buckets`]),
-/// like [`migration_sql`](crate::store::migration_sql) with
-/// [`BackendKind::PostgresGenerations`](crate::store::BackendKind::PostgresGenerations)
-/// (which uses [`DEFAULT_GENERATION_BUCKETS`]).
-pub fn generations_migration_sql(table: &TableName, buckets: u16) -> Vec<String> {
-    crate::store::without_migration_lock(generations::sql(table, bucket_count(buckets)).ddl)
 }
 
 /// The default [`PgStore::lock_timeout`]: 10 s.
@@ -116,20 +109,33 @@ impl PgStore {
         .layout()
     }
 
-    /// Sets the statements and the claim transactions' `BEGIN` of the
-    /// table, its layout and the lock timeout.
-    fn layout(mut self) -> Self {
-        let table = &self.base.table;
-        let fence = self.generations.then(|| generations::fence_shared(table));
-        self.base.sql = std::sync::Arc::new(if self.generations {
-            let mut sql = generations::sql(table, self.buckets);
-            if let Some(rotation) = sql.rotation.as_mut() {
-                rotation.free_per_step = self.rotation_step;
+    /// The table's layout, as this store's settings say.
+    fn table_layout(&self) -> Layout {
+        if self.generations {
+            Layout::Generations {
+                buckets: self.buckets,
             }
-            sql
         } else {
-            super::sql::Sql::postgres(table)
-        });
+            Layout::Plain
+        }
+    }
+
+    /// Rebuilds the statements and the claim transactions' `BEGIN` from
+    /// the table and its layout (`SqlBase::with_layout`, as every store
+    /// does), then adds this store's own settings: the rotation step and
+    /// the lock timeout.
+    fn layout(mut self) -> Self {
+        let layout = self.table_layout();
+        self.base = self.base.with_layout(layout);
+        // Freshly built: this store holds the only reference.
+        if let Some(rotation) =
+            std::sync::Arc::get_mut(&mut self.base.sql).and_then(|sql| sql.rotation.as_mut())
+        {
+            rotation.free_per_step = self.rotation_step;
+        }
+        let fence = layout
+            .is_generations()
+            .then(|| generations::fence_shared(&self.base.table));
         self.base.begin = begin_sql(self.lock_timeout, fence);
         self
     }
@@ -233,9 +239,7 @@ impl PgStore {
     /// delivery waits on: a database a network away from the consumer
     /// (0.5 ms and more per round trip) with few deliveries in flight. On
     /// a database next to the consumer and busy, it costs more than it
-    /// saves (measured in the README's Benchmarks: 0.45× instead of 0.48×
-    /// of the no-dedup baseline, and about 1.4× the database CPU of the
-    /// default path). Batches
+    /// saves (see BENCHMARKS.md). Batches
     /// ([`Engine::process_batch`](crate::Engine::process_batch)) always
     /// run as statements of their own.
     #[must_use]
@@ -256,8 +260,9 @@ impl PgStore {
     /// Whether the dedup table has the *generations* layout (default
     /// `false`): two partitions, purged by `TRUNCATE` of the older one
     /// instead of by `DELETE`, so a purge never competes with claims,
-    /// however big the table (see the README's "A dedup table of 100
-    /// million records"). [`migrate`](crate::SqlStore::migrate) then creates
+    /// however big the table (see
+    /// [the guide](crate::store#a-dedup-table-of-100-million-records-the-generations-layout-postgresql)).
+    /// [`migrate`](crate::SqlStore::migrate) then creates
     /// that layout, or upgrades a plain table to it (run
     /// [`prepare_generations`](Self::prepare_generations) first on a big
     /// one); [`purge_expired`](crate::SqlStore::purge_expired) of the whole
@@ -294,8 +299,8 @@ impl PgStore {
     /// 100 million records frees about 1 GB at a time; up to about 10
     /// million records it frees the generation in one step anyway. What it
     /// costs: each statement on the table locks every bucket (PostgreSQL
-    /// locks all partitions of a cached plan before pruning them), about
-    /// 0.2 ms of claim p50 at 8 buckets in the bench.
+    /// locks all partitions of a cached plan before pruning them); see
+    /// BENCHMARKS.md.
     ///
     /// A table upgraded from the plain layout keeps its old table as
     /// generation 0 until its first rotation, which truncates it whole and
@@ -324,6 +329,13 @@ impl PgStore {
     /// ([`PgStore::generations`]).
     pub fn has_generations(&self) -> bool {
         self.generations
+    }
+
+    /// The layout of the table, as this store's settings say
+    /// ([`generations`](Self::generations),
+    /// [`generation_buckets`](Self::generation_buckets)).
+    pub fn layout_of_table(&self) -> Layout {
+        self.table_layout()
     }
 
     /// The store with the layout its table has: the generations layout if
@@ -388,8 +400,7 @@ super::forward::forward_sql_store!(
 super::forward::forward_admin_store!(impl[] for PgStore => base);
 
 impl Backend for Postgres {
-    const QUOTE: char = '"';
-    const BYTE_TEXT: bool = false;
+    const DIALECT: Dialect = Dialect::Postgres;
     const ROW_VALUES: bool = true;
     const BEGIN: &'static str = "BEGIN";
     const MIGRATE_BEGIN: Option<&'static str> = Some("BEGIN");
@@ -401,8 +412,19 @@ impl Backend for Postgres {
         ))
     }
 
-    fn sql(table: &TableName) -> Sql {
-        Sql::postgres(table)
+    fn sql(table: &TableName, layout: Layout) -> Sql {
+        match layout {
+            Layout::Plain => Sql::postgres(table),
+            Layout::Generations { buckets } => generations::sql(table, bucket_count(buckets)),
+        }
+    }
+
+    /// On the generations layout, with the shared rotation fence.
+    fn begin(table: &TableName, layout: Layout) -> std::borrow::Cow<'static, str> {
+        let fence = layout
+            .is_generations()
+            .then(|| generations::fence_shared(table));
+        begin_sql(None, fence)
     }
 
     fn rows_affected(done: &PgQueryResult) -> u64 {
@@ -463,5 +485,71 @@ impl Backend for Postgres {
     ) -> Option<Result<super::Rotations, StoreError>> {
         let rotation = base.sql.rotation.as_ref()?;
         Some(generations::rotations(base, rotation, now_ms).await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lazy_pool() -> PgPool {
+        sqlx::postgres::PgPoolOptions::new().connect_lazy_with(PgConnectOptions::new())
+    }
+
+    /// Statements come from the table and its layout together: moving a
+    /// store of the generations layout to another table cannot leave it
+    /// with the plain statements, nor with the old table's fence.
+    #[tokio::test]
+    async fn a_store_moved_to_another_table_keeps_its_layout() {
+        let other = TableName::new("other_keys").unwrap();
+        let layout = Layout::Generations { buckets: 4 };
+        let expected = Postgres::sql(&other, layout);
+
+        let base = SqlBase::<Postgres>::new(lazy_pool(), TableName::default())
+            .with_layout(layout)
+            .on_table(other.clone());
+        assert_eq!(base.layout, layout);
+        assert_eq!(base.sql.insert, expected.insert);
+        assert_eq!(base.sql.ddl, expected.ddl);
+        assert_ne!(base.sql.insert, Sql::postgres(&other).insert);
+        assert!(base.begin.contains(&generations::fence_shared(&other)));
+
+        let store = PgStore::new(lazy_pool())
+            .generations(true)
+            .generation_buckets(4)
+            .with_table("other_keys")
+            .unwrap();
+        assert_eq!(store.layout_of_table(), layout);
+        assert_eq!(store.base.sql.insert, expected.insert);
+        assert!(
+            store
+                .base
+                .begin
+                .contains(&generations::fence_shared(&other))
+        );
+        assert!(store.base.begin.contains("lock_timeout"));
+    }
+
+    #[test]
+    fn migration_sql_is_the_stores_ddl_without_the_lock() {
+        let table = TableName::default();
+        for layout in [Layout::Plain, Layout::Generations { buckets: 3 }] {
+            let ddl = crate::store::migration_sql(Dialect::Postgres, layout, &table).unwrap();
+            let store = crate::store::without_migration_lock(Postgres::sql(&table, layout).ddl);
+            assert_eq!(ddl, store);
+        }
+        assert_eq!(
+            crate::store::migration_sql(
+                Dialect::Postgres,
+                Layout::Generations { buckets: 0 },
+                &table
+            ),
+            crate::store::migration_sql(
+                Dialect::Postgres,
+                Layout::Generations { buckets: 1 },
+                &table
+            ),
+            "buckets are clamped to 1 ..= MAX_GENERATION_BUCKETS"
+        );
     }
 }

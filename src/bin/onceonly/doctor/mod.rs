@@ -1,7 +1,7 @@
 //! `onceonly doctor`: checks a deployment and says what is wrong and how to
 //! fix it.
 
-#[cfg(any(feature = "kafka", feature = "amqp"))]
+#[cfg(feature = "_broker")]
 mod brokers;
 mod finding;
 mod sql;
@@ -123,7 +123,6 @@ pub async fn run(args: DoctorArgs) -> CliResult<ExitCode> {
 }
 
 async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
-    let kind = db.kind();
     let mut findings = Vec::new();
     let (dedup, columns, retention) = with_store!(db, |store| {
         let table = store.table().clone();
@@ -131,7 +130,7 @@ async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
         let retention = dedup_retention(store, args).await;
         (table, columns, retention)
     });
-    let dedup_ddl = migration_sql(kind, &dedup).unwrap_or_default();
+    let dedup_ddl = migration_sql(db.dialect(), db.layout(), &dedup).unwrap_or_default();
     let mut tables = Vec::new();
     match columns {
         Ok(()) => {
@@ -168,7 +167,7 @@ async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
                     format!("outbox table {table} is there"),
                 ));
                 findings.push(outbox_finding(&table, &stats));
-                let ddl = crate::outbox::outbox_sql(kind, &table)?;
+                let ddl = crate::outbox::outbox_sql(db.dialect(), &table)?;
                 tables.push(Checked {
                     name,
                     ddl,
