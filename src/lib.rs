@@ -31,6 +31,7 @@ pub mod redact;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 pub mod store;
+mod sync;
 pub mod telemetry;
 
 #[cfg(feature = "_broker")]

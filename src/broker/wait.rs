@@ -4,7 +4,7 @@
 //! per change of state (a fault starts, changes class, ends) rather than
 //! once per attempt.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use metrics::Gauge;
@@ -46,7 +46,7 @@ impl Waits {
     }
 
     fn lock(&self) -> MutexGuard<'_, WaitState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.state)
     }
 
     /// A delivery starts waiting.

@@ -37,12 +37,13 @@
 //! [`Failure::Crashed`]: super::Failure::Crashed
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
 use super::Engine;
 use crate::store::{ClaimTimes, SqlStore, StoreError};
+use crate::sync::lock;
 
 /// The default [`EngineBuilder::max_crashes`](super::EngineBuilder::max_crashes): 3.
 pub const DEFAULT_MAX_CRASHES: u32 = 3;
@@ -202,8 +203,4 @@ impl<S: SqlStore> Engine<S> {
             lock(&self.inner.crashes.owed).insert((scope.to_owned(), key.to_owned()));
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

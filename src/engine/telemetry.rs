@@ -52,6 +52,8 @@ impl Telemetry {
                 LABEL_OUTCOME => kind.as_str(),
             )
         });
+        // Each handle spelled out: the alerts test reads the metric names
+        // and kinds from these calls.
         let handler = metrics::histogram!(
             HANDLER_DURATION_SECONDS,
             LABEL_SCOPE => scope.clone(),

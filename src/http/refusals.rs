@@ -25,10 +25,7 @@ impl Refusals {
     pub(crate) fn note(&self, path: &str, error: &VerifyError) -> bool {
         let now = Instant::now();
         let warn = {
-            let mut last = self
-                .last
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut last = crate::sync::lock(&self.last);
             let due = last.is_none_or(|at| now.duration_since(at) >= REFUSALS_EVERY);
             if due {
                 *last = Some(now);

@@ -23,20 +23,15 @@
 //! assignment and one per clean end, plus one renewal per half retention;
 //! never one per batch.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use tokio::sync::OnceCell;
 
 use crate::engine::Engine;
 use crate::store::{ClaimTimes, SqlStore, internal_key};
-
-/// Locks a mutex, taking the data even if a panicking thread poisoned it
-/// (an instant, set whole).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::sync::lock;
 
 /// The batch mark of one assigned partition, shared by its lanes.
 pub(crate) struct BatchMark {

@@ -16,13 +16,14 @@ use super::builder::KafkaConsumerBuilder;
 use super::context::{ConsumerLag, DedupContext, commit};
 use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
-use super::partition::{Dispatched, Registry, Spawner, Tp, Wake, lock};
+use super::partition::{Dispatched, Registry, Spawner, Tp, Wake};
 use super::worker::{Env, run_lane};
 use crate::broker::wait::Waits;
 use crate::broker::{ConsumerStats, Counters};
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
+use crate::sync::lock;
 
 /// The longest the polling thread sleeps without a wake-up (librdkafka's
 /// queue callbacks and finished records wake it earlier): bounds how late a

@@ -5,7 +5,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
@@ -16,15 +16,10 @@ use tokio_util::sync::CancellationToken;
 use super::batch_mark::BatchMark;
 use super::message::Envelope;
 use super::offsets::OffsetTracker;
+use crate::sync::lock;
 
 /// A topic and partition.
 pub(crate) type Tp = (String, i32);
-
-/// Locks a mutex, taking the data even if a panicking thread poisoned it:
-/// every critical section here leaves its data consistent.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Wakes the polling thread when there may be something to do: a
 /// partition queue or the main queue became non-empty (librdkafka's

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::dead_letter::{DeadLetter, DeadLetterer, header_text, headers};
 use super::message::Envelope;
-use super::partition::{Partition, lock};
+use super::partition::Partition;
 use crate::broker::shutdown::{outage_backoff, sleep_unless};
 use crate::broker::wait::{InfraWait, Waits};
 use crate::broker::{Counters, bump};
@@ -23,6 +23,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::engine::Telemetry;
 use crate::engine::{Decision, Engine, Handler, OutcomeKind, Report, decide};
 use crate::store::SqlStore;
+use crate::sync::lock;
 
 /// What every worker of a consumer shares.
 pub(crate) struct Env<S: SqlStore, H> {

@@ -3,7 +3,7 @@
 //! answered without touching SQL.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ::redis::AsyncCommands;
@@ -16,6 +16,7 @@ use super::error::RedisError;
 use super::keys::KeyLayout;
 use crate::fingerprint::Fingerprint;
 use crate::store::{CacheTier, CachedRecord, Completed, SqlStore};
+use crate::sync::lock;
 
 /// Counters of a [`CachedStore`].
 #[derive(Default, Debug)]
@@ -128,21 +129,13 @@ impl<S: SqlStore> CachedStore<S> {
     }
 
     fn redis_skipped(&self) -> bool {
-        let until = *self
-            .counters
-            .skip_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let until = *lock(&self.counters.skip_until);
         until.is_some_and(|t| Instant::now() < t)
     }
 
     fn failed(&self) {
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        *self
-            .counters
-            .skip_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + BACKOFF);
+        *lock(&self.counters.skip_until) = Some(Instant::now() + BACKOFF);
     }
 
     async fn lookup(&self, scope: &str, key: &str) -> Result<Option<Vec<u8>>, RedisError> {

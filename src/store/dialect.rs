@@ -78,14 +78,6 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// The generations layout with the default number of buckets
-    /// ([`DEFAULT_GENERATION_BUCKETS`](super::DEFAULT_GENERATION_BUCKETS)).
-    pub const fn generations() -> Self {
-        Self::Generations {
-            buckets: super::DEFAULT_GENERATION_BUCKETS,
-        }
-    }
-
     /// Whether this is the generations layout.
     pub const fn is_generations(self) -> bool {
         matches!(self, Self::Generations { .. })

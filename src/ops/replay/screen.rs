@@ -161,9 +161,7 @@ impl Screen {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Duration>> {
-        self.known
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock(&self.known)
     }
 
     /// Whether a dedup table is looked up.

@@ -91,7 +91,7 @@ impl KafkaPublisher {
     }
 
     fn current(&self) -> MutexGuard<'_, Current> {
-        self.producer.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.producer)
     }
 
     /// Replaces producer `generation` after a fatal error (if it is still

@@ -56,10 +56,8 @@ pub struct PgStore {
     lock_timeout: Option<Duration>,
     /// Whether claims travel with `BEGIN` and results with `COMMIT`.
     pipelined: bool,
-    /// Whether the table has the generations layout (its buckets are
-    /// `buckets`); the table's [`Layout`] is on `base`, built from both.
-    generations: bool,
-    /// How many buckets each generation's migration creates.
+    /// How many buckets each generation's migration creates (the table's
+    /// [`Layout`] is `base.layout`; this is kept while it is plain).
     buckets: u16,
     /// How many bytes a rotation frees per fenced step, at most.
     rotation_step: u64,
@@ -102,30 +100,31 @@ impl PgStore {
             base: SqlBase::new(pool, TableName::default()),
             lock_timeout: Some(DEFAULT_LOCK_TIMEOUT),
             pipelined: false,
-            generations: false,
             buckets: DEFAULT_GENERATION_BUCKETS,
             rotation_step: DEFAULT_ROTATION_STEP,
         }
         .layout()
     }
 
-    /// The table's layout, as this store's settings say.
-    fn table_layout(&self) -> Layout {
-        if self.generations {
+    /// Rebuilds the statements and the claim transactions' `BEGIN` from
+    /// the table and its layout (`SqlBase::with_layout`, as every store
+    /// does), generations or not as the table is now, with this store's
+    /// buckets; then adds this store's own settings: the rotation step and
+    /// the lock timeout.
+    fn layout(self) -> Self {
+        let generations = self.base.layout.is_generations();
+        self.with_generations(generations)
+    }
+
+    /// [`layout`](Self::layout) with the generations layout or not.
+    fn with_generations(mut self, generations: bool) -> Self {
+        let layout = if generations {
             Layout::Generations {
                 buckets: self.buckets,
             }
         } else {
             Layout::Plain
-        }
-    }
-
-    /// Rebuilds the statements and the claim transactions' `BEGIN` from
-    /// the table and its layout (`SqlBase::with_layout`, as every store
-    /// does), then adds this store's own settings: the rotation step and
-    /// the lock timeout.
-    fn layout(mut self) -> Self {
-        let layout = self.table_layout();
+        };
         self.base = self.base.with_layout(layout);
         // Freshly built: this store holds the only reference.
         if let Some(rotation) =
@@ -275,9 +274,8 @@ impl PgStore {
     /// advisory lock with its `BEGIN`, and [`pipelined`](Self::pipelined)
     /// is ignored.
     #[must_use]
-    pub fn generations(mut self, generations: bool) -> Self {
-        self.generations = generations;
-        self.layout()
+    pub fn generations(self, generations: bool) -> Self {
+        self.with_generations(generations)
     }
 
     /// Into how many hash partitions on `idem_key` ("buckets", 1 to
@@ -328,14 +326,14 @@ impl PgStore {
     /// Whether this store uses the generations layout
     /// ([`PgStore::generations`]).
     pub fn has_generations(&self) -> bool {
-        self.generations
+        self.base.layout.is_generations()
     }
 
     /// The layout of the table, as this store's settings say
     /// ([`generations`](Self::generations),
     /// [`generation_buckets`](Self::generation_buckets)).
     pub fn layout_of_table(&self) -> Layout {
-        self.table_layout()
+        self.base.layout
     }
 
     /// The store with the layout its table has: the generations layout if
@@ -380,7 +378,7 @@ super::forward::forward_sql_store!(
         times: ClaimTimes,
         req: &ClaimRequest<'_>,
     ) -> Result<Result<super::ClaimTx<Postgres>, Claim>, StoreError> {
-        if self.pipelined && !self.generations {
+        if self.pipelined && !self.has_generations() {
             self.open_pipelined(scope, times, req).await
         } else {
             super::open_by_statements(self, scope, times, req).await
