@@ -48,6 +48,15 @@
 //!      -d '{"account":"alice","amount":500}'
 //! ```
 //!
+//! - `POST /refunds` with an `Idempotency-Key` header and
+//!   `{"payment": string, "amount": integer}`: refunds the payment at the
+//!   provider's API (`--refund-api URL`, `POST URL/v1/refunds`) through a
+//!   step (`Tx::step`): the call is recorded as soon as it returned, so a
+//!   retry after a crash before the `COMMIT` books the refund without
+//!   calling again, and a call that never finished is sent again with the
+//!   same downstream `Idempotency-Key`. PostgreSQL only (SQLite has one
+//!   writer: a step cannot commit beside the open claim).
+//!
 //! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
 //! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
@@ -108,6 +117,13 @@ struct Args {
     #[cfg(feature = "providers")]
     #[arg(long = "provider-key", env = "PROVIDER_KEYS", value_delimiter = ',')]
     provider_keys: Vec<String>,
+    /// Fence each payment against out-of-order callbacks with the
+    /// provider's preset (`FenceSpec::stripe()`, ...): a callback older
+    /// than one applied before to the same payment is acknowledged as
+    /// stale without booking it.
+    #[cfg(feature = "providers")]
+    #[arg(long, env = "FENCE", value_parser = clap::builder::BoolishValueParser::new())]
+    fence: bool,
     /// Notify the merchant of each processed payment at this URL, through the
     /// transactional outbox and an in-process relay (off when not given).
     #[cfg(feature = "webhook")]
@@ -118,6 +134,18 @@ struct Args {
     #[cfg(feature = "webhook")]
     #[arg(long, env = "NOTIFY_SECRET", default_value = "onceonly-example-secret")]
     notify_secret: String,
+    /// The provider API `POST /refunds` calls (`URL/v1/refunds`); the
+    /// route is served only when this is set.
+    #[arg(long, env = "REFUND_API", value_name = "URL")]
+    refund_api: Option<String>,
+    /// The secret the refund route's downstream keys are keyed with (at
+    /// least 16 bytes; the same on every instance).
+    #[arg(
+        long,
+        env = "DOWNSTREAM_SECRET",
+        default_value = "onceonly-example-downstream-secret"
+    )]
+    downstream_secret: String,
     #[command(flatten)]
     metrics: metrics_endpoint::MetricsArgs,
 }
@@ -132,12 +160,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     args.metrics.install()?;
     #[cfg(feature = "providers")]
     if let Some(provider) = provider_of(&args)? {
+        let fence = args.fence.then(|| preset_fence(provider.name())).flatten();
         if args.database_url.starts_with("postgres") {
             #[cfg(feature = "postgres")]
             {
                 let store = onceonly::PgStore::connect(&args.database_url).await?;
                 webhook_app::postgres::migrate(&store).await?;
-                let app = webhook_app::postgres::provider_router(store, provider)?;
+                let app = webhook_app::postgres::provider_router(store, provider, fence)?;
                 return serve(&args, app, None).await;
             }
             #[cfg(not(feature = "postgres"))]
@@ -145,7 +174,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let store = onceonly::SqliteStore::connect(&args.database_url).await?;
         webhook_app::sqlite::migrate(&store).await?;
-        let app = webhook_app::sqlite::provider_router(store, provider)?;
+        let app = webhook_app::sqlite::provider_router(store, provider, fence)?;
         return serve(&args, app, None).await;
     }
     let (app, relay) = if args.database_url.starts_with("postgres") {
@@ -156,10 +185,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             webhook_app::postgres::migrate(&store).await?;
             let (notify, relay) = notify(&args, store.pool()).await?;
             let optimistic = args.optimistic;
-            let app =
-                webhook_app::postgres::router_notifying(store, args.secret.clone(), notify, |b| {
-                    b.optimistic(optimistic)
-                })?;
+            let mut app = webhook_app::postgres::router_notifying(
+                store.clone(),
+                args.secret.clone(),
+                notify,
+                |b| b.optimistic(optimistic),
+            )?;
+            if let Some(url) = &args.refund_api {
+                let api = webhook_app::RefundApi {
+                    url: url.clone(),
+                    client: reqwest::Client::new(),
+                };
+                let refunds =
+                    webhook_app::postgres::refund_router(store, api, &args.downstream_secret)?;
+                app = app.merge(refunds);
+            }
             (app, relay)
         }
         #[cfg(not(feature = "postgres"))]
@@ -198,6 +238,20 @@ async fn serve(
     #[cfg(not(feature = "webhook"))]
     let _ = relay;
     Ok(())
+}
+
+/// The fence preset of provider `name`, if it has one.
+#[cfg(feature = "providers")]
+fn preset_fence(name: &str) -> Option<onceonly::FenceSpec> {
+    use onceonly::FenceSpec;
+    match name {
+        "stripe" => Some(FenceSpec::stripe()),
+        "wechatpay" => Some(FenceSpec::wechat_pay()),
+        "alipay" => Some(FenceSpec::alipay()),
+        // Adyen's `eventDate` is not signed, and the route's payload holds
+        // signed fields only: no fence (see `FenceSpec::adyen`).
+        _ => None,
+    }
 }
 
 /// The provider of `--provider`, with its keys.

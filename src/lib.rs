@@ -40,11 +40,14 @@ pub use broker::ConsumerStats;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use delivery::Delivery;
 pub use engine::{
-    BuildError, DecodeError, Engine, EngineBuilder, Failure, FromDelivery, Handler, HandlerError,
-    Json, Outcome, OutcomeKind, Rejection, Report, RetryPolicy, Tx, handler_fn,
+    BuildError, DecodeError, Engine, EngineBuilder, Failure, FenceCheck, FromDelivery, Handler,
+    HandlerError, Json, Outcome, OutcomeKind, Rejection, Report, RetryPolicy, Stale, StepError, Tx,
+    handler_fn,
 };
 pub use fingerprint::{Fingerprint, FingerprintSpec};
-pub use key::{IdemKey, KeyError, KeySpec, KeySpecError};
+pub use key::{
+    FenceSpec, FenceValue, IdemKey, KeyError, KeySpec, KeySpecError, Order, OrderBuilder, OrderSpec,
+};
 pub use redact::KeyRedaction;
 #[cfg(feature = "mysql")]
 pub use store::mysql::MySqlStore;

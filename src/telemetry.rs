@@ -16,7 +16,7 @@
 //!
 //! | name | type | labels | meaning |
 //! |---|---|---|---|
-//! | [`onceonly_deliveries_total`](DELIVERIES_TOTAL) | counter | `scope`, `transport`, `outcome` | one per processing attempt, by [outcome](crate::OutcomeKind): `processed`, `duplicate`, `conflict`, `rejected`, `failed` |
+//! | [`onceonly_deliveries_total`](DELIVERIES_TOTAL) | counter | `scope`, `transport`, `outcome` | one per processing attempt, by [outcome](crate::OutcomeKind): `processed`, `duplicate`, `conflict`, `rejected`, `failed`, `stale` |
 //! | [`onceonly_retried_total`](RETRIED_TOTAL) | counter | `scope`, `transport`, `reason` | retries scheduled after a retryable failure |
 //! | [`onceonly_dead_lettered_total`](DEAD_LETTERED_TOTAL) | counter | `scope`, `transport`, `reason` | deliveries dead-lettered (publish confirmed) |
 //! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
@@ -30,6 +30,8 @@
 //! | [`onceonly_purge_failures_total`](PURGE_FAILURES_TOTAL) | counter | `table` | [`Purger`](crate::ops::Purger) rounds that failed (database down, no privilege) |
 //! | [`onceonly_generation_rotated_timestamp_seconds`](GENERATION_ROTATED) | gauge | `table` | Unix time of the last rotation of a table of PostgreSQL's generations layout, read from the table by each [`Purger`](crate::ops::Purger) round (0: never rotated) |
 //! | [`onceonly_generation_rotation_overdue_seconds`](GENERATION_ROTATION_OVERDUE) | gauge | `table` | how long a rotation has been possible (no live record left in the other generation) without one happening, as of the last [`Purger`](crate::ops::Purger) round: 0 while the table rotates when it can |
+//! | [`onceonly_steps_total`](STEPS_TOTAL) | counter | `scope`, `result` | [steps](crate::Tx::step) of handlers: `called` (the call ran and its result was recorded) or `replayed` (an earlier attempt's recorded result returned without calling) |
+//! | [`onceonly_steps_orphaned`](STEPS_ORPHANED) | gauge | `table` | finished steps whose key's transaction never committed, older than the [`Completer`](crate::ops::Completer)'s grace, as of its last round |
 //! | `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds`, `onceonly_outbox_dead_rows` | gauge | `table` | pending outbox messages, the age of the oldest, dead messages (the [relay](crate::outbox::Relay) refreshes them every 5 s) |
 //! | `onceonly_outbox_published_total`, `onceonly_outbox_publish_seconds` | counter, histogram | `kind` | outbox messages confirmed by their destination, and the time of each publish, confirm included (for pipelined messages: until their key's last confirm) |
 //! | `onceonly_outbox_failures_total` | counter | `kind`, `destination`, `permanent` | failed outbox publishes |
@@ -124,6 +126,12 @@ pub const LABEL_TABLE: &str = "table";
 pub const LABEL_SCOPE: &str = "scope";
 /// Label: the transport (`kafka`, `amqp`, `http`, `engine`).
 pub const LABEL_TRANSPORT: &str = "transport";
+/// Counter of handler steps, by result (`called`, `replayed`).
+pub const STEPS_TOTAL: &str = "onceonly_steps_total";
+/// Gauge of finished steps whose key never committed.
+pub const STEPS_ORPHANED: &str = "onceonly_steps_orphaned";
+/// Label: what became of a step (`called`, `replayed`).
+pub const LABEL_RESULT: &str = "result";
 /// Label: the outcome (see [`OutcomeKind::as_str`](crate::OutcomeKind::as_str)).
 pub const LABEL_OUTCOME: &str = "outcome";
 /// Label: a dead-letter or retry reason code.
@@ -153,7 +161,7 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         DELIVERIES_TOTAL,
         Unit::Count,
-        "Processing attempts by outcome: processed, duplicate, conflict, rejected, failed"
+        "Processing attempts by outcome: processed, duplicate, conflict, rejected, failed, stale"
     );
     metrics::describe_counter!(
         RETRIED_TOTAL,
@@ -215,6 +223,16 @@ pub fn describe_metrics() {
         Unit::Count,
         "Deliveries waiting in place until the database takes writes again"
     );
+    metrics::describe_counter!(
+        STEPS_TOTAL,
+        Unit::Count,
+        "Handler steps: called (and recorded) or replayed from an earlier attempt's record"
+    );
+    metrics::describe_gauge!(
+        STEPS_ORPHANED,
+        Unit::Count,
+        "Finished steps whose key's transaction never committed, past the completer's grace"
+    );
     metrics::describe_gauge!(
         KAFKA_CONSUMER_LAG,
         Unit::Count,
@@ -253,6 +271,25 @@ pub(crate) fn rotations(
         .map_or(0, |since| now_ms.saturating_sub(since).max(0));
     metrics::gauge!(GENERATION_ROTATION_OVERDUE, LABEL_TABLE => table.to_string())
         .set(seconds(overdue));
+}
+
+/// A step of a handler in `scope` ran its call and recorded the result.
+pub(crate) fn step_called(scope: &str) {
+    metrics::counter!(STEPS_TOTAL, LABEL_SCOPE => scope.to_owned(), LABEL_RESULT => "called")
+        .increment(1);
+}
+
+/// A step of a handler in `scope` returned an earlier attempt's result.
+pub(crate) fn step_replayed(scope: &str) {
+    metrics::counter!(STEPS_TOTAL, LABEL_SCOPE => scope.to_owned(), LABEL_RESULT => "replayed")
+        .increment(1);
+}
+
+/// A [`Completer`](crate::ops::Completer) round found `n` orphaned steps
+/// in `table`.
+pub(crate) fn steps_orphaned(table: &crate::store::TableName, n: usize) {
+    #[allow(clippy::cast_precision_loss)]
+    metrics::gauge!(STEPS_ORPHANED, LABEL_TABLE => table.to_string()).set(n as f64);
 }
 
 /// A [`Purger`](crate::ops::Purger) round on `table` failed.

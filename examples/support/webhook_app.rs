@@ -22,6 +22,25 @@ pub struct Notify<DB: OutboxBackend> {
     pub url: String,
 }
 
+/// The provider API the `/refunds` route calls (its base URL), and the
+/// client it calls with.
+#[derive(Clone, Debug)]
+pub struct RefundApi {
+    /// The provider API's base URL; refunds are `POST {url}/v1/refunds`.
+    pub url: String,
+    /// The HTTP client.
+    pub client: reqwest::Client,
+}
+
+/// A refund request: `{"payment": "pi_1", "amount": 500}`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct NewRefund {
+    /// The payment to refund.
+    pub payment: String,
+    /// How much, in cents.
+    pub amount: i64,
+}
+
 /// Errors of the handlers: bad input is `400` (rolled back, not stored),
 /// database errors `500` (rolled back, the client may retry).
 #[derive(Debug)]
@@ -34,6 +53,8 @@ pub enum AppError {
     Tx(onceonly::http::TxGone),
     /// The notification could not be enqueued.
     Outbox(onceonly::HandlerError),
+    /// The refund API call (a step) failed or could not be recorded.
+    Step(onceonly::HandlerError),
 }
 
 impl From<sqlx::Error> for AppError {
@@ -55,6 +76,7 @@ impl IntoResponse for AppError {
             Self::Database(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             Self::Tx(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             Self::Outbox(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Self::Step(e) => (StatusCode::BAD_GATEWAY, e.to_string()),
         };
         let body = serde_json::json!({
             "type": "about:blank",
@@ -213,7 +235,7 @@ macro_rules! webhook_app {
             };
 
             use super::super::ledger::{NewOrder, Order, Settled, $flavour as ledger};
-            use super::{AppError, Notify, parse_payment};
+            use super::{AppError, NewRefund, Notify, RefundApi, parse_payment};
 
             async fn payment(
                 tx: Tx<$db>,
@@ -269,29 +291,116 @@ macro_rules! webhook_app {
             }
 
             /// `POST /webhooks/payments` verified, keyed and answered as
-            /// `provider` does ([`IdempotencyLayer::provider`]), and
-            /// `POST /orders` (`Idempotency-Key`).
+            /// `provider` does ([`IdempotencyLayer::provider`]), fenced per
+            /// payment if `fence` is set, and `POST /orders` (`Idempotency-Key`).
             #[cfg(feature = "providers")]
             pub fn provider_router(
                 store: $store,
                 provider: onceonly::http::providers::Provider,
+                fence: Option<onceonly::FenceSpec>,
             ) -> Result<Router, HttpBuildError> {
                 let name = provider.name();
                 let callback = move |tx: Tx<$db>, body: Bytes| provider_callback(tx, name, body);
-                let callbacks =
-                    IdempotencyLayer::provider(store.clone(), "payment-callbacks", provider).build()?;
+                let mut callbacks =
+                    IdempotencyLayer::provider(store.clone(), "payment-callbacks", provider);
+                if let Some(fence) = fence {
+                    callbacks = callbacks.fence(fence);
+                }
+                let callbacks = callbacks.build()?;
                 let orders = IdempotencyLayer::idempotency_key(store, "orders").build()?;
                 Ok(Router::new()
                     .route("/webhooks/payments", post(callback).layer(callbacks))
                     .route("/orders", post(order).layer(orders)))
             }
 
-            /// Creates the tables (dedup, ledger, accounts, orders).
+            /// Creates the tables (dedup, ledger, accounts, orders, refunds).
             pub async fn migrate(store: &$store) -> Result<(), Box<dyn std::error::Error>> {
                 store.migrate().await?;
                 ledger::create_tables(store.pool()).await?;
                 ledger::create_orders_table(store.pool()).await?;
+                sqlx::query(
+                    "CREATE TABLE IF NOT EXISTS refunds (idem_key TEXT PRIMARY KEY, \
+                     payment TEXT NOT NULL, amount BIGINT NOT NULL, provider_refund TEXT NOT NULL)",
+                )
+                .execute(store.pool())
+                .await?;
                 Ok(())
+            }
+
+            /// `POST /refunds`: refunds a payment at the provider's API,
+            /// through a step (the call is made once per key, whatever
+            /// dies when), and books the refund in the same transaction as
+            /// the claim. `201` with the provider's refund id.
+            async fn refund(
+                tx: Tx<$db>,
+                api: RefundApi,
+                headers: HeaderMap,
+                Json(new): Json<NewRefund>,
+            ) -> Result<(StatusCode, Json<serde_json::Value>), AppError> {
+                if new.amount <= 0 {
+                    return Err(AppError::BadInput("amount must be positive".into()));
+                }
+                let body = serde_json::json!({ "payment": new.payment, "amount": new.amount });
+                let answer: serde_json::Value = tx
+                    .step("refund", |key| async move {
+                        let sent = api
+                            .client
+                            .post(format!("{}/v1/refunds", api.url))
+                            .header("Idempotency-Key", key)
+                            .json(&body)
+                            .timeout(std::time::Duration::from_secs(5))
+                            .send()
+                            .await
+                            .map_err(onceonly::HandlerError::retryable)?;
+                        if !sent.status().is_success() {
+                            let status = sent.status();
+                            return Err(onceonly::HandlerError::retryable(format!(
+                                "the refund API answered {status}"
+                            )));
+                        }
+                        sent.json().await.map_err(onceonly::HandlerError::retryable)
+                    })
+                    .await
+                    .map_err(AppError::Step)?;
+                let provider_refund = answer["id"].as_str().unwrap_or_default().to_owned();
+                let key = headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let mut conn = tx.lock().await?;
+                sqlx::query(
+                    "INSERT INTO refunds (idem_key, payment, amount, provider_refund) \
+                     VALUES ($1, $2, $3, $4)",
+                )
+                .bind(&key)
+                .bind(&new.payment)
+                .bind(new.amount)
+                .bind(&provider_refund)
+                .execute(&mut *conn)
+                .await?;
+                let booked = serde_json::json!({
+                    "payment": new.payment,
+                    "amount": new.amount,
+                    "provider_refund": provider_refund,
+                });
+                Ok((StatusCode::CREATED, Json(booked)))
+            }
+
+            /// `POST /refunds` (`Idempotency-Key`), calling `api`; the
+            /// downstream keys it sends are keyed with `secret`.
+            pub fn refund_router(
+                store: $store,
+                api: RefundApi,
+                secret: &str,
+            ) -> Result<Router, HttpBuildError> {
+                let refunds = IdempotencyLayer::idempotency_key(store, "refunds")
+                    .downstream_secret(secret.as_bytes())
+                    .build()?;
+                let route = move |tx: Tx<$db>, headers: HeaderMap, body: Json<NewRefund>| {
+                    refund(tx, api.clone(), headers, body)
+                };
+                Ok(Router::new().route("/refunds", post(route).layer(refunds)))
             }
 
             /// `POST /webhooks/payments` (callback mode, signature checked

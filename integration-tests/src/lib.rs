@@ -115,6 +115,7 @@ pub mod mock;
 pub mod own_db;
 pub mod private_pg;
 pub mod prometheus;
+pub mod provider_api;
 pub mod redis_cluster;
 pub mod services;
 pub mod silent_proxy;

@@ -748,6 +748,36 @@ async fn stripe_signed_events() {
     server.refused(&h, &body, "stale-timestamp").await;
 }
 
+/// With the fence (`FenceSpec::stripe()`: per payment intent, by the
+/// event's `created`), an older event of the same payment delivered after a
+/// newer one is answered as Stripe expects (so that it stops retrying) and
+/// books nothing; a redelivery of it is still stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stripe_events_out_of_order_are_stale_with_the_fence() {
+    let args = [
+        "--provider".to_owned(),
+        "stripe".to_owned(),
+        "--provider-secret".to_owned(),
+        STRIPE_SECRET.to_owned(),
+        "--fence".to_owned(),
+    ];
+    let server = Server::start(tempfile::tempdir().unwrap(), &args).await;
+    let success = |a: &Answer| a.status == StatusCode::OK && a.body == r#"{"received":true}"#;
+    let (h, body) = stripe_event(now(), "evt_newer", "ST-NEW", 2000);
+    server.deliver(1, &h, &body, success).await;
+    // Created a minute earlier, delivered after: stale, twice.
+    let (h, body) = stripe_event(now() - 60, "evt_older", "ST-OLD", 1500);
+    server.deliver(2, &h, &body, success).await;
+    assert_eq!(server.ledger().await, vec![("ST-NEW".into(), 1, 2000)]);
+    // A newer event still applies.
+    let (h, body) = stripe_event(now() + 1, "evt_newest", "ST-NEWEST", 100);
+    server.deliver(1, &h, &body, success).await;
+    assert_eq!(
+        server.ledger().await,
+        vec![("ST-NEW".into(), 1, 2000), ("ST-NEWEST".into(), 1, 100)]
+    );
+}
+
 // ----------------------------------------------------------------- GitHub
 
 const GITHUB_SECRET: &str = "It's a Secret to Everybody";

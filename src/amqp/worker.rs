@@ -107,6 +107,12 @@ async fn handle_in_span<S, H>(
             bump(&env.counters.consumer.duplicates);
             Next::Reply(reply_body(result.as_ref()), true)
         }
+        // Older than its entity's state: acknowledged, never
+        // dead-lettered; an RPC caller is told so.
+        (Decision::Ack, Outcome::Stale(_)) => {
+            bump(&env.counters.consumer.stale);
+            Next::Reply(Err("stale"), true)
+        }
         (Decision::Retry { reason, .. }, _) => match env.topology.retry_queue(attempt) {
             Some(queue) => Next::Retry(queue.name.clone(), reason),
             None => dead_letter(&report.outcome, attempt),
@@ -123,8 +129,8 @@ async fn handle_in_span<S, H>(
             error,
             attempts,
         },
-        // `decide` acks only processed and duplicate outcomes, and waits
-        // were handled above.
+        // `decide` acks only processed, duplicate and stale outcomes, and
+        // waits were handled above.
         (_, outcome) => dead_letter(outcome, attempt),
     };
     let key = report.key.as_ref().map(|k| k.as_str());

@@ -20,6 +20,10 @@ pub struct ConsumerStats {
     pub retried: u64,
     /// Messages sent to the dead-letter target.
     pub dead_lettered: u64,
+    /// Messages older than their entity's state (see
+    /// [`Outcome::Stale`](crate::Outcome::Stale)): acknowledged, handler
+    /// not run.
+    pub stale: u64,
     /// Messages settled for good: AMQP acks that reached the broker; Kafka
     /// records whose offset may now be committed.
     pub acked: u64,
@@ -33,6 +37,7 @@ pub(crate) struct Counters {
     pub(crate) retried: AtomicU64,
     pub(crate) dead_lettered: AtomicU64,
     pub(crate) acked: AtomicU64,
+    pub(crate) stale: AtomicU64,
 }
 
 /// Adds one to `counter`.
@@ -46,12 +51,14 @@ fn read(counter: &AtomicU64) -> u64 {
 }
 
 impl Counters {
-    /// Counts a final outcome that is acknowledged (processed or duplicate).
+    /// Counts a final outcome that is acknowledged (processed, duplicate
+    /// or stale).
     #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
     pub(crate) fn settled(&self, kind: OutcomeKind) {
         match kind {
             OutcomeKind::Processed => bump(&self.processed),
             OutcomeKind::Duplicate => bump(&self.duplicates),
+            OutcomeKind::Stale => bump(&self.stale),
             _ => {}
         }
     }
@@ -63,6 +70,7 @@ impl Counters {
             retried: read(&self.retried),
             dead_lettered: read(&self.dead_lettered),
             acked: read(&self.acked),
+            stale: read(&self.stale),
         }
     }
 }

@@ -8,13 +8,14 @@
 //! [`Engine::process`]: one poison message neither blocks nor doubles the
 //! others.
 
+use super::fence::FenceCheck;
 use super::{
     Engine, Failure, FromDelivery, Handler, Origin, Outcome, Report, Tx, decode_stored, report,
     settled,
 };
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
-use crate::key::IdemKey;
+use crate::key::{FenceValue, IdemKey, Order};
 use crate::store::{Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError};
 use std::panic::AssertUnwindSafe;
 
@@ -27,6 +28,7 @@ struct Ready<'d, I> {
     delivery: &'d Delivery,
     key: IdemKey,
     fingerprint: Option<Fingerprint>,
+    fence: Option<FenceValue>,
     input: Option<I>,
     span: Span,
 }
@@ -110,6 +112,13 @@ impl<S: SqlStore> Engine<S> {
                 }
             };
             self.inner.telemetry.record_key(span, key.as_str());
+            let fence = match self.fence_of(delivery) {
+                Ok(fence) => fence,
+                Err(e) => {
+                    reports[index] = Some(report(Some(key), Outcome::Rejected(e.into())));
+                    continue;
+                }
+            };
             let fingerprint = self.inner.fingerprint.compute(delivery);
             let req = ClaimRequest {
                 key: key.as_str(),
@@ -127,6 +136,7 @@ impl<S: SqlStore> Engine<S> {
                     index,
                     delivery,
                     fingerprint,
+                    fence,
                     key,
                     input: Some(input),
                     span: span.clone(),
@@ -204,31 +214,65 @@ impl<S: SqlStore> Engine<S> {
                 }
             }
         };
+        // Borrows of the entries' fences only: inputs need not be `Sync`.
+        let fenced: Vec<(usize, &FenceValue)> = ready
+            .iter()
+            .zip(&claims)
+            .enumerate()
+            .filter_map(|(i, (item, claim))| match (claim, &item.fence) {
+                (Claim::Claimed, Some(fence)) => Some((i, fence)),
+                _ => None,
+            })
+            .collect();
+        let checks = match self.batch_fences(&mut tx, times, ready.len(), fenced).await {
+            Ok(checks) => checks,
+            Err(e) => {
+                tracing::debug!(error = %e, "a batch's fences failed, processing one by one");
+                self.rollback(tx).await;
+                return None;
+            }
+        };
         let bound = inner.store.deadlines().transaction_deadline();
         let origin = Origin::new(&inner.scope, "", None, times.now_ms);
-        let tx = Tx::new(tx, origin, began, bound);
+        let tx = Tx::new(
+            tx,
+            origin,
+            began,
+            bound,
+            std::sync::Arc::clone(&inner.steps),
+        );
+        let passes_stale = inner.fence.as_ref().is_some_and(|f| f.passes_stale());
         let mut outcomes = Vec::with_capacity(ready.len());
         let mut stored: Vec<Option<Vec<u8>>> = vec![None; ready.len()];
-        for (i, (item, claim)) in ready.iter_mut().zip(claims).enumerate() {
-            let outcome = match claim {
-                Claim::Claimed => {
+        for (i, ((item, claim), check)) in ready.iter_mut().zip(claims).zip(checks).enumerate() {
+            let stale = check
+                .as_ref()
+                .filter(|c| c.is_stale() && !passes_stale)
+                .map(FenceCheck::stale);
+            let outcome = match (claim, stale) {
+                // Recorded as stale with the batch's results.
+                (Claim::Claimed, Some(stale)) => {
+                    stored[i] = Some(stale.recorded());
+                    Outcome::Stale(stale)
+                }
+                (Claim::Claimed, None) => {
                     // Each entry is claimed at most once, so its input is there.
                     let run = match item.input.take() {
                         Some(input) => {
                             // Results are recorded together, below.
-                            self.run_handler(
-                                tx.for_origin(Origin::new(
-                                    &inner.scope,
-                                    item.key.as_str(),
-                                    super::session::traceparent_of(item.delivery),
-                                    times.now_ms,
-                                )),
-                                handler,
-                                item.delivery,
-                                input,
+                            let origin = Origin::new(
+                                &inner.scope,
+                                item.key.as_str(),
+                                super::session::traceparent_of(item.delivery),
+                                times.now_ms,
                             )
-                            .instrument(item.span.clone())
-                            .await
+                            .with_fingerprint(item.fingerprint);
+                            if let Some(check) = check {
+                                origin.set_fence(check);
+                            }
+                            self.run_handler(tx.for_origin(origin), handler, item.delivery, input)
+                                .instrument(item.span.clone())
+                                .await
                         }
                         None => Err(Failure::Store(StoreError::Corrupt(
                             "batch entry claimed twice".into(),
@@ -250,11 +294,12 @@ impl<S: SqlStore> Engine<S> {
                 }
                 // A repeat inside the batch shares the fate of its first
                 // occurrence: a duplicate of what it stored, or the same conflict.
-                Claim::InBatch { first } => match outcomes.get(first) {
+                (Claim::InBatch { first }, _) => match outcomes.get(first) {
                     Some(Outcome::Conflict { stored, .. }) => Outcome::Conflict {
                         stored: *stored,
                         received: item.fingerprint,
                     },
+                    Some(Outcome::Stale(stale)) => Outcome::Stale(stale.clone()),
                     _ => Outcome::Duplicate {
                         result: stored
                             .get(first)
@@ -262,7 +307,7 @@ impl<S: SqlStore> Engine<S> {
                             .and_then(decode_stored),
                     },
                 },
-                other => {
+                (other, _) => {
                     if let Claim::Duplicate { result } = &other {
                         stored[i].clone_from(result);
                     }
@@ -281,7 +326,7 @@ impl<S: SqlStore> Engine<S> {
             .zip(&stored)
             .zip(&outcomes)
             .filter_map(|((item, bytes), outcome)| match (bytes, outcome) {
-                (Some(bytes), Outcome::Processed { .. }) => Some((
+                (Some(bytes), Outcome::Processed { .. } | Outcome::Stale(_)) => Some((
                     ClaimRequest {
                         key: item.key.as_str(),
                         fingerprint: item.fingerprint.as_ref(),
@@ -320,7 +365,7 @@ impl<S: SqlStore> Engine<S> {
             .zip(stored)
             .zip(&outcomes)
             .filter_map(|((item, bytes), outcome)| match (bytes, outcome) {
-                (Some(bytes), Outcome::Processed { .. }) => {
+                (Some(bytes), Outcome::Processed { .. } | Outcome::Stale(_)) => {
                     Some((item.key.clone(), item.fingerprint, bytes))
                 }
                 _ => None,
@@ -338,6 +383,46 @@ impl<S: SqlStore> Engine<S> {
             .await;
         }
         Some(outcomes)
+    }
+
+    /// Passes the batch's new keys (`fenced`: entry index and fence)
+    /// through their entities' fences, in the batch's transaction, ordered
+    /// by entity (so that two batches lock fences in the same order), each
+    /// entity's deliveries in delivery order: what the fence found for
+    /// each of the `entries` (`None` for an entry without a fence or not
+    /// claimed).
+    async fn batch_fences(
+        &self,
+        tx: &mut ClaimTx<S::Db>,
+        times: ClaimTimes,
+        entries: usize,
+        mut order: Vec<(usize, &FenceValue)>,
+    ) -> Result<Vec<Option<FenceCheck>>, StoreError> {
+        let inner = &*self.inner;
+        let mut checks = vec![None; entries];
+        order.sort_by(|a, b| a.1.entity.cmp(&b.1.entity).then(a.0.cmp(&b.0)));
+        let expires_at_ms = times
+            .now_ms
+            .saturating_add(super::session::millis(inner.fence_retention));
+        for (i, fence) in order {
+            let current = inner
+                .store
+                .advance_fence(
+                    tx,
+                    &inner.scope,
+                    fence.entity.as_str(),
+                    fence.order.as_bytes(),
+                    expires_at_ms,
+                    times.now_ms,
+                )
+                .await?;
+            checks[i] = Some(FenceCheck::new(
+                fence.entity.as_str().to_owned(),
+                fence.order.clone(),
+                Order::from_bytes(current),
+            ));
+        }
+        Ok(checks)
     }
 
     /// An optimistic batch's claim, after its handlers ran: every processed

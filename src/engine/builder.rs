@@ -7,13 +7,20 @@ use super::Telemetry;
 use super::{Engine, Inner, RetryPolicy};
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::FingerprintSpec;
-use crate::key::{KeySpec, KeySpecError};
+use crate::key::{FenceSpec, KeySpec, KeySpecError};
 use crate::redact::{KeyRedaction, KeyRedactionError};
 use crate::store::{SqlStore, StoreError, validate_scope};
 
 /// The default retention of dedup records: 7 days (Kafka's default log
 /// retention). It must outlast the longest redelivery or replay horizon.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How long an entity's [fence](EngineBuilder::fence) is kept after its
+/// last delivery by default: 90 days. It must outlive the dedup records
+/// (a redelivery whose key record expired is stopped only by its fence),
+/// and cover how late an old event can still arrive: providers retry for
+/// up to 3 days (Stripe) and dead-letter queues are replayed weeks later.
+pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(90 * 24 * 3600);
 
 /// A configuration that cannot work. Returned by [`EngineBuilder::build`].
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +51,22 @@ pub enum BuildError {
     /// [`EngineBuilder::max_deadline_misses`] is zero.
     #[error("max_deadline_misses must be at least 1")]
     ZeroMaxDeadlineMisses,
+    /// The fence would expire before the dedup records (see
+    /// [`EngineBuilder::fence_retention`]).
+    #[error("the fence retention ({fence:?}) must be at least the record retention ({records:?})")]
+    FenceRetention {
+        /// The fence retention asked for.
+        fence: Duration,
+        /// The records' retention.
+        records: Duration,
+    },
+    /// The downstream secret is shorter than
+    /// [`MIN_DOWNSTREAM_SECRET`](crate::engine::MIN_DOWNSTREAM_SECRET) bytes.
+    #[error("the downstream secret must be at least {min} bytes long")]
+    DownstreamSecret {
+        /// The shortest secret taken.
+        min: usize,
+    },
 }
 
 /// Builds an [`Engine`]: `Engine::builder(store).scope(..).key(..).build()`.
@@ -61,6 +84,9 @@ pub struct EngineBuilder<S> {
     max_crashes: u32,
     max_deadline_misses: u32,
     optimistic: bool,
+    fence: Option<FenceSpec>,
+    fence_retention: Duration,
+    downstream_secret: Option<Vec<u8>>,
 }
 
 impl<S: SqlStore> EngineBuilder<S> {
@@ -79,7 +105,47 @@ impl<S: SqlStore> EngineBuilder<S> {
             max_crashes: super::DEFAULT_MAX_CRASHES,
             max_deadline_misses: super::DEFAULT_MAX_DEADLINE_MISSES,
             optimistic: false,
+            fence: None,
+            fence_retention: DEFAULT_FENCE_RETENTION,
+            downstream_secret: None,
         }
+    }
+
+    /// Fences each entity against out-of-order deliveries: `fence` says
+    /// which entity a delivery is about and its order. In the claim's
+    /// transaction, once the key is new, the entity's fence moves forward
+    /// to the delivery's order; a delivery whose order is lower than one
+    /// applied before is [`Outcome::Stale`](crate::Outcome::Stale): its
+    /// key is recorded as stale, it is acknowledged, and the handler does
+    /// not run (unless the fence [passes stale deliveries](FenceSpec::pass_stale)).
+    /// A delivery without a valid entity or order is rejected like one
+    /// without a key. See the [fences guide](crate::key#fences).
+    #[must_use]
+    pub fn fence(mut self, fence: FenceSpec) -> Self {
+        self.fence = Some(fence);
+        self
+    }
+
+    /// How long an entity's fence is kept after its last delivery
+    /// (default [`DEFAULT_FENCE_RETENTION`], 90 days; at least the record
+    /// [`retention`](Self::retention)). Once it is purged, the entity's
+    /// next delivery starts a new fence, whatever its order.
+    #[must_use]
+    pub fn fence_retention(mut self, retention: Duration) -> Self {
+        self.fence_retention = retention;
+        self
+    }
+
+    /// The secret [downstream keys](crate::Tx::downstream_key) are keyed
+    /// with (at least 16 bytes; keep it like a signing secret and the same
+    /// on every instance: a redelivery to another process must derive the
+    /// same key). Without it, [`Tx::step`](crate::Tx::step) and
+    /// [`Tx::downstream_key`](crate::Tx::downstream_key) fail with
+    /// [`StepError::NoSecret`](crate::engine::StepError::NoSecret).
+    #[must_use]
+    pub fn downstream_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.downstream_secret = Some(secret.into());
+        self
     }
 
     /// The scope keys are unique in: the consumer group, queue or handler
@@ -294,7 +360,30 @@ impl<S: SqlStore> EngineBuilder<S> {
         if self.max_deadline_misses == 0 {
             return Err(BuildError::ZeroMaxDeadlineMisses);
         }
+        if let Some(fence) = &self.fence {
+            fence.validate()?;
+        }
+        if self.fence.is_some() && self.fence_retention < self.retention {
+            return Err(BuildError::FenceRetention {
+                fence: self.fence_retention,
+                records: self.retention,
+            });
+        }
+        let min = super::steps::MIN_DOWNSTREAM_SECRET;
+        if self
+            .downstream_secret
+            .as_ref()
+            .is_some_and(|s| s.len() < min)
+        {
+            return Err(BuildError::DownstreamSecret { min });
+        }
         let telemetry = Telemetry::new(&scope, self.transport, self.redaction?);
+        let steps = super::steps::StepLog::new(
+            self.store.clone(),
+            Arc::clone(&self.clock),
+            self.retention,
+            self.downstream_secret.map(Arc::from),
+        );
         Ok(Engine {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -311,6 +400,9 @@ impl<S: SqlStore> EngineBuilder<S> {
                 crashes: super::crash::Crashes::default(),
                 optimistic: self.optimistic,
                 recent_duplicates: super::DuplicateShare::default(),
+                fence: self.fence,
+                fence_retention: self.fence_retention,
+                steps: Arc::new(steps),
             }),
         })
     }

@@ -49,6 +49,7 @@ pub enum Decision {
 /// |---|---|---|---|
 /// | [`Processed { result }`](Outcome::Processed) | – | the handler ran; claim, writes and result committed | [`Ack`](Decision::Ack): ack, commit the offset, answer 2xx with the result |
 /// | [`Duplicate { result }`](Outcome::Duplicate) | – | the key is already committed with the same fingerprint (also when its payload no longer decodes into the handler's input type); the handler does not run | [`Ack`](Decision::Ack); the stored result is replayed (an AMQP RPC caller whose stored result no longer decodes gets an error reply) |
+/// | [`Stale(stale)`](Outcome::Stale) | – | the delivery is older than its entity's state (a [fence](crate::FenceSpec)); the handler does not run; the key is recorded as stale | [`Ack`](Decision::Ack) (HTTP: 200, or the provider's success answer); never dead-lettered |
 /// | [`Conflict { stored, received }`](Outcome::Conflict) | `fingerprint_mismatch` | the key is already committed with another payload; the handler does not run | [`DeadLetter`](Decision::DeadLetter) (HTTP `422`) |
 /// | [`Rejected`](Outcome::Rejected) | `bad_key`, `decode_error` | no valid key, or the payload does not decode (and its key is not committed); never retried | [`DeadLetter`](Decision::DeadLetter) (HTTP `400`) |
 /// | [`Failed`](Outcome::Failed) with an [`InfraFault`] (unreachable, read-only, missing table, permission, resources, shutdown, timeout, contention, corrupt store) | – | the database cannot take writes now; rolled back | [`Wait`](Decision::Wait): no ack, no offset commit, no dead letter; process again after a jittered backoff, for as long as it lasts; never counted as an attempt |
@@ -75,7 +76,7 @@ pub fn decide<T>(outcome: &Outcome<T>, attempts: u32, policy: &RetryPolicy) -> D
         attempts,
     };
     match outcome {
-        Outcome::Processed { .. } | Outcome::Duplicate { .. } => Decision::Ack,
+        Outcome::Processed { .. } | Outcome::Duplicate { .. } | Outcome::Stale(_) => Decision::Ack,
         Outcome::Failed(f) => match f.infra_fault() {
             Some(fault) => Decision::Wait(fault),
             None if f.is_retryable() => match policy.delay_after(attempts) {

@@ -5,17 +5,20 @@
 //!
 #![doc = include_str!("../../docs/engine.md")]
 #![doc = include_str!("../../docs/outcomes.md")]
+#![doc = include_str!("../../docs/steps.md")]
 
 mod batch;
 mod builder;
 mod crash;
 mod decision;
+mod fence;
 mod handler;
 mod outcome;
 mod overrun;
 mod retry;
 pub(crate) mod session;
 mod settings;
+mod steps;
 mod telemetry;
 mod tx;
 
@@ -29,12 +32,13 @@ use tracing::{Instrument, Span};
 use crate::clock::Clock;
 use crate::delivery::Delivery;
 use crate::fingerprint::{Fingerprint, FingerprintSpec};
-use crate::key::{IdemKey, KeySpec};
+use crate::key::{FenceSpec, FenceValue, IdemKey, KeySpec};
 use crate::store::{Claim, ClaimRequest, InfraFault, SqlStore, StoreError, classify_existing};
 
-pub use builder::{BuildError, DEFAULT_RETENTION, EngineBuilder};
+pub use builder::{BuildError, DEFAULT_FENCE_RETENTION, DEFAULT_RETENTION, EngineBuilder};
 pub use crash::DEFAULT_MAX_CRASHES;
 pub use decision::{Decision, decide};
+pub use fence::{FenceCheck, Stale};
 pub use handler::{
     BoxError, DecodeError, FnHandler, FromDelivery, Handler, HandlerError, Json, handler_fn,
 };
@@ -45,6 +49,7 @@ pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
 #[allow(unused_imports)] // no transport compiled in: no user
 pub(crate) use settings::forward_engine_settings;
+pub use steps::{MAX_STEP_NAME, MIN_DOWNSTREAM_SECRET, StepError};
 pub(crate) use telemetry::Telemetry;
 pub use tx::{Origin, Tx, TxGone, TxGuard};
 
@@ -85,6 +90,12 @@ struct Inner<S> {
     /// How common duplicates were lately (optimistic engines look keys up
     /// first while they are common).
     recent_duplicates: DuplicateShare,
+    /// The per-entity fence, if any (see [`EngineBuilder::fence`]).
+    fence: Option<FenceSpec>,
+    /// How long an entity's fence is kept after its last delivery.
+    fence_retention: Duration,
+    /// The steps table and the downstream keys' secret.
+    steps: Arc<steps::StepLog>,
 }
 
 /// A moving share of duplicates among an optimistic engine's recent
@@ -131,6 +142,11 @@ impl<S: SqlStore> Engine<S> {
     /// The key specification.
     pub fn key_spec(&self) -> &KeySpec {
         &self.inner.key
+    }
+
+    /// The per-entity fence, if any (see [`EngineBuilder::fence`]).
+    pub fn fence_spec(&self) -> Option<&FenceSpec> {
+        self.inner.fence.as_ref()
     }
 
     /// The retry policy, for transports that schedule retries themselves.
@@ -249,6 +265,10 @@ impl<S: SqlStore> Engine<S> {
         self.inner
             .telemetry
             .record_key(&Span::current(), key.as_str());
+        let fence = match self.fence_of(delivery) {
+            Ok(fence) => fence,
+            Err(e) => return report(Some(key), Outcome::Rejected(e.into())),
+        };
         let mut decoded = Some(H::Input::from_delivery(delivery));
         let fingerprint = self.inner.fingerprint.compute(delivery);
         let mut contention = backoff(Duration::from_millis(20), Duration::from_millis(500));
@@ -269,7 +289,13 @@ impl<S: SqlStore> Engine<S> {
                 }
             };
             let outcome = self
-                .attempt(handler, delivery, &key, fingerprint.as_ref(), input)
+                .attempt(
+                    handler,
+                    delivery,
+                    (&key, fence.as_ref()),
+                    fingerprint.as_ref(),
+                    input,
+                )
                 .await;
             match &outcome {
                 Outcome::Failed(f)
@@ -363,7 +389,7 @@ impl<S: SqlStore> Engine<S> {
         &self,
         handler: &H,
         delivery: &Delivery,
-        key: &IdemKey,
+        (key, fence): (&IdemKey, Option<&FenceValue>),
         fingerprint: Option<&Fingerprint>,
         input: H::Input,
     ) -> Outcome<H::Output>
@@ -374,7 +400,8 @@ impl<S: SqlStore> Engine<S> {
             .fingerprint(fingerprint.copied())
             .source(delivery.source())
             .traceparent(session::traceparent_of(delivery))
-            .suspect(delivery.is_suspect());
+            .suspect(delivery.is_suspect())
+            .fence(fence);
         let session = match self.claim_with(spec).await {
             Ok(Claimed::New(session)) => session,
             Ok(Claimed::Duplicate { result }) => {
@@ -388,6 +415,7 @@ impl<S: SqlStore> Engine<S> {
             Ok(Claimed::Crashed { crashes }) => {
                 return Outcome::Failed(Failure::Crashed { crashes });
             }
+            Ok(Claimed::Stale(stale)) => return Outcome::Stale(stale),
             Err(e) => return Outcome::Failed(Failure::Store(e)),
         };
         match self
@@ -455,6 +483,7 @@ fn finished<T: serde::de::DeserializeOwned>(end: Finished, output: Option<T>) ->
             result: result.and_then(|bytes| decode_stored(&bytes)),
         },
         (Finished::Conflict { stored, received }, _) => Outcome::Conflict { stored, received },
+        (Finished::Stale(stale), _) => Outcome::Stale(stale),
     }
 }
 
@@ -464,8 +493,11 @@ fn settled<T: serde::de::DeserializeOwned>(
     received: Option<&Fingerprint>,
 ) -> Outcome<T> {
     match claim {
-        Claim::Duplicate { result } => Outcome::Duplicate {
-            result: result.and_then(|bytes| decode_stored(&bytes)),
+        Claim::Duplicate { result } => match fence::is_recorded_stale(result.as_deref()) {
+            Some(stale) => Outcome::Stale(stale),
+            None => Outcome::Duplicate {
+                result: result.and_then(|bytes| decode_stored(&bytes)),
+            },
         },
         Claim::Conflict { stored } => Outcome::Conflict {
             stored,

@@ -1,6 +1,7 @@
 //! What the engine reports for each delivery. Transports act on it: ack,
 //! commit the offset, answer, retry or dead-letter.
 
+use crate::engine::fence::Stale;
 use crate::engine::handler::{DecodeError, HandlerError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdemKey, KeyError};
@@ -46,6 +47,11 @@ pub enum Outcome<T> {
     /// Bad input: no key or undecodable payload. Never retried; dead-letter
     /// it (HTTP: 400).
     Rejected(Rejection),
+    /// The delivery is older than its entity's state: a delivery of a
+    /// higher order was applied to the same entity before (see
+    /// [`FenceSpec`](crate::FenceSpec)). The handler did not run; the key
+    /// is recorded as stale. Safe to acknowledge; never dead-lettered.
+    Stale(Stale),
     /// The attempt failed and was rolled back: nothing of it was committed.
     Failed(Failure),
 }
@@ -59,27 +65,28 @@ impl<T> Outcome<T> {
             Self::Conflict { .. } => OutcomeKind::Conflict,
             Self::Rejected(_) => OutcomeKind::Rejected,
             Self::Failed(_) => OutcomeKind::Failed,
+            Self::Stale(_) => OutcomeKind::Stale,
         }
     }
 
     /// The dead-letter reason code: `fingerprint_mismatch`, `bad_key`,
     /// `decode_error`, `handler_error`, `store_error`, `crashed` or
     /// `deadline`; `None`
-    /// for processed and duplicate deliveries.
+    /// for processed, duplicate and stale deliveries.
     pub fn reason(&self) -> Option<&'static str> {
         match self {
-            Self::Processed { .. } | Self::Duplicate { .. } => None,
+            Self::Processed { .. } | Self::Duplicate { .. } | Self::Stale(_) => None,
             Self::Conflict { .. } => Some("fingerprint_mismatch"),
             Self::Rejected(r) => Some(r.reason()),
             Self::Failed(f) => Some(f.reason()),
         }
     }
 
-    /// What went wrong, for a dead letter's error text; `None` for processed
-    /// and duplicate deliveries.
+    /// What went wrong, for a dead letter's error text; `None` for processed,
+    /// duplicate and stale deliveries.
     pub fn error_text(&self) -> Option<String> {
         match self {
-            Self::Processed { .. } | Self::Duplicate { .. } => None,
+            Self::Processed { .. } | Self::Duplicate { .. } | Self::Stale(_) => None,
             Self::Conflict { .. } => Some(
                 "the key was already used for a different payload (fingerprint mismatch)"
                     .to_owned(),
@@ -90,9 +97,13 @@ impl<T> Outcome<T> {
     }
 
     /// Whether the delivery may be acknowledged without further action:
-    /// its effect is committed (processed) or was committed earlier (duplicate).
+    /// its effect is committed (processed), was committed earlier
+    /// (duplicate), or is superseded by a newer delivery's (stale).
     pub fn is_done(&self) -> bool {
-        matches!(self, Self::Processed { .. } | Self::Duplicate { .. })
+        matches!(
+            self,
+            Self::Processed { .. } | Self::Duplicate { .. } | Self::Stale(_)
+        )
     }
 }
 
@@ -110,6 +121,8 @@ pub enum OutcomeKind {
     Rejected,
     /// See [`Outcome::Failed`].
     Failed,
+    /// See [`Outcome::Stale`].
+    Stale,
 }
 
 impl OutcomeKind {
@@ -121,6 +134,7 @@ impl OutcomeKind {
             Self::Conflict => "conflict",
             Self::Rejected => "rejected",
             Self::Failed => "failed",
+            Self::Stale => "stale",
         }
     }
 }

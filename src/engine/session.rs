@@ -7,11 +7,12 @@
 use std::time::{Duration, Instant};
 
 use super::crash::{Counted, Gate, Start};
+use super::fence::{FenceCheck, Stale, is_recorded_stale};
 use super::tx::{Origin, Tx};
 use super::{Engine, Failure};
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
-use crate::key::{IdemKey, KeyError};
+use crate::key::{FenceValue, IdemKey, KeyError, Order};
 use crate::store::{
     Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError, classify_existing,
     is_write_fault,
@@ -30,6 +31,7 @@ pub struct ClaimSpec<'a> {
     traceparent: Option<&'a str>,
     suspect: bool,
     look_up_first: Option<bool>,
+    fence: Option<&'a FenceValue>,
 }
 
 impl<'a> ClaimSpec<'a> {
@@ -44,7 +46,19 @@ impl<'a> ClaimSpec<'a> {
             traceparent: None,
             suspect: false,
             look_up_first: None,
+            fence: None,
         }
+    }
+
+    /// The delivery's entity and order, passed through the entity's fence
+    /// in the claim's transaction once the key is new (see
+    /// [`EngineBuilder::fence`](crate::EngineBuilder::fence) and
+    /// [`Engine::fence_of`]): a delivery older than its entity's state is
+    /// [`Claimed::Stale`].
+    #[must_use]
+    pub fn fence(mut self, fence: Option<&'a FenceValue>) -> Self {
+        self.fence = fence;
+        self
     }
 
     /// On an [optimistic](crate::EngineBuilder::optimistic) engine,
@@ -146,6 +160,10 @@ pub enum Claimed<S: SqlStore> {
         /// Starts of its handler that the process did not survive.
         crashes: u32,
     },
+    /// The delivery is older than its entity's state (see
+    /// [`ClaimSpec::fence`]): its key is recorded as stale, nothing else
+    /// was done. Acknowledge it.
+    Stale(Stale),
 }
 
 impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
@@ -168,6 +186,7 @@ impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
             Self::Crashed { crashes } => {
                 f.debug_struct("Crashed").field("crashes", crashes).finish()
             }
+            Self::Stale(stale) => f.debug_tuple("Stale").field(stale).finish(),
         }
     }
 }
@@ -176,7 +195,10 @@ impl<S: SqlStore> Claimed<S> {
     /// The claim a store or cache tier returned, as seen by the caller.
     fn settled(claim: Claim, received: Option<Fingerprint>) -> Result<Self, StoreError> {
         match claim {
-            Claim::Duplicate { result } => Ok(Self::Duplicate { result }),
+            Claim::Duplicate { result } => match is_recorded_stale(result.as_deref()) {
+                Some(stale) => Ok(Self::Stale(stale)),
+                None => Ok(Self::Duplicate { result }),
+            },
             Claim::Conflict { stored } => Ok(Self::Conflict { stored, received }),
             other => Err(StoreError::Corrupt(format!(
                 "unexpected claim {other:?} outside a batch"
@@ -248,13 +270,19 @@ pub enum Finished {
         /// The fingerprint of this delivery.
         received: Option<Fingerprint>,
     },
+    /// An optimistic session's key was recorded meanwhile as stale (see
+    /// [`Claimed::Stale`]): the session's work was rolled back.
+    Stale(Stale),
 }
 
 impl Finished {
     /// A claim that found the key taken, as a session's end.
     fn taken(claim: Claim, received: Option<Fingerprint>) -> Result<Self, StoreError> {
         match claim {
-            Claim::Duplicate { result } => Ok(Self::Duplicate { result }),
+            Claim::Duplicate { result } => match is_recorded_stale(result.as_deref()) {
+                Some(stale) => Ok(Self::Stale(stale)),
+                None => Ok(Self::Duplicate { result }),
+            },
             Claim::Conflict { stored } => Ok(Self::Conflict { stored, received }),
             other => Err(StoreError::Corrupt(format!(
                 "unexpected claim {other:?} of a finished session"
@@ -292,13 +320,27 @@ impl<S: SqlStore> Engine<S> {
     /// ```
     pub async fn claim(&self, delivery: &Delivery) -> Result<Claimed<S>, ClaimError> {
         let key = self.inner.key.derive(delivery)?;
+        let fence = self.fence_of(delivery)?;
         let fingerprint = self.inner.fingerprint.compute(delivery);
         let spec = ClaimSpec::new(&key)
             .fingerprint(fingerprint)
             .source(delivery.source())
             .traceparent(traceparent_of(delivery))
-            .suspect(delivery.is_suspect());
+            .suspect(delivery.is_suspect())
+            .fence(fence.as_ref());
         Ok(self.claim_with(spec).await?)
+    }
+
+    /// The entity and order of `delivery` by this engine's
+    /// [fence](crate::EngineBuilder::fence), for [`ClaimSpec::fence`]:
+    /// `None` without a fence, an error when the delivery has no valid
+    /// entity or order (reject it, like a delivery without a key).
+    pub fn fence_of(&self, delivery: &Delivery) -> Result<Option<FenceValue>, KeyError> {
+        self.inner
+            .fence
+            .as_ref()
+            .map(|fence| fence.derive(delivery))
+            .transpose()
     }
 
     /// Claims `spec`'s key: answered by the cache tier if it knows the key,
@@ -328,7 +370,8 @@ impl<S: SqlStore> Engine<S> {
             Err(claim) => return Claimed::settled(claim, spec.fingerprint),
         };
         if !spec.suspect {
-            return Ok(self.session(tx, scope, &spec, times, SessionClaim::Held(None), gate));
+            let claimed = self.session(tx, scope, &spec, times, SessionClaim::Held(None), gate);
+            return self.fenced(claimed, &spec).await;
         }
         // A suspect with a new key: count its start alone, with no claim
         // open (see the `crash` module), then claim again.
@@ -343,7 +386,8 @@ impl<S: SqlStore> Engine<S> {
         match self.open_claim(scope, &req).await {
             Ok(Ok((tx, times))) => {
                 let claim = SessionClaim::Held(Some(counted));
-                Ok(self.session(tx, scope, &spec, times, claim, gate))
+                let claimed = self.session(tx, scope, &spec, times, claim, gate);
+                self.fenced(claimed, &spec).await
             }
             // Taken meanwhile: this start never ran.
             Ok(Err(claim)) => {
@@ -385,7 +429,82 @@ impl<S: SqlStore> Engine<S> {
             source: spec.source.map(str::to_owned),
             lock_wait: spec.lock_wait,
         };
-        Ok(self.session(tx, scope, spec, times, SessionClaim::Pending(pending), gate))
+        let claimed = self.session(tx, scope, spec, times, SessionClaim::Pending(pending), gate);
+        self.fenced(claimed, spec).await
+    }
+
+    /// Passes a new session's delivery through its entity's fence (if
+    /// `spec` has one) in the session's transaction: the session when the
+    /// delivery is not stale (or the fence passes stale deliveries to the
+    /// handler, which reads [`Tx::fence`]); otherwise the key is recorded
+    /// as stale and committed, and the answer is [`Claimed::Stale`] (an
+    /// optimistic session may find its key committed meanwhile instead).
+    async fn fenced(
+        &self,
+        claimed: Claimed<S>,
+        spec: &ClaimSpec<'_>,
+    ) -> Result<Claimed<S>, StoreError> {
+        let (Claimed::New(session), Some(value)) = (&claimed, spec.fence) else {
+            return Ok(claimed);
+        };
+        let inner = &*self.inner;
+        let origin = session.tx.origin();
+        let now_ms = session.times.now_ms;
+        let expires_at_ms = now_ms.saturating_add(millis(inner.fence_retention));
+        let advanced = match session.tx.lock().await {
+            Ok(mut conn) => {
+                inner
+                    .store
+                    .advance_fence(
+                        &mut conn,
+                        origin.scope(),
+                        value.entity.as_str(),
+                        value.order.as_bytes(),
+                        expires_at_ms,
+                        now_ms,
+                    )
+                    .await
+            }
+            Err(_) => Err(StoreError::Corrupt(
+                "a new session's transaction is gone".into(),
+            )),
+        };
+        let Claimed::New(session) = claimed else {
+            return Ok(claimed);
+        };
+        let current = match advanced {
+            Ok(current) => Order::from_bytes(current),
+            Err(e) => {
+                session.abandon().await;
+                return Err(e);
+            }
+        };
+        let check = FenceCheck::new(
+            value.entity.as_str().to_owned(),
+            value.order.clone(),
+            current,
+        );
+        let stale = check.is_stale().then(|| check.stale());
+        session.tx.origin().set_fence(check);
+        let Some(stale) = stale else {
+            return Ok(Claimed::New(session));
+        };
+        if inner.fence.as_ref().is_some_and(|f| f.passes_stale()) {
+            return Ok(Claimed::New(session));
+        }
+        match session.finish(&stale.recorded()).await {
+            Ok(Finished::Committed) => Ok(Claimed::Stale(stale)),
+            Ok(Finished::Duplicate { result }) => Ok(Claimed::Duplicate { result }),
+            Ok(Finished::Conflict { stored, received }) => {
+                Ok(Claimed::Conflict { stored, received })
+            }
+            Ok(Finished::Stale(stale)) => Ok(Claimed::Stale(stale)),
+            Err(Failure::Store(e)) => Err(e),
+            Err(Failure::Commit(e)) => Err(StoreError::Database(e)),
+            Err(other) => Err(StoreError::Corrupt(format!(
+                "recording a stale delivery failed: {other}"
+            ))),
+        }
     }
 
     /// What the store holds for `key` in `scope` now, for an optimistic
@@ -444,10 +563,12 @@ impl<S: SqlStore> Engine<S> {
         };
         let deadline = self.inner.store.deadlines().transaction_deadline();
         let began = tx.began();
-        let origin = Origin::new(scope, spec.key, spec.traceparent, times.now_ms);
+        let origin = Origin::new(scope, spec.key, spec.traceparent, times.now_ms)
+            .with_fingerprint(spec.fingerprint);
+        let steps = std::sync::Arc::clone(&self.inner.steps);
         Claimed::New(Session {
             engine: self.clone(),
-            tx: Tx::new(tx, origin, began, deadline),
+            tx: Tx::new(tx, origin, began, deadline, steps),
             fingerprint: spec.fingerprint,
             times,
             counted,
@@ -653,6 +774,11 @@ pub(super) fn ending_failure(e: StoreError) -> Failure {
         StoreError::Database(e) if is_write_fault(&e) => Failure::Commit(e),
         e => Failure::Store(e),
     }
+}
+
+/// `d` in whole milliseconds, saturating.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// The W3C `traceparent` header of a delivery, if it has a readable one.

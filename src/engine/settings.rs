@@ -24,6 +24,9 @@ macro_rules! forward_engine_settings {
             hash_keys_in_traces,
             max_crashes,
             max_deadline_misses,
+            fence,
+            fence_retention,
+            downstream_secret,
             configure_engine,
         );
     };
@@ -120,6 +123,37 @@ macro_rules! forward_engine_settings {
         #[must_use]
         pub fn max_deadline_misses(mut self, misses: u32) -> Self {
             self.engine = self.engine.max_deadline_misses(misses);
+            self
+        }
+    };
+    (@fence) => {
+        /// Fences each entity against out-of-order deliveries: a delivery
+        /// older than one applied before to the same entity is acknowledged
+        /// as stale without running the handler; see
+        /// [`EngineBuilder::fence`](crate::EngineBuilder::fence).
+        #[must_use]
+        pub fn fence(mut self, fence: $crate::FenceSpec) -> Self {
+            self.engine = self.engine.fence(fence);
+            self
+        }
+    };
+    (@fence_retention) => {
+        /// How long an entity's fence is kept after its last delivery
+        /// (default 90 days); see
+        /// [`EngineBuilder::fence_retention`](crate::EngineBuilder::fence_retention).
+        #[must_use]
+        pub fn fence_retention(mut self, retention: std::time::Duration) -> Self {
+            self.engine = self.engine.fence_retention(retention);
+            self
+        }
+    };
+    (@downstream_secret) => {
+        /// The secret the handler's [downstream keys](crate::Tx::downstream_key)
+        /// and [steps](crate::Tx::step) are keyed with; see
+        /// [`EngineBuilder::downstream_secret`](crate::EngineBuilder::downstream_secret).
+        #[must_use]
+        pub fn downstream_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+            self.engine = self.engine.downstream_secret(secret);
             self
         }
     };

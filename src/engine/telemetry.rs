@@ -17,12 +17,13 @@ use crate::telemetry::{
     RETRIED_TOTAL,
 };
 
-const OUTCOMES: [OutcomeKind; 5] = [
+const OUTCOMES: [OutcomeKind; 6] = [
     OutcomeKind::Processed,
     OutcomeKind::Duplicate,
     OutcomeKind::Conflict,
     OutcomeKind::Rejected,
     OutcomeKind::Failed,
+    OutcomeKind::Stale,
 ];
 
 /// The metric handles and span settings of one scope and transport,
@@ -32,7 +33,7 @@ pub(crate) struct Telemetry {
     scope: SharedString,
     transport: &'static str,
     redaction: KeyRedaction,
-    outcomes: [Counter; 5],
+    outcomes: [Counter; 6],
     handler: Histogram,
     claim: Histogram,
     commit: Histogram,
@@ -116,8 +117,14 @@ impl Telemetry {
             self.outcomes[i].increment(1);
         }
         Self::record_outcome(span, kind);
-        if kind == OutcomeKind::Duplicate {
-            tracing::debug!("duplicate: already committed, handler not run");
+        match kind {
+            OutcomeKind::Duplicate => {
+                tracing::debug!("duplicate: already committed, handler not run");
+            }
+            OutcomeKind::Stale => {
+                tracing::info!("stale: older than its entity's state, handler not run");
+            }
+            _ => {}
         }
     }
 
@@ -204,7 +211,14 @@ mod tests {
         let names: Vec<_> = OUTCOMES.iter().map(OutcomeKind::as_str).collect();
         assert_eq!(
             names,
-            ["processed", "duplicate", "conflict", "rejected", "failed"]
+            [
+                "processed",
+                "duplicate",
+                "conflict",
+                "rejected",
+                "failed",
+                "stale"
+            ]
         );
     }
 }

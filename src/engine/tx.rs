@@ -1,13 +1,18 @@
 //! The claim's open transaction, as an owned handle the handler works in.
 
+use std::future::Future;
 use std::ops::{Deref, DerefMut};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use sqlx::Database;
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
+use super::fence::FenceCheck;
+use super::handler::HandlerError;
+use super::steps::{StepError, StepLog};
+use crate::fingerprint::Fingerprint;
 use crate::store::ClaimTx;
 
 /// The transaction a key was claimed in. Every handler gets one, broker
@@ -45,6 +50,7 @@ pub struct Tx<DB: Database> {
     slot: Arc<Mutex<Option<ClaimTx<DB>>>>,
     origin: Arc<Origin>,
     deadline: Instant,
+    steps: Arc<StepLog>,
 }
 
 impl<DB: Database> Clone for Tx<DB> {
@@ -53,6 +59,7 @@ impl<DB: Database> Clone for Tx<DB> {
             slot: Arc::clone(&self.slot),
             origin: Arc::clone(&self.origin),
             deadline: self.deadline,
+            steps: Arc::clone(&self.steps),
         }
     }
 }
@@ -75,6 +82,8 @@ pub struct Origin {
     traceparent: Option<String>,
     claimed_at_ms: i64,
     sequence: AtomicU32,
+    fingerprint: Option<Fingerprint>,
+    fence: OnceLock<FenceCheck>,
 }
 
 impl Origin {
@@ -90,7 +99,22 @@ impl Origin {
             traceparent: traceparent.map(str::to_owned),
             claimed_at_ms,
             sequence: AtomicU32::new(0),
+            fingerprint: None,
+            fence: OnceLock::new(),
         }
+    }
+
+    /// The same origin, for a delivery with `fingerprint` (its steps are
+    /// recorded with it).
+    pub(crate) fn with_fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// What the fence found, once it passed (see [`Tx::fence`]).
+    pub(crate) fn set_fence(&self, check: FenceCheck) {
+        // Set once per origin: the fence runs once per claim.
+        let _ = self.fence.set(check);
     }
 
     /// When the key was claimed, in milliseconds since the Unix epoch (the
@@ -162,12 +186,20 @@ impl<DB: Database> Tx<DB> {
     /// go of the transaction.
     pub const RETURN_TIMEOUT: Duration = Duration::from_secs(30);
 
-    /// The transaction `tx`, begun at `began`, whose handler has `bound`.
-    pub(crate) fn new(tx: ClaimTx<DB>, origin: Origin, began: Instant, bound: Duration) -> Self {
+    /// The transaction `tx`, begun at `began`, whose handler has `bound`
+    /// and records its steps in `steps`.
+    pub(crate) fn new(
+        tx: ClaimTx<DB>,
+        origin: Origin,
+        began: Instant,
+        bound: Duration,
+        steps: Arc<StepLog>,
+    ) -> Self {
         Self {
             slot: Arc::new(Mutex::new(Some(tx))),
             origin: Arc::new(origin),
             deadline: began + bound,
+            steps,
         }
     }
 
@@ -190,6 +222,99 @@ impl<DB: Database> Tx<DB> {
             slot: Arc::clone(&self.slot),
             origin: Arc::new(origin),
             deadline: self.deadline,
+            steps: Arc::clone(&self.steps),
+        }
+    }
+
+    /// What the entity's [fence](crate::FenceSpec) found for this
+    /// delivery: `None` when the engine has no fence. A handler of a fence
+    /// that [passes stale deliveries](crate::FenceSpec::pass_stale) reads
+    /// [`FenceCheck::is_stale`] and the order applied before
+    /// ([`FenceCheck::current`]) and decides.
+    pub fn fence(&self) -> Option<&FenceCheck> {
+        self.origin.fence.get()
+    }
+
+    /// The key to send a downstream system for `step` of this delivery
+    /// (as Stripe's or Adyen's `Idempotency-Key`, WeChat Pay's
+    /// `out_refund_no`): the same on every attempt and every redelivery
+    /// of the same key, different for every scope, key and step, and
+    /// revealing none of them (an HMAC under the engine's
+    /// [downstream secret](crate::EngineBuilder::downstream_secret)).
+    /// 40 hex digits.
+    pub fn downstream_key(&self, step: &str) -> Result<String, StepError> {
+        let origin = &self.origin;
+        self.steps
+            .downstream_key(origin.scope(), origin.key(), step)
+    }
+
+    /// Runs `call` once for this delivery's key, as a recovery point: its
+    /// result is recorded in the steps table, committed on its own as
+    /// soon as `call` returned, before this transaction ends. On every
+    /// later attempt or redelivery of the key (the process died before
+    /// the `COMMIT`, the handler failed after the step and is retried)
+    /// the recorded result is returned without calling again. A `call`
+    /// that failed, or whose result was never recorded, is called again,
+    /// with the same downstream key (its argument, see
+    /// [`downstream_key`](Tx::downstream_key)): send it to the downstream
+    /// system so that it answers a repeated call with its first answer.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn f(tx: onceonly::Tx<sqlx::Postgres>, http: reqwest::Client) -> Result<(), onceonly::HandlerError> {
+    /// use onceonly::HandlerError;
+    ///
+    /// let refund: serde_json::Value = tx
+    ///     .step("refund", |key| async move {
+    ///         let answer = http
+    ///             .post("https://api.example.com/v1/refunds")
+    ///             .header("Idempotency-Key", key)
+    ///             .json(&serde_json::json!({ "payment": "pi_1", "amount": 500 }))
+    ///             .send()
+    ///             .await
+    ///             .map_err(HandlerError::retryable)?;
+    ///         answer.json().await.map_err(HandlerError::retryable)
+    ///     })
+    ///     .await?;
+    /// let mut conn = tx.lock().await?;
+    /// sqlx::query("INSERT INTO refunds (payment, provider_id) VALUES ($1, $2)")
+    ///     .bind("pi_1")
+    ///     .bind(refund["id"].as_str())
+    ///     .execute(&mut *conn)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors of `call` are returned as they are (the handler's retry and
+    /// dead-letter decision applies); a step that cannot be recorded or
+    /// read is an infrastructure failure ([`StepError`] converts into
+    /// [`HandlerError`]). Exactly once holds only if the downstream system
+    /// honours the key: what is guaranteed and what is not is listed in
+    /// the [steps guide](crate::engine#steps).
+    pub async fn step<T, F, Fut>(&self, step: &str, call: F) -> Result<T, HandlerError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError>>,
+    {
+        let origin = &self.origin;
+        let (scope, key, fingerprint) = (origin.scope(), origin.key(), origin.fingerprint.as_ref());
+        let downstream = self.downstream_key(step)?;
+        let log = &self.steps;
+        if let Some(stored) = log.finished(scope, key, step, fingerprint).await? {
+            crate::telemetry::step_replayed(scope);
+            return decode_step(&stored);
+        }
+        let value = call(downstream).await?;
+        let bytes = serde_json::to_vec(&value).map_err(StepError::Encoding)?;
+        let standing = log.record(scope, key, step, fingerprint, &bytes).await?;
+        crate::telemetry::step_called(scope);
+        if standing == bytes {
+            Ok(value)
+        } else {
+            // A concurrent attempt of the key recorded its result first:
+            // every attempt goes on with the one that stands.
+            decode_step(&standing)
         }
     }
 
@@ -218,4 +343,11 @@ impl<DB: Database> Tx<DB> {
             Err(_) => None,
         }
     }
+}
+
+/// A step's recorded result, as the step's type.
+fn decode_step<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, HandlerError> {
+    serde_json::from_slice(bytes)
+        .map_err(StepError::Encoding)
+        .map_err(HandlerError::from)
 }

@@ -112,6 +112,35 @@ pub(super) fn duplicate<S: SqlStore>(cfg: &Config<S>, result: Option<&[u8]>) -> 
     counted(cfg, OutcomeKind::Duplicate, response)
 }
 
+/// A stale request (older than its entity's state, see
+/// [`FenceSpec`](crate::FenceSpec)): nothing was done, and nothing will
+/// be on a retry. A callback gets the provider's success answer (so that
+/// it stops retrying); an API request `200` with a JSON body saying so
+/// and the header `onceonly-stale: true`. Counted as stale.
+pub(super) fn stale<S: SqlStore>(cfg: &Config<S>) -> Response<Body> {
+    let mut response = match &cfg.http.mode {
+        Mode::Callback { ack } => ack.response(),
+        Mode::Header { .. } => {
+            let body = serde_json::json!({
+                "type": "urn:onceonly:stale",
+                "title": "Stale request",
+                "status": 200,
+                "detail": "a newer request for the same entity was applied before; nothing was changed",
+            });
+            let mut response = Response::new(Body::from(body.to_string()));
+            response.headers_mut().insert(
+                axum::http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+        }
+    };
+    response
+        .headers_mut()
+        .insert("onceonly-stale", HeaderValue::from_static("true"));
+    counted(cfg, OutcomeKind::Stale, response)
+}
+
 /// `422`: the key was completed for a request with another payload.
 pub(super) fn conflict<S: SqlStore>(cfg: &Config<S>) -> Response<Body> {
     counted(

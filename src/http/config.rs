@@ -430,6 +430,9 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         key_redaction,
         hash_keys_in_traces,
         max_deadline_misses,
+        fence,
+        fence_retention,
+        downstream_secret,
         clock,
         configure_engine,
     );

@@ -259,6 +259,18 @@ where
     cfg.engine
         .telemetry()
         .record_key(&Span::current(), key.as_str());
+    let fence = match cfg.engine.fence_of(&delivery) {
+        Ok(fence) => fence,
+        Err(e) => {
+            return answer::refused(
+                cfg,
+                StatusCode::BAD_REQUEST,
+                "invalid-fence",
+                "Entity or order missing",
+                &e.to_string(),
+            );
+        }
+    };
     let fingerprint = cfg
         .engine
         .fingerprint_spec()
@@ -274,7 +286,8 @@ where
         .fingerprint(fingerprint)
         .source(Some(&source))
         .traceparent(traceparent_of(&delivery))
-        .lock_wait(wait);
+        .lock_wait(wait)
+        .fence(fence.as_ref());
     let session = match cfg.engine.claim_with(spec).await {
         Ok(Claimed::New(session)) => session,
         Ok(Claimed::Duplicate { result }) => {
@@ -285,6 +298,7 @@ where
             tracing::debug!("key reused with another request");
             return answer::conflict(cfg);
         }
+        Ok(Claimed::Stale(_)) => return answer::stale(cfg),
         // Only for suspects, which HTTP requests never are (a client
         // retries on its own; no broker redelivers).
         Ok(Claimed::Crashed { .. }) => {
@@ -466,6 +480,7 @@ fn taken_answer<S: SqlStore>(cfg: &Config<S>, taken: Finished) -> Response<Body>
             tracing::debug!("duplicate, committed meanwhile");
             answer::duplicate(cfg, result.as_deref())
         }
+        Finished::Stale(_) => answer::stale(cfg),
         Finished::Committed => answer::failed(
             cfg,
             "internal",

@@ -59,6 +59,18 @@ pub enum KeyError {
     /// A user-supplied key function refused the delivery.
     #[error("key function failed: {0}")]
     Custom(String),
+    /// A [fence](crate::FenceSpec)'s order could not be read from the
+    /// delivery: the value is not of the component's type (not an
+    /// integer, not a timestamp, not one of the ranked values, not a
+    /// string), or the order is too long. The message names the field and
+    /// the reason, never the value.
+    #[error("order field {pointer:?} is unusable: {reason}")]
+    BadOrder {
+        /// The JSON pointer (or the metadata entry's name) of the component.
+        pointer: String,
+        /// Why the value cannot be used, without the value itself.
+        reason: String,
+    },
 }
 
 impl KeyError {
@@ -94,6 +106,11 @@ pub enum KeySpecError {
     /// The maximum length is out of range.
     #[error("maximum key length {0} is out of range 1..=255 (the store's column size)")]
     MaxLength(usize),
+    /// An [order spec](crate::OrderSpec) is malformed: an unknown
+    /// component, an empty or repeated ranked value, a custom order
+    /// combined with other components, an offset out of range.
+    #[error("invalid order spec: {0}")]
+    InvalidOrder(String),
     /// Compaction needs room for the `sha256:` form.
     #[error(
         "compaction needs a maximum key length of at least {min} bytes to hold `sha256:<hex>`, got {max}"

@@ -10,8 +10,10 @@
 //! precise reason, never a panic.
 //!
 #![doc = include_str!("../../docs/keys.md")]
+#![doc = include_str!("../../docs/fences.md")]
 
 mod error;
+mod fence;
 mod parse;
 
 use std::fmt;
@@ -23,6 +25,7 @@ use crate::delivery::Delivery;
 use crate::fingerprint::canonical_bytes;
 
 pub use error::{KeyError, KeySpecError};
+pub use fence::{FenceSpec, FenceValue, Order, OrderBuilder, OrderSpec};
 
 /// The default and largest key length in bytes (the store's column size).
 pub const MAX_KEY_LEN: usize = 255;

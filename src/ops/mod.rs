@@ -7,11 +7,13 @@
 //!
 #![doc = include_str!("../../docs/operations.md")]
 
+pub mod complete;
 pub mod purge;
 #[cfg(feature = "_broker")]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "amqp", feature = "kafka"))))]
 pub mod replay;
 
+pub use complete::{Completer, CompleterBuilder, CompleterHandle, OrphanHandler};
 pub use purge::{
     PurgeError, PurgeMode, PurgeOptions, PurgeProgress, Purger, PurgerBuilder, PurgerHandle,
     SHUTDOWN_GRACE, purge_in_batches,

@@ -521,7 +521,7 @@ where
 
     /// Deletes at most `limit` records expired at `now_ms`: dedup records
     /// first, then, with what is left of `limit`, expired rows of the
-    /// attempts table.
+    /// attempts, steps and fence tables.
     pub async fn purge_expired(
         &self,
         scope: Option<&str>,
@@ -540,21 +540,22 @@ where
                     .await?
             }
         };
-        let left = u64::from(limit).saturating_sub(deleted);
-        if left == 0 {
-            return Ok(deleted);
+        // Then the side tables, with what is left of `limit`.
+        let mut purged = deleted;
+        for (purge, purge_scope) in [
+            (&sql.attempts.purge, &sql.attempts.purge_scope),
+            (&sql.steps.purge, &sql.steps.purge_scope),
+            (&sql.fence.purge, &sql.fence.purge_scope),
+        ] {
+            let left = u64::from(limit).saturating_sub(purged);
+            let Ok(left @ 1..) = u32::try_from(left) else {
+                break;
+            };
+            purged += self
+                .purge_from(purge, purge_scope, scope, now_ms, left)
+                .await?;
         }
-        let left = u32::try_from(left).unwrap_or(limit);
-        let counters = self
-            .purge_from(
-                &sql.attempts.purge,
-                &sql.attempts.purge_scope,
-                scope,
-                now_ms,
-                left,
-            )
-            .await?;
-        Ok(deleted + counters)
+        Ok(purged)
     }
 
     /// The table's rotations (see [`SqlStore::rotations`](super::SqlStore::rotations)),

@@ -157,6 +157,75 @@ macro_rules! forward_sql_store {
                 self.$to.purge_expired(scope, now_ms, limit).await
             }
 
+            async fn advance_fence(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                entity: &str,
+                order: &[u8],
+                expires_at_ms: i64,
+                now_ms: i64,
+            ) -> Result<Vec<u8>, $crate::store::StoreError> {
+                self.$to
+                    .advance_fence(conn, scope, entity, order, expires_at_ms, now_ms)
+                    .await
+            }
+
+            async fn fence(
+                &self,
+                scope: &str,
+                entity: &str,
+            ) -> Result<Option<$crate::store::FenceRecord>, $crate::store::StoreError> {
+                self.$to.fence(scope, entity).await
+            }
+
+            fn records_steps(&self) -> bool {
+                self.$to.records_steps()
+            }
+
+            async fn step(
+                &self,
+                scope: &str,
+                key: &str,
+                step: &str,
+                now_ms: i64,
+            ) -> Result<Option<$crate::store::StepRecord>, $crate::store::StoreError> {
+                self.$to.step(scope, key, step, now_ms).await
+            }
+
+            async fn record_step(
+                &self,
+                scope: &str,
+                key: &str,
+                step: &str,
+                fingerprint: Option<&[u8]>,
+                result: &[u8],
+                times: $crate::store::ClaimTimes,
+            ) -> Result<$crate::store::StepRecord, $crate::store::StoreError> {
+                self.$to
+                    .record_step(scope, key, step, fingerprint, result, times)
+                    .await
+            }
+
+            async fn steps(
+                &self,
+                scope: &str,
+                key: &str,
+            ) -> Result<Vec<$crate::store::StepRecord>, $crate::store::StoreError> {
+                self.$to.steps(scope, key).await
+            }
+
+            async fn orphaned_steps(
+                &self,
+                created_before_ms: i64,
+                now_ms: i64,
+                limit: u32,
+            ) -> Result<Vec<$crate::store::OrphanedStep>, $crate::store::StoreError> {
+                self.$to
+                    .orphaned_steps(created_before_ms, now_ms, limit)
+                    .await
+            }
+
             async fn rotations(
                 &self,
                 now_ms: i64,

@@ -21,6 +21,7 @@ mod dialect;
 pub(crate) mod error;
 pub(crate) mod forward;
 mod rows;
+mod side;
 mod sql;
 mod table;
 mod tier;
@@ -50,6 +51,7 @@ pub use dialect::{Dialect, Layout};
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
 };
+pub use side::{FenceRecord, OrphanedStep, StepRecord};
 pub use table::TableName;
 pub use tier::{CacheTier, CachedRecord, Completed};
 
@@ -406,6 +408,70 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         now_ms: i64,
         limit: u32,
     ) -> Result<u64, StoreError>;
+
+    /// Moves `entity`'s fence in `scope` forward to `order` inside the
+    /// claim's open transaction `conn`, and returns the order the fence
+    /// then holds: `order` itself when it is the highest so far (or ties
+    /// it, or the fence had expired at `now_ms`), the higher stored order
+    /// otherwise (the delivery is stale). One statement on PostgreSQL and
+    /// SQLite, two on MySQL; the fence's row stays locked until the
+    /// transaction ends, and expires at `expires_at_ms` (see
+    /// [`TableName::fence`]).
+    async fn advance_fence(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        scope: &str,
+        entity: &str,
+        order: &[u8],
+        expires_at_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<u8>, StoreError>;
+
+    /// `entity`'s fence in `scope`, as committed (expired or not).
+    async fn fence(&self, scope: &str, entity: &str) -> Result<Option<FenceRecord>, StoreError>;
+
+    /// Whether a step can be recorded on its own while the claim's
+    /// transaction is open: not on SQLite, whose one writer is that
+    /// transaction.
+    fn records_steps(&self) -> bool;
+
+    /// `key`'s finished step `step` in `scope`, unless expired at
+    /// `now_ms`; read on the pool.
+    async fn step(
+        &self,
+        scope: &str,
+        key: &str,
+        step: &str,
+        now_ms: i64,
+    ) -> Result<Option<StepRecord>, StoreError>;
+
+    /// Records `key`'s finished step `step` with its `result`, committed
+    /// on its own (not in the claim's transaction) before this returns,
+    /// unless a live record is there; returns the record that stands
+    /// (ours, or that of a concurrent attempt that finished first).
+    async fn record_step(
+        &self,
+        scope: &str,
+        key: &str,
+        step: &str,
+        fingerprint: Option<&[u8]>,
+        result: &[u8],
+        times: ClaimTimes,
+    ) -> Result<StepRecord, StoreError>;
+
+    /// Every step of `key` in `scope`, oldest first (expired or not).
+    async fn steps(&self, scope: &str, key: &str) -> Result<Vec<StepRecord>, StoreError>;
+
+    /// At most `limit` live steps that finished before `created_before_ms`
+    /// and whose key has no live record at `now_ms`: the handler's
+    /// transaction never committed after the step's call (see
+    /// [`Completer`](crate::ops::Completer)).
+    async fn orphaned_steps(
+        &self,
+        created_before_ms: i64,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<OrphanedStep>, StoreError>;
 
     /// The rotations of a table of PostgreSQL's generations layout at
     /// `now_ms` (two cheap reads: the control table, the newest expiry of

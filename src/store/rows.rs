@@ -8,6 +8,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 use super::admin::{self, ScopeStats};
 use super::backend::Backend;
 use super::claim::Existing;
+use super::side::{OrphanedStep, StepRecord};
 use super::{Record, StoreError};
 use crate::fingerprint::Fingerprint;
 
@@ -31,6 +32,17 @@ pub(crate) trait StoreRow {
 
     /// An integer column that is never NULL.
     fn int(&self, column: &str) -> Result<i64, StoreError>;
+
+    /// A byte column that is never NULL.
+    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError>;
+
+    /// A row of the steps table (`step, fingerprint, result,
+    /// created_at_ms, expires_at_ms`).
+    fn step_record(&self) -> Result<StepRecord, StoreError>;
+
+    /// A row of the orphaned steps query (`scope, idem_key, step,
+    /// created_at_ms`).
+    fn orphaned_step(&self) -> Result<OrphanedStep, StoreError>;
 
     /// A row of the statistics query of
     /// [`AdminStore::stats`](super::admin::AdminStore::stats).
@@ -61,6 +73,30 @@ where
 
     fn int(&self, column: &str) -> Result<i64, StoreError> {
         Ok(self.try_get(column)?)
+    }
+
+    fn bytes(&self, column: &str) -> Result<Vec<u8>, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+
+    fn step_record(&self) -> Result<StepRecord, StoreError> {
+        let fingerprint: Option<Vec<u8>> = self.try_get("fingerprint")?;
+        Ok(StepRecord {
+            step: self.text("step")?,
+            fingerprint: fingerprint.as_deref().and_then(Fingerprint::from_slice),
+            result: self.try_get("result")?,
+            created_at_ms: self.try_get("created_at_ms")?,
+            expires_at_ms: self.try_get("expires_at_ms")?,
+        })
+    }
+
+    fn orphaned_step(&self) -> Result<OrphanedStep, StoreError> {
+        Ok(OrphanedStep {
+            scope: self.text("scope")?,
+            key: self.text("idem_key")?,
+            step: self.text("step")?,
+            created_at_ms: self.try_get("created_at_ms")?,
+        })
     }
 
     fn existing(&self) -> Result<Existing, StoreError> {

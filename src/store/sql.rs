@@ -1,6 +1,7 @@
 //! SQL text of each backend, built once per store from a validated table name.
 
-use super::TableName;
+use super::side::{FenceSql, StepsSql, side_sql};
+use super::{Dialect, TableName};
 
 /// Every statement a store runs. Placeholders are `$n` (Postgres, SQLite) or
 /// `?` (MySQL), numbered in the order they appear in the text, so that one
@@ -58,6 +59,10 @@ pub(crate) struct Sql {
     /// elsewhere).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub rotation: Option<RotationSql>,
+    /// The fence table's statements (see [`side`](super::side)).
+    pub fence: FenceSql,
+    /// The steps table's statements (see [`side`](super::side)).
+    pub steps: StepsSql,
 }
 
 /// The statements of a rotation (see `store::postgres::generations`).
@@ -198,6 +203,8 @@ fn numbered(t: &str, a: &str, ddl: Vec<String>, purge_tail: &str) -> Sql {
             purge_scope: purge_of(a, "scope = $1 AND ", 2),
         },
         rotation: None,
+        fence: FenceSql::default(),
+        steps: StepsSql::default(),
     }
 }
 
@@ -218,6 +225,16 @@ fn attempts_ddl(table: &TableName, a: &str, types: (&str, &str, &str), tail: &st
             table.index("attempts_exp", '"')
         ),
     ]
+}
+
+/// The DDL of a PostgreSQL dedup table's plain side tables (attempts,
+/// fence, steps), whatever the dedup table's layout.
+#[cfg(feature = "postgres")]
+pub(crate) fn pg_side_ddl(table: &TableName) -> Vec<String> {
+    let a = table.attempts().quoted('"');
+    let mut ddl = attempts_ddl(table, &a, ("text", "bigint", "integer"), "").to_vec();
+    ddl.extend(side_sql(Dialect::Postgres, table).0);
+    ddl
 }
 
 impl Sql {
@@ -250,7 +267,7 @@ impl Sql {
                 table.index("expires_at", '"')
             ),
         ];
-        ddl.extend(attempts_ddl(table, &a, ("text", "bigint", "integer"), ""));
+        ddl.extend(pg_side_ddl(table));
         // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
         let mut sql = numbered(&t, &a, ddl, " FOR UPDATE SKIP LOCKED");
         sql.insert_waiting = pg_waiting(
@@ -277,7 +294,7 @@ impl Sql {
             ),
             "$8",
         );
-        sql
+        sql.with_side(Dialect::Postgres, table)
     }
 
     #[cfg(feature = "sqlite")]
@@ -302,7 +319,7 @@ impl Sql {
             ("TEXT", "INTEGER", "INTEGER"),
             " WITHOUT ROWID",
         ));
-        numbered(&t, &a, ddl, "")
+        numbered(&t, &a, ddl, "").with_side(Dialect::Sqlite, table)
     }
 
     #[cfg(feature = "mysql")]
@@ -382,7 +399,19 @@ impl Sql {
                 purge_scope: purge_of(&a, "scope = ? AND "),
             },
             rotation: None,
+            fence: FenceSql::default(),
+            steps: StepsSql::default(),
         }
+        .with_side(Dialect::MySql, table)
+    }
+
+    /// The side tables' DDL (after the dedup table's) and statements.
+    fn with_side(mut self, dialect: Dialect, table: &TableName) -> Self {
+        let (ddl, fence, steps) = side_sql(dialect, table);
+        self.ddl.extend(ddl);
+        self.fence = fence;
+        self.steps = steps;
+        self
     }
 }
 

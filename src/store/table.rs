@@ -68,6 +68,20 @@ impl TableName {
         self.suffixed("attempts")
     }
 
+    /// The fence table of this dedup table: `<table>_fence`, in the same
+    /// schema, one row per (scope, entity) holding the highest order
+    /// applied (see [`SqlStore::advance_fence`](super::SqlStore::advance_fence)).
+    pub fn fence(&self) -> TableName {
+        self.suffixed("fence")
+    }
+
+    /// The steps table of this dedup table: `<table>_steps`, in the same
+    /// schema, one row per finished step of a key's handler (see
+    /// [`SqlStore::record_step`](super::SqlStore::record_step)).
+    pub fn steps(&self) -> TableName {
+        self.suffixed("steps")
+    }
+
     /// The control table of PostgreSQL's generations layout on this table
     /// (dedup table or outbox): `<table>_generation`, in the same schema,
     /// one row naming the current generation. Claims and enqueues read it;

@@ -1,24 +1,29 @@
-//! `onceonly inspect`: show dedup records.
+//! `onceonly inspect`: show dedup records, a key's steps and an entity's fence.
 
 use std::process::ExitCode;
 
 use clap::Args;
-use onceonly::Record;
 use onceonly::store::admin::{AdminStore, RecordFilter};
+use onceonly::store::{FenceRecord, StepRecord};
+use onceonly::{Order, Record, SqlStore, Stale};
 use serde_json::json;
 
 use crate::db::with_store;
 use crate::time::{now_ms, rfc3339};
 use crate::{CliResult, DbArgs, out};
 
-/// Show the dedup record of a key, or the newest records of a scope or source.
+/// Show the dedup record of a key (with its steps), the newest records of a
+/// scope or source, or an entity's fence.
 #[derive(Args, Debug)]
 #[command(after_help = "\
 Exit status: 0 if at least one record was found, 3 if none, 1 on errors.
 
 Examples:
   # Was this payment processed, when, and what did the handler return?
+  # (Its steps too: calls to other systems its handler made.)
   onceonly inspect --database-url postgres://app@db/payments --scope payments --key ord-1042
+  # The highest order applied to an entity (its fence)
+  onceonly inspect --database-url $URL --scope payments --entity pi_3MtwBw
   # The last 20 records that came from partition 3 of topic payments
   onceonly inspect --database-url $URL --scope payments --source payments/3@ --limit 20
   # Machine-readable (one JSON object per line)
@@ -29,9 +34,12 @@ pub struct InspectArgs {
     /// The scope (consumer group, queue or handler name).
     #[arg(long)]
     scope: Option<String>,
-    /// The idempotency key (exact).
+    /// The idempotency key (exact); its steps are shown with it.
     #[arg(long)]
     key: Option<String>,
+    /// An entity (exact): show its fence instead of records.
+    #[arg(long, conflicts_with_all = ["key", "source"])]
+    entity: Option<String>,
     /// Only records whose source starts with this prefix, e.g. `payments/3@`
     /// (Kafka: topic/partition@offset) or `orders@` (AMQP: queue@delivery).
     #[arg(long, value_name = "PREFIX")]
@@ -48,6 +56,19 @@ pub async fn run(args: InspectArgs) -> CliResult<ExitCode> {
     if args.scope.is_none() && args.key.is_some() {
         return Err("--key needs --scope: a key is unique only within its scope".into());
     }
+    if let Some(entity) = &args.entity {
+        let Some(scope) = &args.scope else {
+            return Err("--entity needs --scope: a fence is per scope".into());
+        };
+        let db = args.db.open().await?;
+        let fence = with_store!(&db, |store| store.fence(scope, entity).await?);
+        let Some(fence) = fence else {
+            eprintln!("no fence for this entity");
+            return Ok(ExitCode::from(3));
+        };
+        print_fence(scope, entity, &fence, args.json);
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut filter = RecordFilter::new(args.limit.max(1));
     if let Some(s) = &args.scope {
         filter = filter.scope(s);
@@ -60,16 +81,37 @@ pub async fn run(args: InspectArgs) -> CliResult<ExitCode> {
     }
     let db = args.db.open().await?;
     let records = with_store!(&db, |store| store.find(&filter).await?);
+    // A key's steps: the calls to other systems its handler made.
+    let steps = match (&args.scope, &args.key) {
+        (Some(scope), Some(key)) => with_store!(&db, |store| store.steps(scope, key).await?),
+        _ => Vec::new(),
+    };
     let now = now_ms();
     for (i, r) in records.iter().enumerate() {
         if args.json {
-            out!("{}", to_json(r, now));
+            let mut value = to_json(r, now);
+            value["steps"] = steps.iter().map(step_json).collect();
+            out!("{value}");
         } else {
             if i > 0 {
                 out!();
             }
             print_text(r, now);
+            print_steps(&steps);
         }
+    }
+    if records.is_empty() && !steps.is_empty() {
+        // Steps without a record: the handler called and never committed.
+        if args.json {
+            out!(
+                "{}",
+                json!({ "steps": steps.iter().map(step_json).collect::<Vec<_>>(), "committed": false })
+            );
+        } else {
+            out!("no record: the key's transaction never committed");
+            print_steps(&steps);
+        }
+        return Ok(ExitCode::SUCCESS);
     }
     if records.is_empty() {
         eprintln!("no record matches");
@@ -94,8 +136,64 @@ pub(crate) fn result_value(result: Option<&[u8]>) -> (serde_json::Value, &'stati
     }
 }
 
+fn step_json(s: &StepRecord) -> serde_json::Value {
+    let (result, encoding) = result_value(Some(&s.result));
+    json!({
+        "step": s.step,
+        "finished_at": rfc3339(s.created_at_ms),
+        "expires_at": rfc3339(s.expires_at_ms),
+        "result_encoding": encoding,
+        "result": result,
+    })
+}
+
+fn print_steps(steps: &[StepRecord]) {
+    for s in steps {
+        let (result, _) = result_value(Some(&s.result));
+        out!(
+            "step:        {} finished {}: {}",
+            printable(&s.step),
+            rfc3339(s.created_at_ms),
+            printable(&result.to_string())
+        );
+    }
+}
+
+fn print_fence(scope: &str, entity: &str, fence: &FenceRecord, json: bool) {
+    let order = Order::from_bytes(fence.order.clone());
+    if json {
+        out!(
+            "{}",
+            json!({
+                "scope": scope,
+                "entity": entity,
+                "order": order.to_string(),
+                "order_hex": hex::encode(&fence.order),
+                "expires_at": rfc3339(fence.expires_at_ms),
+            })
+        );
+    } else {
+        out!("scope:       {}", printable(scope));
+        out!("entity:      {}", printable(entity));
+        out!("order:       {order}");
+        out!("expires:     {}", rfc3339(fence.expires_at_ms));
+    }
+}
+
+/// A stale delivery's record, as JSON.
+fn stale_json(stale: &Stale) -> serde_json::Value {
+    json!({
+        "entity": stale.entity,
+        "received": stale.received.to_string(),
+        "applied_before": stale.current.to_string(),
+    })
+}
+
 fn to_json(r: &Record, now: i64) -> serde_json::Value {
-    let (result, encoding) = result_value(r.result.as_deref());
+    let (result, encoding) = match r.result.as_deref().and_then(Stale::from_recorded) {
+        Some(stale) => (stale_json(&stale), "stale"),
+        None => result_value(r.result.as_deref()),
+    };
     json!({
         "scope": r.scope,
         "key": r.key,
@@ -112,6 +210,7 @@ fn to_json(r: &Record, now: i64) -> serde_json::Value {
 }
 
 fn print_text(r: &Record, now: i64) {
+    let stale = r.result.as_deref().and_then(Stale::from_recorded);
     let (result, encoding) = result_value(r.result.as_deref());
     let state = if r.expires_at_ms <= now {
         " (expired)"
@@ -130,6 +229,15 @@ fn print_text(r: &Record, now: i64) {
     );
     out!("created:     {}", rfc3339(r.created_at_ms));
     out!("expires:     {}{state}", rfc3339(r.expires_at_ms));
+    if let Some(stale) = stale {
+        out!(
+            "result:      stale: entity {} at order {}, after {} was applied",
+            printable(&stale.entity),
+            stale.received,
+            stale.current
+        );
+        return;
+    }
     match encoding {
         "none" => out!("result:      - (none stored)"),
         "utf8" => out!(

@@ -388,9 +388,8 @@ fn ddl(table: &TableName, buckets: u16) -> Vec<String> {
         "CREATE INDEX IF NOT EXISTS {} ON {t} (expires_at_ms)",
         table.index("expires_at", '"')
     ));
-    // The attempts table is the plain layout's.
-    let plain = Sql::postgres(table).ddl;
-    ddl.extend(plain.into_iter().filter(|s| s.contains("_attempts")));
+    // The attempts, fence and steps tables are the plain layout's.
+    ddl.extend(crate::store::sql::pg_side_ddl(table));
     ddl
 }
 
