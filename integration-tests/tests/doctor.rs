@@ -63,7 +63,8 @@ async fn doctor_names_a_revoked_privilege_and_a_read_only_database() {
         format!("CREATE ROLE {role} LOGIN"),
         format!("GRANT SELECT, INSERT, UPDATE ON onceonly_keys TO {role}"),
         format!(
-            "GRANT SELECT, INSERT, UPDATE, DELETE ON onceonly_keys_attempts, onceonly_outbox TO {role}"
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON onceonly_keys_attempts, onceonly_keys_fence, \
+             onceonly_keys_steps, onceonly_outbox TO {role}"
         ),
         format!("GRANT USAGE ON SEQUENCE onceonly_outbox_id_seq TO {role}"),
     ] {
@@ -177,7 +178,8 @@ async fn doctor_names_what_the_rotations_of_a_generations_table_need() {
         &format!(
             "CREATE ROLE {role} LOGIN; \
              GRANT SELECT, INSERT, UPDATE, DELETE \
-             ON onceonly_keys, onceonly_keys_attempts, onceonly_outbox TO {role}; \
+             ON onceonly_keys, onceonly_keys_attempts, onceonly_keys_fence, onceonly_keys_steps, \
+             onceonly_outbox TO {role}; \
              GRANT USAGE ON SEQUENCE onceonly_outbox_id_seq TO {role}"
         ),
     )

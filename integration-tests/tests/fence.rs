@@ -411,6 +411,45 @@ async fn a_fence_outlives_its_keys_until_its_own_retention() {
 }
 
 #[tokio::test]
+async fn a_key_committed_before_its_scope_was_fenced_is_still_a_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_store(&dir.path().join("fence.db"), "onceonly_dedup").await;
+    let build = |fenced: bool| {
+        let b = Engine::builder(store.clone())
+            .scope("fence-added")
+            .key_expr("json:/id");
+        let b = if fenced { b.fence(fence()) } else { b };
+        b.build().unwrap()
+    };
+    let noop =
+        handler_fn(|_tx: Tx<sqlx::Sqlite>, _: Json<Value>| async { Ok::<_, HandlerError>(()) });
+    // An old event without the fields the fence reads, processed before
+    // the fence was configured, comes back (a dead-letter replay).
+    let old = Delivery::new(json!({"id": "old-1", "amount": 5}).to_string());
+    assert!(matches!(
+        build(false).process(&noop, &old).await.outcome,
+        Outcome::Processed { .. }
+    ));
+    let fenced = build(true);
+    let again = fenced.process(&noop, &old).await.outcome;
+    assert!(matches!(again, Outcome::Duplicate { .. }), "{again:?}");
+    let batch = fenced
+        .process_batch(&noop, std::slice::from_ref(&old))
+        .await;
+    assert!(
+        matches!(batch[0].outcome, Outcome::Duplicate { .. }),
+        "{:?}",
+        batch[0].outcome
+    );
+    // A new one without them is rejected.
+    let new = Delivery::new(json!({"id": "new-1", "amount": 5}).to_string());
+    assert_eq!(
+        fenced.process(&noop, &new).await.outcome.reason(),
+        Some("bad_key")
+    );
+}
+
+#[tokio::test]
 async fn a_delivery_without_an_entity_or_order_is_rejected_and_a_short_fence_retention_refused() {
     let dir = tempfile::tempdir().unwrap();
     let store = sqlite_store(&dir.path().join("fence.db"), "onceonly_dedup").await;

@@ -456,7 +456,8 @@ async fn a_role_that_does_not_own_an_upgraded_table_still_rotates_it() {
     let role = unique("gen_purger");
     sqlx::raw_sql(&format!(
         "CREATE ROLE {role} LOGIN; \
-         GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_attempts TO {role}"
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_attempts, {table}_fence, \
+         {table}_steps TO {role}"
     ))
     .execute(&pool)
     .await

@@ -800,3 +800,99 @@ http_suite!(
     sqlite_down(),
     false
 );
+
+/// A fenced route (`POST /orders/status`, keyed by `Idempotency-Key`,
+/// fenced per order by `version`): an older request after a newer one is
+/// answered `200` stale and changes nothing; a 4xx answer is never stored
+/// (even with `store_client_errors`), so a refused newer request does not
+/// make the older ones stale; a request without a key is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_route_answers_older_requests_stale_and_never_fences_on_a_refusal() {
+    let store = sqlite().await;
+    sqlx::query("CREATE TABLE order_status (id TEXT PRIMARY KEY, status TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    async fn set_status(
+        tx: Tx<sqlx::Sqlite>,
+        axum::Json(v): axum::Json<serde_json::Value>,
+    ) -> Response {
+        if v["status"] == "bogus" {
+            return (StatusCode::UNPROCESSABLE_ENTITY, "bogus status").into_response();
+        }
+        let Ok(mut conn) = tx.lock().await else {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        };
+        sqlx::query(
+            "INSERT INTO order_status (id, status) VALUES (?, ?) \
+             ON CONFLICT (id) DO UPDATE SET status = excluded.status",
+        )
+        .bind(v["order"].as_str())
+        .bind(v["status"].as_str())
+        .execute(&mut *conn)
+        .await
+        .map_or_else(
+            |_| StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+            |_| StatusCode::OK.into_response(),
+        )
+    }
+    let fence = onceonly::FenceSpec::new(
+        KeySpec::json_field("/order"),
+        onceonly::OrderSpec::integer("/version"),
+    );
+    let layer = IdempotencyLayer::idempotency_key(store.clone(), "statuses")
+        .store_client_errors(true)
+        .fence(fence)
+        .build()
+        .unwrap();
+    let base = serve(Router::new().route("/orders/status", post(set_status).layer(layer))).await;
+    let c = Client::new();
+    let send = |key: &'static str, version: i64, status: &'static str| {
+        let (c, base) = (c.clone(), base.clone());
+        async move {
+            c.post(format!("{base}/orders/status"))
+                .header("content-type", "application/json")
+                .header("Idempotency-Key", key)
+                .body(
+                    serde_json::json!({"order": "o-1", "version": version, "status": status})
+                        .to_string(),
+                )
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let status = || async {
+        sqlx::query_scalar::<_, String>("SELECT status FROM order_status WHERE id = 'o-1'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    };
+    assert_eq!(send("k-2", 2, "paid").await.status(), StatusCode::OK);
+    // Version 3 is refused by the handler: not stored, the fence stays at 2.
+    assert_eq!(
+        send("k-3", 3, "bogus").await.status(),
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    // Version 1 is older than 2: stale, 200, nothing changed (twice).
+    for _ in 0..2 {
+        let r = send("k-1", 1, "created").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["onceonly-stale"], "true");
+    }
+    assert_eq!(status().await, "paid");
+    // Version 3 fixed and sent again with its key: applied.
+    assert_eq!(send("k-3", 3, "refunded").await.status(), StatusCode::OK);
+    assert_eq!(status().await, "refunded");
+    // Without an entity, and the key new: refused.
+    let r = c
+        .post(format!("{base}/orders/status"))
+        .header("content-type", "application/json")
+        .header("Idempotency-Key", "k-x")
+        .body(r#"{"status":"paid"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert!(is_problem(&r));
+}

@@ -103,6 +103,15 @@ async fn a_finished_step_is_not_called_again<S: SqlStore>(store: S) {
     let steps = store.steps(engine.scope(), "r-1").await.unwrap();
     assert_eq!(steps.len(), 1);
     assert_eq!(steps[0].step, "refund");
+    // It expires with the committed record, never after it: a committed
+    // key is never taken for an orphan.
+    let record = store.get(engine.scope(), "r-1").await.unwrap().unwrap();
+    assert!(
+        steps[0].expires_at_ms <= record.expires_at_ms,
+        "step {} after record {}",
+        steps[0].expires_at_ms,
+        record.expires_at_ms
+    );
     // `onceonly inspect` (the real binary) lists it with the record.
     let table = store.table().to_string();
     let url = if S::Db::NAME == "MySQL" {
@@ -295,14 +304,20 @@ async fn a_key_reused_for_another_payload_gets_no_other_step_and_the_completer_f
 }
 
 #[tokio::test]
-async fn sqlite_cannot_record_steps_and_says_so_without_calling() {
+async fn sqlite_cannot_record_steps_and_says_so_when_built() {
     let dir = tempfile::tempdir().unwrap();
     let store = sqlite_store(&dir.path().join("steps.db"), "onceonly_dedup").await;
+    let built = Engine::builder(store.clone())
+        .scope("steps")
+        .key_expr("json:/refund")
+        .downstream_secret(SECRET)
+        .build();
+    assert!(matches!(built, Err(onceonly::BuildError::StepsUnsupported)));
+    // Without a secret, a step fails at once, without calling.
     let provider = ProviderApi::start().await;
     let engine = Engine::builder(store)
         .scope("steps")
         .key_expr("json:/refund")
-        .downstream_secret(SECRET)
         .retry(RetryPolicy::none())
         .build()
         .unwrap();
@@ -315,7 +330,7 @@ async fn sqlite_cannot_record_steps_and_says_so_without_calling() {
     let out = engine.process(&handler, &d).await;
     match &out.outcome {
         Outcome::Failed(f) => {
-            assert!(f.to_string().contains("SQLite"), "{f}");
+            assert!(f.to_string().contains("secret"), "{f}");
             assert!(!f.is_retryable());
         }
         o => panic!("{o:?}"),

@@ -112,14 +112,18 @@ impl<S: SqlStore> Engine<S> {
                 }
             };
             self.inner.telemetry.record_key(span, key.as_str());
+            let fingerprint = self.inner.fingerprint.compute(delivery);
             let fence = match self.fence_of(delivery) {
                 Ok(fence) => fence,
                 Err(e) => {
-                    reports[index] = Some(report(Some(key), Outcome::Rejected(e.into())));
+                    let outcome = self
+                        .settled_or(&key, fingerprint.as_ref(), delivery, e.into())
+                        .instrument(span.clone())
+                        .await;
+                    reports[index] = Some(report(Some(key), outcome));
                     continue;
                 }
             };
-            let fingerprint = self.inner.fingerprint.compute(delivery);
             let req = ClaimRequest {
                 key: key.as_str(),
                 fingerprint: fingerprint.as_ref(),
@@ -143,7 +147,7 @@ impl<S: SqlStore> Engine<S> {
                 }),
                 Err(e) => {
                     let outcome = self
-                        .undecodable(&key, fingerprint.as_ref(), delivery, e)
+                        .settled_or(&key, fingerprint.as_ref(), delivery, e.into())
                         .instrument(span.clone())
                         .await;
                     reports[index] = Some(report(Some(key), outcome));

@@ -67,6 +67,12 @@ pub enum BuildError {
         /// The shortest secret taken.
         min: usize,
     },
+    /// A downstream secret (for [steps](crate::Tx::step)) on a store that
+    /// cannot record a step beside an open claim (SQLite: one writer).
+    #[error(
+        "steps need a store that can record them beside an open claim (PostgreSQL, MySQL); SQLite has one writer"
+    )]
+    StepsUnsupported,
 }
 
 /// Builds an [`Engine`]: `Engine::builder(store).scope(..).key(..).build()`.
@@ -376,6 +382,9 @@ impl<S: SqlStore> EngineBuilder<S> {
             .is_some_and(|s| s.len() < min)
         {
             return Err(BuildError::DownstreamSecret { min });
+        }
+        if self.downstream_secret.is_some() && !self.store.records_steps() {
+            return Err(BuildError::StepsUnsupported);
         }
         let telemetry = Telemetry::new(&scope, self.transport, self.redaction?);
         let steps = super::steps::StepLog::new(

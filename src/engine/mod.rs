@@ -265,12 +265,19 @@ impl<S: SqlStore> Engine<S> {
         self.inner
             .telemetry
             .record_key(&Span::current(), key.as_str());
+        let fingerprint = self.inner.fingerprint.compute(delivery);
+        // Without an entity or order, a committed key is still a
+        // duplicate; only a new one is rejected.
         let fence = match self.fence_of(delivery) {
             Ok(fence) => fence,
-            Err(e) => return report(Some(key), Outcome::Rejected(e.into())),
+            Err(e) => {
+                let outcome = self
+                    .settled_or(&key, fingerprint.as_ref(), delivery, e.into())
+                    .await;
+                return report(Some(key), outcome);
+            }
         };
         let mut decoded = Some(H::Input::from_delivery(delivery));
-        let fingerprint = self.inner.fingerprint.compute(delivery);
         let mut contention = backoff(Duration::from_millis(20), Duration::from_millis(500));
         let mut transient = 0;
         loop {
@@ -283,7 +290,7 @@ impl<S: SqlStore> Engine<S> {
                 Ok(input) => input,
                 Err(e) => {
                     let outcome = self
-                        .undecodable(&key, fingerprint.as_ref(), delivery, e)
+                        .settled_or(&key, fingerprint.as_ref(), delivery, e.into())
                         .await;
                     return report(Some(key), outcome);
                 }
@@ -312,35 +319,47 @@ impl<S: SqlStore> Engine<S> {
         }
     }
 
-    /// The outcome of a delivery whose payload does not decode: a key that
-    /// is already committed is still a duplicate (or a conflict), even if
-    /// its payload no longer decodes into the handler's input type (the
-    /// type changed since); otherwise it is rejected.
-    async fn undecodable<T: serde::de::DeserializeOwned>(
+    /// The outcome of a delivery that cannot be processed as it is (its
+    /// payload does not decode, or it has no valid entity or order for
+    /// the fence): a key that is already committed is still a duplicate
+    /// (or a conflict, or stale), even if its payload no longer decodes
+    /// into the handler's input type (the type changed since) or a fence
+    /// was added since; otherwise it is `rejection`.
+    async fn settled_or<T: serde::de::DeserializeOwned>(
         &self,
         key: &IdemKey,
         fingerprint: Option<&Fingerprint>,
         delivery: &Delivery,
-        error: DecodeError,
+        rejection: Rejection,
     ) -> Outcome<T> {
-        let inner = &*self.inner;
         let req = ClaimRequest {
             key: key.as_str(),
             fingerprint,
             source: delivery.source(),
             lock_wait: None,
         };
-        if let Some(hit) = self.cached_claim(&inner.scope, &req).await {
-            return settled(hit, fingerprint);
-        }
-        match inner.store.get(&inner.scope, key.as_str()).await {
-            Ok(Some(record)) if record.expires_at_ms > inner.clock.now_ms() => settled(
-                classify_existing(record.fingerprint, record.result, &req),
-                fingerprint,
-            ),
-            Ok(_) => Outcome::Rejected(error.into()),
+        match self.committed(&self.inner.scope, &req).await {
+            Ok(Some(claim)) => settled(claim, fingerprint),
+            Ok(None) => Outcome::Rejected(rejection),
             Err(e) => Outcome::Failed(Failure::Store(e)),
         }
+    }
+
+    /// What `req.key` is committed as in `scope` now (cache tier first),
+    /// without claiming it: `None` if it is free (absent or expired).
+    pub(crate) async fn committed(
+        &self,
+        scope: &str,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Option<Claim>, StoreError> {
+        let inner = &*self.inner;
+        if let Some(hit) = self.cached_claim(scope, req).await {
+            return Ok(Some(hit));
+        }
+        let record = inner.store.get(scope, req.key).await?;
+        Ok(record
+            .filter(|r| r.expires_at_ms > inner.clock.now_ms())
+            .map(|r| classify_existing(r.fingerprint, r.result, req)))
     }
 
     /// Processes one delivery, retrying retryable failures in-process with

@@ -29,6 +29,10 @@ use super::handler::HandlerError;
 /// takes, in bytes.
 pub const MIN_DOWNSTREAM_SECRET: usize = 16;
 
+/// What a downstream key's HMAC starts with: a key for another purpose
+/// under the same secret is never a downstream key.
+const DOMAIN: &[u8] = b"onceonly downstream key v1\0";
+
 /// The longest step name, in bytes.
 pub const MAX_STEP_NAME: usize = 64;
 
@@ -169,7 +173,8 @@ impl StepLog {
     }
 
     /// The downstream key of `step` for `key` in `scope`: HMAC-SHA-256
-    /// under the engine's secret of the three, each length-prefixed,
+    /// under the engine's secret of a domain label and the three, each
+    /// length-prefixed,
     /// as 40 hex digits (160 bits): within Stripe's 255, Adyen's 64 and
     /// WeChat Pay's `out_refund_no` 64 characters, and of characters
     /// every one of them takes.
@@ -182,6 +187,7 @@ impl StepLog {
         check_name(step)?;
         let secret = self.secret.as_deref().ok_or(StepError::NoSecret)?;
         let mut mac = Hmac::<Sha256>::new_from_slice(secret).map_err(|_| StepError::NoSecret)?;
+        mac.update(DOMAIN);
         for part in [scope, key, step] {
             mac.update(&(part.len() as u64).to_be_bytes());
             mac.update(part.as_bytes());
@@ -212,15 +218,21 @@ impl StepLog {
 
     /// Records the step's `result`, committed when this returns; the
     /// result that stands (a concurrent attempt's, if it recorded first).
+    /// It expires with the record of the claim made at `claimed_at_ms`:
+    /// never after it, so that a step never outlives a committed record
+    /// and looks orphaned.
     pub(crate) async fn record(
         &self,
-        scope: &str,
-        key: &str,
+        (scope, key, claimed_at_ms): (&str, &str, i64),
         step: &str,
         fingerprint: Option<&Fingerprint>,
         result: &[u8],
     ) -> Result<Vec<u8>, StepError> {
-        let times = ClaimTimes::new(self.clock.now_ms(), self.retention);
+        let expires_at_ms = ClaimTimes::new(claimed_at_ms, self.retention).expires_at_ms;
+        let times = ClaimTimes {
+            now_ms: self.clock.now_ms(),
+            expires_at_ms,
+        };
         let fp = fingerprint.map(|f| f.as_bytes().as_slice());
         let record = self
             .store

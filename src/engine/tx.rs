@@ -307,7 +307,8 @@ impl<DB: Database> Tx<DB> {
         }
         let value = call(downstream).await?;
         let bytes = serde_json::to_vec(&value).map_err(StepError::Encoding)?;
-        let standing = log.record(scope, key, step, fingerprint, &bytes).await?;
+        let claim = (scope, key, origin.claimed_at_ms());
+        let standing = log.record(claim, step, fingerprint, &bytes).await?;
         crate::telemetry::step_called(scope);
         if standing == bytes {
             Ok(value)

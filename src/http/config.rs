@@ -152,6 +152,11 @@ pub enum HttpBuildError {
     /// [`SignatureCheck::new`](super::SignatureCheck::new)).
     #[error(transparent)]
     Secret(#[from] super::SecretError),
+    /// A fence on a layer whose key is optional: requests without a key
+    /// would pass around the fence, applying old events and never moving
+    /// it forward.
+    #[error("a fenced layer needs every request keyed: do not combine fence with an optional key")]
+    FenceWithoutKey,
     /// Another engine setting is invalid (e.g.
     /// [`max_deadline_misses`](IdempotencyLayerBuilder::max_deadline_misses)
     /// of zero).
@@ -487,6 +492,9 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 BuildError::ZeroRetention => HttpBuildError::ZeroRetention,
                 other => HttpBuildError::Engine(other),
             })?;
+        if engine.fence_spec().is_some() && matches!(cfg.mode, Mode::Header { required: false }) {
+            return Err(HttpBuildError::FenceWithoutKey);
+        }
         Ok(IdempotencyLayer::from_config(Config { engine, http: cfg }))
     }
 }
@@ -535,5 +543,29 @@ mod tests {
             "{err:?}"
         );
         assert_eq!(err.to_string(), "max_deadline_misses must be at least 1");
+    }
+
+    /// Requests without a key would pass around the fence.
+    #[tokio::test]
+    async fn a_fence_needs_every_request_keyed() {
+        let fence = || {
+            crate::FenceSpec::new(
+                KeySpec::json_field("/order"),
+                crate::OrderSpec::integer("/version"),
+            )
+        };
+        let err = IdempotencyLayer::idempotency_key(store().await, "orders")
+            .key_optional()
+            .fence(fence())
+            .build()
+            .err()
+            .unwrap();
+        assert!(matches!(err, HttpBuildError::FenceWithoutKey), "{err:?}");
+        assert!(
+            IdempotencyLayer::idempotency_key(store().await, "orders")
+                .fence(fence())
+                .build()
+                .is_ok()
+        );
     }
 }

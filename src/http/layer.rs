@@ -259,24 +259,17 @@ where
     cfg.engine
         .telemetry()
         .record_key(&Span::current(), key.as_str());
-    let fence = match cfg.engine.fence_of(&delivery) {
-        Ok(fence) => fence,
-        Err(e) => {
-            return answer::refused(
-                cfg,
-                StatusCode::BAD_REQUEST,
-                "invalid-fence",
-                "Entity or order missing",
-                &e.to_string(),
-            );
-        }
-    };
     let fingerprint = cfg
         .engine
         .fingerprint_spec()
         .compute(&delivery)
         .map(|fp| bind_to_request(&parts, &fp));
     let scope = scope_for(cfg.engine.scope(), principal.as_deref());
+    let fence = match cfg.engine.fence_of(&delivery) {
+        Ok(fence) => fence,
+        // A key committed before is still answered as such.
+        Err(e) => return unfenceable(cfg, &scope, &key, fingerprint.as_ref(), &e).await,
+    };
     let wait = match http.in_flight {
         InFlight::Conflict { wait, .. } => wait,
         InFlight::WaitThenReplay { bound } => bound,
@@ -369,6 +362,48 @@ where
     }
 }
 
+/// The answer to a request without a valid entity or order for the
+/// fence: its key's committed answer if it has one (a duplicate, a
+/// conflict, a stale request), `400 invalid-fence` otherwise.
+async fn unfenceable<S: SqlStore>(
+    cfg: &Config<S>,
+    scope: &str,
+    key: &crate::key::IdemKey,
+    fingerprint: Option<&crate::fingerprint::Fingerprint>,
+    error: &KeyError,
+) -> Response<Body> {
+    let req = crate::store::ClaimRequest {
+        key: key.as_str(),
+        fingerprint,
+        source: None,
+        lock_wait: None,
+    };
+    match cfg.engine.committed(scope, &req).await {
+        Ok(Some(crate::store::Claim::Duplicate { result })) => {
+            match crate::engine::Stale::from_recorded(result.as_deref().unwrap_or_default()) {
+                Some(_) => answer::stale(cfg),
+                None => answer::duplicate(cfg, result.as_deref()),
+            }
+        }
+        Ok(Some(_)) => answer::conflict(cfg),
+        Ok(None) => answer::refused(
+            cfg,
+            StatusCode::BAD_REQUEST,
+            "invalid-fence",
+            "Entity or order missing",
+            &error.to_string(),
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not look up a request without entity or order");
+            answer::unavailable(
+                cfg,
+                "Idempotency store unavailable",
+                "the request was not processed; retry later with the same key",
+            )
+        }
+    }
+}
+
 /// Stores a response worth keeping with the session and commits it, or
 /// rolls the session back; then answers.
 async fn finish<S: SqlStore>(
@@ -377,9 +412,13 @@ async fn finish<S: SqlStore>(
     response: Response<Body>,
 ) -> Response<Body> {
     let status = response.status();
+    // With a fence, only a success moves the entity's fence forward: a
+    // stored 3xx or 4xx would make the older deliveries of the entity
+    // stale while this one was never applied.
+    let fenced = cfg.engine.fence_spec().is_some();
     let keep = status.is_success()
-        || status.is_redirection()
-        || (cfg.http.store_client_errors && status.is_client_error());
+        || (!fenced && status.is_redirection())
+        || (!fenced && cfg.http.store_client_errors && status.is_client_error());
     if !keep {
         // 5xx (and 4xx unless stored): roll back the writes and the claim,
         // so the client may retry with the same key; an optimistic

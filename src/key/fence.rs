@@ -1087,9 +1087,11 @@ impl FenceSpec {
 
     /// Adyen notification items (in Adyen's envelope,
     /// `/notificationItems/0/NotificationRequestItem`, or a bare item):
-    /// the entity is the payment, `originalReference` if present (a
-    /// capture or refund refers to its payment by it) else `pspReference`;
-    /// the order is the item's `eventDate` (RFC 3339).
+    /// the entity is the item's `pspReference` (a payment, or one
+    /// modification of it: each partial refund and each capture has its
+    /// own, so that one is never stale behind another), the order its
+    /// `eventDate` (RFC 3339): an older event of a reference delivered
+    /// after a newer one of the same reference is stale.
     ///
     /// **`eventDate` is not signed** by Adyen's HMAC, and the `providers`
     /// route's payload holds signed fields only: on that route every
@@ -1097,7 +1099,7 @@ impl FenceSpec {
     /// items whose `eventDate` can be trusted (an item forwarded whole by
     /// a service that received it directly from Adyen): a replayed item
     /// with a forged `eventDate` in the future would make every later
-    /// event of its payment stale.
+    /// event of its reference stale.
     pub fn adyen() -> Self {
         Self::new(
             KeySpec::custom(adyen_entity),
@@ -1131,7 +1133,7 @@ fn wechat_entity(delivery: &Delivery) -> Result<String, KeyError> {
     String::from_utf8(canonical_bytes(&[trade, refund])).map_err(|_| KeyError::NotUtf8)
 }
 
-/// Adyen: the item's non-empty `originalReference`, else its `pspReference`.
+/// Adyen: the item's `pspReference`.
 fn adyen_entity(delivery: &Delivery) -> Result<String, KeyError> {
     let json = delivery
         .json()
@@ -1141,16 +1143,14 @@ fn adyen_entity(delivery: &Delivery) -> Result<String, KeyError> {
     } else {
         ""
     };
-    for field in ["originalReference", "pspReference"] {
-        if let Some(reference) = scalar(json, &format!("{prefix}/{field}"))?
-            && !reference.is_empty()
-        {
-            return Ok(reference);
-        }
+    // Each item is one event of its own `pspReference` (a payment, or one
+    // modification of it): a partial refund never stales another one.
+    match scalar(json, &format!("{prefix}/pspReference"))? {
+        Some(reference) if !reference.is_empty() => Ok(reference),
+        _ => Err(KeyError::MissingField {
+            pointer: format!("{prefix}/pspReference"),
+        }),
     }
-    Err(KeyError::MissingField {
-        pointer: format!("{prefix}/pspReference"),
-    })
 }
 
 #[cfg(test)]
@@ -2027,8 +2027,9 @@ mod tests {
             .unwrap();
         assert_eq!(authorised.entity.as_str(), "7914073381342284");
         assert_eq!(
-            refunded.entity, authorised.entity,
-            "a refund is about its payment"
+            refunded.entity.as_str(),
+            "8825408195409505",
+            "a refund is an event of its own: never stale behind another refund or the capture"
         );
         assert!(authorised.order < refunded.order, "00:00Z before 00:30Z");
         // A bare item reads the same.

@@ -38,7 +38,10 @@ pub type OrphanHandler = Arc<dyn Fn(&[OrphanedStep]) + Send + Sync>;
 ///     .grace(Duration::from_secs(600))
 ///     .on_orphans(|orphans| {
 ///         for o in orphans {
-///             tracing::error!(key = %o.key, step = %o.step, "deliver this payment again");
+///             // Look the message up by its key in your source of truth
+///             // and deliver it again (idempotently: a key comes back at
+///             // every round until it commits).
+///             tracing::error!(scope = %o.scope, step = %o.step, "a payment to deliver again");
 ///         }
 ///     })
 ///     .build()

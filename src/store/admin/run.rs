@@ -30,6 +30,19 @@ where
             format!("SELECT scope, idem_key, attempts, expires_at_ms FROM {attempts} WHERE 1 = 0");
         let rows = sqlx::query(&sql).fetch_all(&self.pool);
         within(self.pool_bound(), "attempts table check", rows).await?;
+        // The fence and steps tables.
+        let q = DB::DIALECT.quote();
+        for (table, columns) in [
+            (self.table.fence(), "scope, entity, ord, expires_at_ms"),
+            (
+                self.table.steps(),
+                "scope, idem_key, step, fingerprint, result, created_at_ms, expires_at_ms",
+            ),
+        ] {
+            let sql = format!("SELECT {columns} FROM {} WHERE 1 = 0", table.quoted(q));
+            let rows = sqlx::query(&sql).fetch_all(&self.pool);
+            within(self.pool_bound(), "side table check", rows).await?;
+        }
         Ok(())
     }
 

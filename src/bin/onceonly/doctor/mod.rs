@@ -136,22 +136,34 @@ async fn checks(args: &DoctorArgs, db: &Db) -> CliResult<Vec<Finding>> {
         Ok(()) => {
             findings.push(Finding::ok(
                 "tables",
-                format!("{dedup} and {} have every column", dedup.attempts()),
+                format!(
+                    "{dedup}, {}, {} and {} have every column",
+                    dedup.attempts(),
+                    dedup.fence(),
+                    dedup.steps()
+                ),
             ));
             tables.push(Checked {
                 name: dedup.clone(),
                 ddl: dedup_ddl.clone(),
                 role: TableRole::Dedup,
             });
-            tables.push(Checked {
-                name: dedup.attempts(),
-                ddl: dedup_ddl,
-                role: TableRole::Attempts,
-            });
+            for side in [dedup.attempts(), dedup.fence(), dedup.steps()] {
+                tables.push(Checked {
+                    name: side,
+                    ddl: dedup_ddl.clone(),
+                    role: TableRole::Attempts,
+                });
+            }
         }
         Err(e) => findings.push(Finding::fail(
             "tables",
-            format!("{dedup} or {}: {e}", dedup.attempts()),
+            format!(
+                "{dedup}, {}, {} or {}: {e}",
+                dedup.attempts(),
+                dedup.fence(),
+                dedup.steps()
+            ),
             "onceonly migrate (creates or completes the tables; check --table)",
         )),
     }

@@ -22,7 +22,7 @@ pub struct Checked {
 pub enum TableRole {
     /// The dedup table.
     Dedup,
-    /// The dedup table's attempts table.
+    /// A side table of the dedup table: attempts, fence, steps.
     Attempts,
     /// The outbox.
     Outbox,
