@@ -369,10 +369,12 @@ pub async fn serve(
             let optimistic = server == Server::OnceonlyPgOptimistic || super::variant::optimistic();
             let store = super::variant::pg_store(db_url, false).await?;
             store.migrate().await?;
-            let layer = IdempotencyLayer::idempotency_key(store, "orders")
-                .optimistic(optimistic)
-                .build()?;
-            Router::new().route("/orders", post(onceonly_pg).layer(layer))
+            let mut layer =
+                IdempotencyLayer::idempotency_key(store, "orders").optimistic(optimistic);
+            if let Some(fence) = super::variant::fence() {
+                layer = layer.fence(fence);
+            }
+            Router::new().route("/orders", post(onceonly_pg).layer(layer.build()?))
         }
         Server::OnceonlyRedis => {
             let sql = super::variant::pg_store(db_url, false).await?;

@@ -78,47 +78,67 @@ impl Msg {
 }
 
 /// Publishes persistent messages to `queue` through the default exchange,
-/// each confirmed by the broker.
+/// each confirmed by the broker. A message the broker nacks (it did not
+/// take it: a quorum queue just declared, still electing its leader) is
+/// published again, up to 20 times.
 pub async fn publish(channel: &Channel, queue: &str, messages: &[Msg]) {
     for chunk in messages.chunks(500) {
-        let mut confirms = Vec::with_capacity(chunk.len());
-        for m in chunk {
-            let mut props = BasicProperties::default().with_delivery_mode(2);
-            if let Some(id) = &m.message_id {
-                props = props.with_message_id(id.as_str().into());
+        let mut pending: Vec<&Msg> = chunk.iter().collect();
+        for round in 0.. {
+            let mut confirms = Vec::with_capacity(pending.len());
+            for m in &pending {
+                let confirm = channel
+                    .basic_publish(
+                        "".into(),
+                        queue.into(),
+                        BasicPublishOptions::default(),
+                        &m.body,
+                        properties(m),
+                    )
+                    .await
+                    .expect("publish");
+                confirms.push(confirm);
             }
-            if let Some(r) = &m.reply_to {
-                props = props.with_reply_to(r.as_str().into());
-            }
-            if let Some(c) = &m.correlation_id {
-                props = props.with_correlation_id(c.as_str().into());
-            }
-            if !m.headers.is_empty() {
-                let mut h = FieldTable::default();
-                for (k, v) in &m.headers {
-                    h.insert(
-                        ShortString::from(k.as_str()),
-                        AMQPValue::LongString(LongString::from(v.as_bytes())),
-                    );
+            let mut nacked = Vec::new();
+            for (m, c) in pending.iter().zip(confirms) {
+                if !c.await.expect("confirm").is_ack() {
+                    nacked.push(*m);
                 }
-                props = props.with_headers(h);
             }
-            let confirm = channel
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    BasicPublishOptions::default(),
-                    &m.body,
-                    props,
-                )
-                .await
-                .expect("publish");
-            confirms.push(confirm);
-        }
-        for c in confirms {
-            assert!(c.await.expect("confirm").is_ack(), "publish not confirmed");
+            if nacked.is_empty() {
+                break;
+            }
+            assert!(round < 20, "publish not confirmed after {round} rounds");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            pending = nacked;
         }
     }
+}
+
+/// The properties of `m`: persistent, with its id, reply-to, correlation
+/// id and headers.
+fn properties(m: &Msg) -> BasicProperties {
+    let mut props = BasicProperties::default().with_delivery_mode(2);
+    if let Some(id) = &m.message_id {
+        props = props.with_message_id(id.as_str().into());
+    }
+    if let Some(r) = &m.reply_to {
+        props = props.with_reply_to(r.as_str().into());
+    }
+    if let Some(c) = &m.correlation_id {
+        props = props.with_correlation_id(c.as_str().into());
+    }
+    if !m.headers.is_empty() {
+        let mut h = FieldTable::default();
+        for (k, v) in &m.headers {
+            h.insert(
+                ShortString::from(k.as_str()),
+                AMQPValue::LongString(LongString::from(v.as_bytes())),
+            );
+        }
+        props = props.with_headers(h);
+    }
+    props
 }
 
 /// Publishes a payment stream's bodies to `queue`, in order.

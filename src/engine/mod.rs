@@ -68,7 +68,7 @@ impl<S: SqlStore> Clone for Engine<S> {
     }
 }
 
-struct Inner<S> {
+struct Inner<S: SqlStore> {
     store: S,
     telemetry: Telemetry,
     scope: String,
@@ -95,7 +95,7 @@ struct Inner<S> {
     /// How long an entity's fence is kept after its last delivery.
     fence_retention: Duration,
     /// The steps table and the downstream keys' secret.
-    steps: Arc<steps::StepLog>,
+    steps: Arc<steps::StepLog<S::Db>>,
 }
 
 /// A moving share of duplicates among an optimistic engine's recent

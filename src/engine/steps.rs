@@ -19,6 +19,8 @@ use async_trait::async_trait;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use sqlx::Database;
+
 use crate::clock::Clock;
 use crate::fingerprint::Fingerprint;
 use crate::store::{ClaimTimes, SqlStore, StepRecord, StoreError};
@@ -86,14 +88,14 @@ impl From<StepError> for HandlerError {
 /// What a handler's transaction needs to run steps: the store's steps
 /// table, the clock, the records' retention and the secret keying
 /// downstream keys. One per engine, shared by its transactions.
-pub(crate) struct StepLog {
-    store: Arc<dyn StepStore>,
+pub(crate) struct StepLog<DB: Database> {
+    store: Arc<dyn StepStore<DB>>,
     clock: Arc<dyn Clock>,
     retention: std::time::Duration,
     secret: Option<Arc<[u8]>>,
 }
 
-impl std::fmt::Debug for StepLog {
+impl<DB: Database> std::fmt::Debug for StepLog<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StepLog")
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
@@ -104,10 +106,11 @@ impl std::fmt::Debug for StepLog {
 /// The steps table of a store, as a transaction reaches it (object-safe:
 /// a [`Tx`](crate::Tx) knows its database, not its store).
 #[async_trait]
-trait StepStore: Send + Sync {
+trait StepStore<DB: Database>: Send + Sync {
     fn records_steps(&self) -> bool;
     async fn step(
         &self,
+        conn: &mut DB::Connection,
         scope: &str,
         key: &str,
         step: &str,
@@ -127,19 +130,20 @@ trait StepStore: Send + Sync {
 struct Steps<S>(S);
 
 #[async_trait]
-impl<S: SqlStore> StepStore for Steps<S> {
+impl<S: SqlStore> StepStore<S::Db> for Steps<S> {
     fn records_steps(&self) -> bool {
         self.0.records_steps()
     }
 
     async fn step(
         &self,
+        conn: &mut <S::Db as Database>::Connection,
         scope: &str,
         key: &str,
         step: &str,
         now_ms: i64,
     ) -> Result<Option<StepRecord>, StoreError> {
-        self.0.step(scope, key, step, now_ms).await
+        self.0.step(conn, scope, key, step, now_ms).await
     }
 
     async fn record_step(
@@ -157,8 +161,8 @@ impl<S: SqlStore> StepStore for Steps<S> {
     }
 }
 
-impl StepLog {
-    pub(crate) fn new<S: SqlStore>(
+impl<DB: Database> StepLog<DB> {
+    pub(crate) fn new<S: SqlStore<Db = DB>>(
         store: S,
         clock: Arc<dyn Clock>,
         retention: std::time::Duration,
@@ -196,9 +200,13 @@ impl StepLog {
         Ok(hex::encode(&digest[..20]))
     }
 
-    /// The step's stored result, if an attempt of `key` finished it.
+    /// The step's stored result, if an attempt of `key` finished it:
+    /// read on the claim's own connection `conn` (a step is committed on
+    /// its own, and the claim's transaction reads what is committed), so
+    /// that only recording a step takes a second connection.
     pub(crate) async fn finished(
         &self,
+        conn: &mut DB::Connection,
         scope: &str,
         key: &str,
         step: &str,
@@ -209,7 +217,7 @@ impl StepLog {
             return Err(StepError::Unsupported);
         }
         let now_ms = self.clock.now_ms();
-        let Some(record) = self.store.step(scope, key, step, now_ms).await? else {
+        let Some(record) = self.store.step(conn, scope, key, step, now_ms).await? else {
             return Ok(None);
         };
         check_payload(&record, step, fingerprint)?;

@@ -50,7 +50,7 @@ pub struct Tx<DB: Database> {
     slot: Arc<Mutex<Option<ClaimTx<DB>>>>,
     origin: Arc<Origin>,
     deadline: Instant,
-    steps: Arc<StepLog>,
+    steps: Arc<StepLog<DB>>,
 }
 
 impl<DB: Database> Clone for Tx<DB> {
@@ -193,7 +193,7 @@ impl<DB: Database> Tx<DB> {
         origin: Origin,
         began: Instant,
         bound: Duration,
-        steps: Arc<StepLog>,
+        steps: Arc<StepLog<DB>>,
     ) -> Self {
         Self {
             slot: Arc::new(Mutex::new(Some(tx))),
@@ -301,7 +301,12 @@ impl<DB: Database> Tx<DB> {
         let (scope, key, fingerprint) = (origin.scope(), origin.key(), origin.fingerprint.as_ref());
         let downstream = self.downstream_key(step)?;
         let log = &self.steps;
-        if let Some(stored) = log.finished(scope, key, step, fingerprint).await? {
+        let finished = {
+            let mut conn = self.lock().await.map_err(|_| StepError::Gone)?;
+            log.finished(&mut conn, scope, key, step, fingerprint)
+                .await?
+        };
+        if let Some(stored) = finished {
             crate::telemetry::step_replayed(scope);
             return decode_step(&stored);
         }

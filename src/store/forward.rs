@@ -185,12 +185,13 @@ macro_rules! forward_sql_store {
 
             async fn step(
                 &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
                 scope: &str,
                 key: &str,
                 step: &str,
                 now_ms: i64,
             ) -> Result<Option<$crate::store::StepRecord>, $crate::store::StoreError> {
-                self.$to.step(scope, key, step, now_ms).await
+                self.$to.step(conn, scope, key, step, now_ms).await
             }
 
             async fn record_step(

@@ -436,9 +436,11 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     fn records_steps(&self) -> bool;
 
     /// `key`'s finished step `step` in `scope`, unless expired at
-    /// `now_ms`; read on the pool.
+    /// `now_ms`; read on `conn` (the claim's transaction reads the steps
+    /// committed beside it).
     async fn step(
         &self,
+        conn: &mut <Self::Db as Database>::Connection,
         scope: &str,
         key: &str,
         step: &str,

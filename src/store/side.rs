@@ -390,9 +390,11 @@ where
     }
 
     /// `key`'s step `step` in `scope`, if it finished and has not expired
-    /// at `now_ms`; read on the pool (a step is committed on its own).
+    /// at `now_ms`; read on `conn` (the claim's transaction: a step is
+    /// committed on its own, and read committed sees it).
     pub async fn step(
         &self,
+        conn: &mut DB::Connection,
         scope: &str,
         key: &str,
         step: &str,
@@ -402,16 +404,32 @@ where
             .bind(scope)
             .bind(key)
             .bind(step)
-            .fetch_optional(&self.pool);
-        let row = within(self.pool_bound(), "step read", row).await?;
+            .fetch_optional(&mut *conn);
+        let row = within(self.deadlines.statement_deadline(), "step read", row).await?;
         let record = row.as_ref().map(StoreRow::step_record).transpose()?;
         Ok(record.filter(|r| r.expires_at_ms > now_ms))
+    }
+
+    /// [`step`](Self::step) on a connection of the pool.
+    async fn step_pooled(
+        &self,
+        scope: &str,
+        key: &str,
+        step: &str,
+        now_ms: i64,
+    ) -> Result<Option<StepRecord>, StoreError> {
+        let read = async {
+            let mut conn = self.pool.acquire().await?;
+            self.step(&mut conn, scope, key, step, now_ms).await
+        };
+        within(self.pool_bound(), "step read", read).await
     }
 
     /// Records `key`'s finished step `step` in its own statement on the
     /// pool (committed when this returns), unless a live record is there
     /// (a concurrent attempt of the same key finished it first); returns
-    /// the record that then stands. Bounded: two statements.
+    /// the record that then stands. Bounded: two statements, one after
+    /// the other on a pool connection each.
     pub async fn record_step(
         &self,
         scope: &str,
@@ -435,7 +453,7 @@ where
             query = query.bind(times.now_ms);
         }
         within(self.pool_bound(), "step record", query.execute(&self.pool)).await?;
-        self.step(scope, key, step, times.now_ms)
+        self.step_pooled(scope, key, step, times.now_ms)
             .await?
             .ok_or_else(|| StoreError::Corrupt("a recorded step did not read back".into()))
     }
