@@ -35,8 +35,9 @@
 //! "balance"}` in the transactional outbox (`onceonly::outbox`, table
 //! `onceonly_outbox`), and a relay running in the same process POSTs it to
 //! URL once the transaction committed, signed with `--notify-secret` (or
-//! `NOTIFY_SECRET`, default `onceonly-example-secret`) in header
-//! `x-onceonly-signature` (`t=<unix>,v1=<hex HMAC-SHA256 of "<t>.<body>">`).
+//! `NOTIFY_SECRET`, default `onceonly-example-secret`) as Standard Webhooks
+//! (`webhook-id`, `webhook-timestamp`, `webhook-signature: v1,<base64
+//! HMAC-SHA256 of "<id>.<timestamp>.<body>">`).
 //! Redelivered notifications carry the same `x-onceonly-message-id`.
 //!
 //! ```text
@@ -129,8 +130,8 @@ struct Args {
     #[cfg(feature = "webhook")]
     #[arg(long, env = "NOTIFY_URL", value_name = "URL")]
     notify_url: Option<String>,
-    /// Secret the notifications are signed with (HMAC-SHA256, header
-    /// x-onceonly-signature).
+    /// Secret the notifications are signed with (Standard Webhooks,
+    /// HMAC-SHA256).
     #[cfg(feature = "webhook")]
     #[arg(long, env = "NOTIFY_SECRET", default_value = "onceonly-example-secret")]
     notify_secret: String,

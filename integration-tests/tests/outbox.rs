@@ -704,10 +704,11 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
         );
     }
     let relay = Relay::builder(store.pool().clone(), outbox.clone())
-        .publisher(WebhookPublisher::with_timeout(
-            secret,
-            Duration::from_millis(500),
-        ))
+        // onceonly's own format, which `SignatureCheck` verifies.
+        .publisher(
+            WebhookPublisher::with_timeout(secret, Duration::from_millis(500))
+                .signing(onceonly::outbox::WebhookSigning::Onceonly),
+        )
         .backoff(Duration::from_millis(50), Duration::from_millis(200))
         .poll_interval(Duration::from_millis(50))
         .build()

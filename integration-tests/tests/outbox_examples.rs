@@ -15,7 +15,10 @@ use axum::http::HeaderMap;
 use lapin::ExchangeKind;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
 use lapin::types::FieldTable;
-use onceonly::outbox::{MESSAGE_ID_HEADER, SIGNATURE_HEADER};
+use onceonly::outbox::{
+    MESSAGE_ID_HEADER, SIGNATURE_HEADER, WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER,
+    WEBHOOK_TIMESTAMP_HEADER,
+};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, take, url};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::example_ledger::Settled;
@@ -265,24 +268,65 @@ async fn payment_webhook_notifies_the_merchant_once_per_payment() {
             "{s:?}"
         );
         seen.insert(s.out_trade_no);
-        let signature = headers
-            .get(SIGNATURE_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default();
-        assert!(
-            signature.starts_with("t=") && signature.contains(",v1="),
-            "signature header: {signature:?}"
-        );
-        ids.insert(
+        // Signed as Standard Webhooks: checked with openssl, not with the
+        // signer under test.
+        let header = |name: &str| {
             headers
-                .get(MESSAGE_ID_HEADER)
+                .get(name)
                 .and_then(|v| v.to_str().ok())
-                .expect("message id")
-                .to_owned(),
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let id = header(MESSAGE_ID_HEADER);
+        assert_eq!(
+            header(WEBHOOK_ID_HEADER),
+            id,
+            "webhook-id is the message id"
         );
+        let timestamp = header(WEBHOOK_TIMESTAMP_HEADER);
+        let signed = [id.as_bytes(), b".", timestamp.as_bytes(), b".", body].concat();
+        assert_eq!(
+            header(WEBHOOK_SIGNATURE_HEADER),
+            format!("v1,{}", openssl_hmac_base64(b"s3cret", &signed)),
+            "a Standard Webhooks signature"
+        );
+        assert!(
+            headers.get(SIGNATURE_HEADER).is_none(),
+            "one signature scheme"
+        );
+        ids.insert(id);
     }
     assert_eq!(seen.len(), expected.len());
     assert_eq!(ids.len(), expected.len());
     server.start_kill().expect("kill");
     let _ = server.wait().await;
+}
+
+/// Base64 of HMAC-SHA256 of `data` under `key`, computed by the openssl
+/// command line (an implementation other than the publisher's).
+fn openssl_hmac_base64(key: &[u8], data: &[u8]) -> String {
+    use std::io::Write;
+    let mut mac = std::process::Command::new("openssl")
+        .args(["dgst", "-sha256", "-binary", "-mac", "HMAC", "-macopt"])
+        .arg(format!(
+            "hexkey:{}",
+            key.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("openssl (scripts/build-deps installs it)");
+    mac.stdin.take().unwrap().write_all(data).unwrap();
+    let digest = mac.wait_with_output().unwrap().stdout;
+    let mut b64 = std::process::Command::new("openssl")
+        .args(["base64", "-A"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    b64.stdin.take().unwrap().write_all(&digest).unwrap();
+    String::from_utf8(b64.wait_with_output().unwrap().stdout)
+        .unwrap()
+        .trim()
+        .to_owned()
 }

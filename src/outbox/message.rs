@@ -13,8 +13,10 @@ pub const MESSAGE_ID_HEADER: &str = "x-onceonly-message-id";
 pub const CAUSATION_HEADER: &str = "x-onceonly-causation-id";
 /// The W3C trace context header, passed on from the inbound message.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
-/// The header of a webhook's HMAC-SHA256 signature (`t=<unix secs>,v1=<hex>`
-/// over `<t>.<body>`).
+/// The header of a webhook's HMAC-SHA256 signature in onceonly's own
+/// format (`t=<unix secs>,v1=<hex>` over `<t>.<body>`), sent by a
+/// `WebhookPublisher` signing as `WebhookSigning::Onceonly` (the default
+/// is Standard Webhooks).
 pub const SIGNATURE_HEADER: &str = "x-onceonly-signature";
 
 /// Where a message goes.

@@ -27,11 +27,14 @@ pub use message::{
 };
 #[cfg(feature = "kafka")]
 pub use publish::KafkaPublisher;
-#[cfg(feature = "webhook")]
-pub use publish::WebhookPublisher;
 #[cfg(feature = "amqp")]
 pub use publish::{AmqpPublisher, DEFAULT_AMQP_CHANNELS};
 pub use publish::{Outgoing, PublishError, Publisher};
+#[cfg(feature = "webhook")]
+pub use publish::{
+    WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER, WEBHOOK_TIMESTAMP_HEADER, WebhookPublisher,
+    WebhookSigning,
+};
 pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;
 

@@ -169,4 +169,7 @@ pub use amqp::{AmqpPublisher, DEFAULT_AMQP_CHANNELS};
 #[cfg(feature = "kafka")]
 pub use kafka::KafkaPublisher;
 #[cfg(feature = "webhook")]
-pub use webhook::WebhookPublisher;
+pub use webhook::{
+    WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER, WEBHOOK_TIMESTAMP_HEADER, WebhookPublisher,
+    WebhookSigning,
+};

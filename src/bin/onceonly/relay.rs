@@ -36,10 +36,18 @@ pub struct RelayArgs {
     #[cfg(feature = "amqp")]
     #[command(flatten)]
     amqp_tls: crate::AmqpTlsArgs,
-    /// HMAC secret: POST `webhook` rows, signed (header x-onceonly-signature).
+    /// HMAC secret: POST `webhook` rows, signed as Standard Webhooks
+    /// (`webhook-id`, `webhook-timestamp`, `webhook-signature`; a
+    /// `whsec_<base64>` secret is its decoded key).
     #[cfg(feature = "webhook")]
     #[arg(long, env = "ONCEONLY_WEBHOOK_SECRET", hide_env_values = true)]
     webhook_secret: Option<String>,
+    /// Sign webhooks in onceonly's own format instead (header
+    /// x-onceonly-signature: `t=<unix>,v1=<hex>`), for receivers set up
+    /// before Standard Webhooks.
+    #[cfg(feature = "webhook")]
+    #[arg(long, env = "ONCEONLY_WEBHOOK_ONCEONLY_SIGNATURE")]
+    webhook_onceonly_signature: bool,
     /// Rows per round.
     #[arg(long, default_value_t = 100)]
     batch: u32,
@@ -113,7 +121,13 @@ fn publishers<DB: OutboxBackend>(
     }
     #[cfg(feature = "webhook")]
     if let Some(secret) = &args.webhook_secret {
-        builder = builder.publisher(onceonly::outbox::WebhookPublisher::new(secret.as_bytes()));
+        let signing = if args.webhook_onceonly_signature {
+            onceonly::outbox::WebhookSigning::Onceonly
+        } else {
+            onceonly::outbox::WebhookSigning::Standard
+        };
+        builder = builder
+            .publisher(onceonly::outbox::WebhookPublisher::new(secret.as_bytes()).signing(signing));
     }
     let _ = args;
     Ok(builder)

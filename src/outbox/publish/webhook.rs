@@ -4,15 +4,45 @@ use async_trait::async_trait;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+
 use super::{Kind, Outgoing, PublishError, Publisher};
 use crate::outbox::message::SIGNATURE_HEADER;
 
-/// POSTs webhooks signed with HMAC-SHA256: header
-/// [`SIGNATURE_HEADER`] is `t=<unix seconds>,v1=<hex>` over
-/// `<t>.<body>` (the scheme [`SignatureCheck`](crate::http::SignatureCheck)
-/// verifies, so a onceonly receiver can check it). A 2xx answer is
-/// delivered; 5xx, 408, 429 and timeouts are retried; any other 4xx is
-/// permanent.
+/// How a [`WebhookPublisher`] signs its webhooks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WebhookSigning {
+    /// [Standard Webhooks](https://www.standardwebhooks.com/) (Svix and
+    /// others; the default): `webhook-id` (the message id, the same on
+    /// every retry), `webhook-timestamp` (Unix seconds) and
+    /// `webhook-signature: v1,<base64 of HMAC-SHA256 of "<id>.<timestamp>.<body>">`.
+    /// A secret given as `whsec_<base64>` is the base64-decoded key, as
+    /// the spec's libraries read it; any other secret is the key's bytes
+    /// (share it with receivers as [`WebhookPublisher::standard_secret`]).
+    #[default]
+    Standard,
+    /// onceonly's own format: [`SIGNATURE_HEADER`] is
+    /// `t=<unix seconds>,v1=<hex of HMAC-SHA256 of "<t>.<body>">`, the
+    /// scheme [`SignatureCheck`](crate::http::SignatureCheck) verifies.
+    Onceonly,
+}
+
+/// The Standard Webhooks headers.
+pub const WEBHOOK_ID_HEADER: &str = "webhook-id";
+/// The Standard Webhooks timestamp header (Unix seconds).
+pub const WEBHOOK_TIMESTAMP_HEADER: &str = "webhook-timestamp";
+/// The Standard Webhooks signature header (`v1,<base64>`).
+pub const WEBHOOK_SIGNATURE_HEADER: &str = "webhook-signature";
+
+/// POSTs webhooks signed with HMAC-SHA256, as
+/// [Standard Webhooks](https://www.standardwebhooks.com/) by default, or in
+/// onceonly's own format ([`WebhookSigning`]). Every copy of a message
+/// carries the same id ([`MESSAGE_ID_HEADER`](crate::outbox::MESSAGE_ID_HEADER),
+/// and `webhook-id`). A 2xx
+/// answer is delivered; 5xx, 408, 429 and timeouts are retried; any other
+/// 4xx is permanent.
 ///
 /// Redirects are not followed: an HTTP client following a 301, 302 or
 /// 303 turns the POST into a GET without body, and the 2xx at its end
@@ -22,12 +52,39 @@ use crate::outbox::message::SIGNATURE_HEADER;
 pub struct WebhookPublisher {
     client: reqwest::Client,
     secret: Vec<u8>,
+    signing: WebhookSigning,
 }
 
 impl WebhookPublisher {
-    /// A publisher signing with `secret`, with a 10 s timeout.
+    /// A publisher signing with `secret` as Standard Webhooks, with a 10 s
+    /// timeout.
     pub fn new(secret: impl Into<Vec<u8>>) -> Self {
         Self::with_timeout(secret, Duration::from_secs(10))
+    }
+
+    /// A publisher signing with `secret` in onceonly's own format
+    /// ([`WebhookSigning::Onceonly`]), for receivers set up before
+    /// Standard Webhooks became the default.
+    pub fn onceonly_signed(secret: impl Into<Vec<u8>>) -> Self {
+        Self::new(secret).signing(WebhookSigning::Onceonly)
+    }
+
+    /// The same publisher signing as `signing` says.
+    #[must_use]
+    pub fn signing(mut self, signing: WebhookSigning) -> Self {
+        self.signing = signing;
+        self
+    }
+
+    /// The key as Standard Webhooks receivers are given it:
+    /// `whsec_<base64 of the key>`.
+    pub fn standard_secret(&self) -> String {
+        format!("whsec_{}", BASE64.encode(self.key()))
+    }
+
+    /// The HMAC key: a `whsec_<base64>` secret decoded, any other as it is.
+    fn key(&self) -> &[u8] {
+        &self.secret
     }
 
     /// The same with another request timeout.
@@ -43,13 +100,36 @@ impl WebhookPublisher {
                 tracing::error!(error = %e, "webhook client setup failed; using the default client");
                 reqwest::Client::default()
             });
+        let secret: Vec<u8> = secret.into();
+        // A `whsec_` secret is the base64 of the key (Standard Webhooks).
+        let secret = secret
+            .strip_prefix(b"whsec_")
+            .and_then(|encoded| BASE64.decode(encoded).ok())
+            .unwrap_or(secret);
         Self {
             client,
-            secret: secret.into(),
+            secret,
+            signing: WebhookSigning::default(),
         }
     }
 
-    /// The signature header value for `body` at `unix_secs`.
+    /// The Standard Webhooks signature header value of message `id` with
+    /// `body` at `unix_secs`: `v1,<base64>`.
+    pub fn sign_standard(&self, id: &str, unix_secs: u64, body: &[u8]) -> String {
+        let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(self.key()) else {
+            // HMAC takes keys of any length.
+            return String::new();
+        };
+        mac.update(id.as_bytes());
+        mac.update(b".");
+        mac.update(unix_secs.to_string().as_bytes());
+        mac.update(b".");
+        mac.update(body);
+        format!("v1,{}", BASE64.encode(mac.finalize().into_bytes()))
+    }
+
+    /// onceonly's signature header value ([`WebhookSigning::Onceonly`])
+    /// for `body` at `unix_secs`.
     pub fn sign(&self, body: &[u8], unix_secs: u64) -> String {
         let mut mac = match Hmac::<Sha256>::new_from_slice(&self.secret) {
             Ok(mac) => mac,
@@ -81,8 +161,19 @@ impl Publisher for WebhookPublisher {
         let mut request = self
             .client
             .post(&row.destination)
-            .header("content-type", "application/json")
-            .header(SIGNATURE_HEADER, self.sign(&row.payload, now));
+            .header("content-type", "application/json");
+        request = match self.signing {
+            WebhookSigning::Standard => request
+                .header(WEBHOOK_ID_HEADER, &row.message_id)
+                .header(WEBHOOK_TIMESTAMP_HEADER, now.to_string())
+                .header(
+                    WEBHOOK_SIGNATURE_HEADER,
+                    self.sign_standard(&row.message_id, now, &row.payload),
+                ),
+            WebhookSigning::Onceonly => {
+                request.header(SIGNATURE_HEADER, self.sign(&row.payload, now))
+            }
+        };
         for (name, value) in &message.headers {
             request = request.header(name, value);
         }
@@ -126,5 +217,53 @@ impl Publisher for WebhookPublisher {
         } else {
             PublishError::permanent(text)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The test vector of the Standard Webhooks libraries
+    /// (`test_sign_function`): secret, message id, timestamp, payload and
+    /// the signature they expect.
+    #[test]
+    fn standard_webhooks_test_vector() {
+        let publisher = WebhookPublisher::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+        assert_eq!(
+            publisher.sign_standard(
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_330,
+                br#"{"test": 2432232314}"#
+            ),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+        assert_eq!(
+            publisher.standard_secret(),
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+        );
+        // The raw key signs the same.
+        let raw = BASE64.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        assert_eq!(
+            WebhookPublisher::new(raw).sign_standard(
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_330,
+                br#"{"test": 2432232314}"#
+            ),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+        // Not that signature for another id, time or body.
+        assert_ne!(
+            publisher.sign_standard("msg_other", 1_614_265_330, br#"{"test": 2432232314}"#),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+    }
+
+    #[test]
+    fn the_default_is_standard_and_the_onceonly_format_stays() {
+        assert_eq!(WebhookPublisher::new("k").signing, WebhookSigning::Standard);
+        let onceonly = WebhookPublisher::onceonly_signed("k");
+        assert_eq!(onceonly.signing, WebhookSigning::Onceonly);
+        assert!(onceonly.sign(b"{}", 1).starts_with("t=1,v1="));
     }
 }
