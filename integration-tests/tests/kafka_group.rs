@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use onceonly::kafka::{CancellationToken, KafkaConsumer, KafkaConsumerBuilder};
+use onceonly::kafka::{CancellationToken, GroupProtocol, KafkaConsumer, KafkaConsumerBuilder};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::example_ledger as ledger;
 use onceonly_integration_tests::handler::Ledger;
@@ -67,6 +67,19 @@ impl Setup {
             .key_expr("json:/out_trade_no")
             .consumer_config("session.timeout.ms", "6000")
             .consumer_config("heartbeat.interval.ms", "500")
+            .exit_when_idle(Duration::from_secs(4))
+    }
+
+    /// A member joining with KIP-848's protocol (`group.protocol=consumer`):
+    /// the broker owns the session and heartbeat timings.
+    fn member_kip848(&self) -> KafkaConsumerBuilder<PgStore> {
+        KafkaConsumer::builder(self.store.clone())
+            .brokers(self.kafka.bootstrap())
+            .group_id(&self.group)
+            .topic(&self.topic)
+            .dead_letter_topic(&self.dlt)
+            .key_expr("json:/out_trade_no")
+            .group_protocol(GroupProtocol::Consumer)
             .exit_when_idle(Duration::from_secs(4))
     }
 
@@ -251,4 +264,82 @@ async fn a_member_with_an_empty_assignment_exits_when_idle() {
     let members: Vec<_> = (0..=PARTITIONS).map(|_| s.run(s.member())).collect();
     finish(members).await;
     s.assert_exactly_once().await;
+}
+
+/// KIP-848 (`group.protocol=consumer`) on the mock cluster: members join
+/// and leave while partitions are paused at their in-flight bound, so the
+/// broker revokes and reassigns them incrementally; each revoke drains as
+/// under the classic protocol, and the ledger is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kip848_members_joining_and_leaving_lose_and_double_nothing() {
+    let s = setup("kip848", 1, 300).await;
+    let slow = |b: KafkaConsumerBuilder<PgStore>| {
+        b.max_in_flight(4).exit_when_idle(Duration::from_secs(8))
+    };
+    let handler = Arc::new(Ledger {
+        delay: Duration::from_millis(2),
+        ..Ledger::default()
+    });
+    let start = |builder: KafkaConsumerBuilder<PgStore>| {
+        let run = builder
+            .build()
+            .expect("consumer")
+            .run_until(Arc::clone(&handler), CancellationToken::new());
+        tokio::spawn(async move {
+            let _stats = run.await.expect("consumer failed");
+        })
+    };
+    let a = start(slow(s.member_kip848()));
+    s.wait_for_rows(50).await;
+    let b = start(slow(s.member_kip848()));
+    s.wait_for_rows(150).await;
+    let stop = CancellationToken::new();
+    let c = slow(s.member_kip848())
+        .build()
+        .unwrap()
+        .run_until(Arc::clone(&handler), stop.clone());
+    let c = tokio::spawn(async move {
+        let _stats = c.await.expect("consumer failed");
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.cancel();
+    finish(vec![a, b, c]).await;
+    s.assert_exactly_once().await;
+}
+
+/// KIP-848 with more members than partitions: the broker leaves one
+/// member without a partition, and it still exits when idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kip848_a_member_with_an_empty_assignment_exits_when_idle() {
+    let s = setup("kip848e", 1, 300).await;
+    let members: Vec<_> = (0..=PARTITIONS).map(|_| s.run(s.member_kip848())).collect();
+    finish(members).await;
+    s.assert_exactly_once().await;
+}
+
+/// The settings the broker owns under KIP-848 are refused when the
+/// consumer is built, with the reason.
+#[tokio::test]
+async fn kip848_refuses_client_side_group_timings() {
+    let s = setup("kip848c", 1, 1).await;
+    let refused = s
+        .member_kip848()
+        .consumer_config("session.timeout.ms", "6000")
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        refused
+            .to_string()
+            .contains("group.consumer.session.timeout.ms"),
+        "{refused}"
+    );
+    let refused = s
+        .member_kip848()
+        .consumer_config("partition.assignment.strategy", "cooperative-sticky")
+        .build()
+        .err()
+        .expect("refused");
+    assert!(refused.to_string().contains("KIP-848"), "{refused}");
+    assert!(s.member_kip848().build().is_ok());
 }

@@ -40,6 +40,7 @@ pub struct KafkaConsumerBuilder<S> {
     common: Vec<(String, String)>,
     consumer: Vec<(String, String)>,
     producer: Vec<(String, String)>,
+    group_protocol: Option<super::protocol::GroupProtocol>,
 }
 
 impl<S: SqlStore> KafkaConsumerBuilder<S> {
@@ -64,7 +65,23 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             common: Vec::new(),
             consumer: Vec::new(),
             producer: Vec::new(),
+            group_protocol: None,
         }
+    }
+
+    /// The consumer group protocol (default
+    /// [`Classic`](super::GroupProtocol::Classic)).
+    /// [`Consumer`](super::GroupProtocol::Consumer) is KIP-848
+    /// (`group.protocol=consumer`): the broker assigns partitions
+    /// incrementally and owns the session and heartbeat timings, so
+    /// `build` refuses `partition.assignment.strategy`,
+    /// `session.timeout.ms` and `heartbeat.interval.ms` with it, and a
+    /// `group.protocol` setting that disagrees. Revokes drain the same way
+    /// under both.
+    #[must_use]
+    pub fn group_protocol(mut self, protocol: super::GroupProtocol) -> Self {
+        self.group_protocol = Some(protocol);
+        self
     }
 
     crate::engine::forward_engine_settings!();
@@ -286,6 +303,10 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
                 )));
             }
         }
+        let settings: Vec<(String, String)> =
+            self.common.iter().chain(&self.consumer).cloned().collect();
+        let protocol = super::protocol::resolve(self.group_protocol, &settings)
+            .map_err(KafkaConsumerError::Config)?;
         let max_poll_interval = self
             .common
             .iter()
@@ -337,6 +358,9 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         }
         for (key, value) in &self.producer {
             producer.set(key, value);
+        }
+        if protocol == super::GroupProtocol::Consumer {
+            consumer.set("group.protocol", protocol.as_str());
         }
         // Set last: never overridden.
         consumer

@@ -14,6 +14,7 @@ mod error;
 mod message;
 mod offsets;
 mod partition;
+mod protocol;
 mod worker;
 
 pub use crate::broker::ConsumerStats;
@@ -21,4 +22,5 @@ pub use builder::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_STATISTICS_INTERVAL, KafkaConsu
 pub use consumer::KafkaConsumer;
 pub use dead_letter::headers;
 pub use error::KafkaConsumerError;
+pub use protocol::GroupProtocol;
 pub use tokio_util::sync::CancellationToken;
