@@ -266,47 +266,6 @@ async fn a_member_with_an_empty_assignment_exits_when_idle() {
     s.assert_exactly_once().await;
 }
 
-/// KIP-848 (`group.protocol=consumer`) on the mock cluster: members join
-/// and leave while partitions are paused at their in-flight bound, so the
-/// broker revokes and reassigns them incrementally; each revoke drains as
-/// under the classic protocol, and the ledger is exact.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn kip848_members_joining_and_leaving_lose_and_double_nothing() {
-    let s = setup("kip848", 1, 300).await;
-    let slow = |b: KafkaConsumerBuilder<PgStore>| {
-        b.max_in_flight(4).exit_when_idle(Duration::from_secs(8))
-    };
-    let handler = Arc::new(Ledger {
-        delay: Duration::from_millis(2),
-        ..Ledger::default()
-    });
-    let start = |builder: KafkaConsumerBuilder<PgStore>| {
-        let run = builder
-            .build()
-            .expect("consumer")
-            .run_until(Arc::clone(&handler), CancellationToken::new());
-        tokio::spawn(async move {
-            let _stats = run.await.expect("consumer failed");
-        })
-    };
-    let a = start(slow(s.member_kip848()));
-    s.wait_for_rows(50).await;
-    let b = start(slow(s.member_kip848()));
-    s.wait_for_rows(150).await;
-    let stop = CancellationToken::new();
-    let c = slow(s.member_kip848())
-        .build()
-        .unwrap()
-        .run_until(Arc::clone(&handler), stop.clone());
-    let c = tokio::spawn(async move {
-        let _stats = c.await.expect("consumer failed");
-    });
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.cancel();
-    finish(vec![a, b, c]).await;
-    s.assert_exactly_once().await;
-}
-
 /// KIP-848 with more members than partitions: the broker leaves one
 /// member without a partition, and it still exits when idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
