@@ -214,3 +214,38 @@ impl Drop for Logged {
         }
     }
 }
+
+/// Clients for crash tests: runs `each(client, i)` for every `i` in
+/// `0..keys` on `lanes` concurrent lanes (lane `l` takes `l`, `l + lanes`,
+/// ... one after the other), in a task of its own; the results, lane by
+/// lane.
+pub fn client_lanes<T, F, Fut>(
+    lanes: usize,
+    keys: usize,
+    each: F,
+) -> tokio::task::JoinHandle<Vec<T>>
+where
+    T: Send + 'static,
+    F: Fn(reqwest::Client, usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let client = reqwest::Client::new();
+        let mut tasks = Vec::new();
+        for lane in 0..lanes {
+            let (client, each) = (client.clone(), each.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut results = Vec::new();
+                for i in (lane..keys).step_by(lanes) {
+                    results.push(each(client.clone(), i).await);
+                }
+                results
+            }));
+        }
+        let mut results = Vec::new();
+        for task in tasks {
+            results.extend(task.await.expect("client lane"));
+        }
+        results
+    })
+}

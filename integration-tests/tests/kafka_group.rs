@@ -58,29 +58,28 @@ async fn setup(name: &str, brokers: i32, distinct: usize) -> Setup {
 }
 
 impl Setup {
-    fn member(&self) -> KafkaConsumerBuilder<PgStore> {
+    /// A member of the group, before its protocol's settings.
+    fn any_member(&self) -> KafkaConsumerBuilder<PgStore> {
         KafkaConsumer::builder(self.store.clone())
             .brokers(self.kafka.bootstrap())
             .group_id(&self.group)
             .topic(&self.topic)
             .dead_letter_topic(&self.dlt)
             .key_expr("json:/out_trade_no")
+            .exit_when_idle(Duration::from_secs(4))
+    }
+
+    /// A member of the classic protocol, with short group timings.
+    fn member(&self) -> KafkaConsumerBuilder<PgStore> {
+        self.any_member()
             .consumer_config("session.timeout.ms", "6000")
             .consumer_config("heartbeat.interval.ms", "500")
-            .exit_when_idle(Duration::from_secs(4))
     }
 
     /// A member joining with KIP-848's protocol (`group.protocol=consumer`):
     /// the broker owns the session and heartbeat timings.
     fn member_kip848(&self) -> KafkaConsumerBuilder<PgStore> {
-        KafkaConsumer::builder(self.store.clone())
-            .brokers(self.kafka.bootstrap())
-            .group_id(&self.group)
-            .topic(&self.topic)
-            .dead_letter_topic(&self.dlt)
-            .key_expr("json:/out_trade_no")
-            .group_protocol(GroupProtocol::Consumer)
-            .exit_when_idle(Duration::from_secs(4))
+        self.any_member().group_protocol(GroupProtocol::Consumer)
     }
 
     fn run(&self, builder: KafkaConsumerBuilder<PgStore>) -> tokio::task::JoinHandle<()> {

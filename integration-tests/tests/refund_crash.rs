@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use onceonly_integration_tests::child::Logged;
+use onceonly_integration_tests::child::{Logged, client_lanes};
 use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::provider_api::ProviderApi;
@@ -82,22 +82,11 @@ async fn sigkill_between_the_refund_call_and_the_commit_leaves_one_refund_at_the
     ];
     let mut server = logged.spawn("payment_webhook", &args);
 
-    let clients = tokio::spawn({
+    let clients = client_lanes(4, KEYS, {
         let base = base.clone();
-        async move {
-            let c = Client::new();
-            let mut tasks = Vec::new();
-            for lane in 0..4 {
-                let (c, base) = (c.clone(), base.clone());
-                tasks.push(tokio::spawn(async move {
-                    for i in (lane..KEYS).step_by(4) {
-                        until_refunded(&c, &base, i).await;
-                    }
-                }));
-            }
-            for t in tasks {
-                t.await.unwrap();
-            }
+        move |c: Client, i| {
+            let base = base.clone();
+            async move { until_refunded(&c, &base, i).await }
         }
     });
     let mut executed = provider.executed();

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
-use crate::key::{FenceValue, IdemKey, Order};
+use crate::key::{FenceValue, IdemKey};
 use crate::store::{Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError};
 use std::panic::AssertUnwindSafe;
 
@@ -402,29 +402,11 @@ impl<S: SqlStore> Engine<S> {
         entries: usize,
         mut order: Vec<(usize, &FenceValue)>,
     ) -> Result<Vec<Option<FenceCheck>>, StoreError> {
-        let inner = &*self.inner;
+        let scope = &self.inner.scope;
         let mut checks = vec![None; entries];
         order.sort_by(|a, b| a.1.entity.cmp(&b.1.entity).then(a.0.cmp(&b.0)));
-        let expires_at_ms = times
-            .now_ms
-            .saturating_add(super::session::millis(inner.fence_retention));
         for (i, fence) in order {
-            let current = inner
-                .store
-                .advance_fence(
-                    tx,
-                    &inner.scope,
-                    fence.entity.as_str(),
-                    fence.order.as_bytes(),
-                    expires_at_ms,
-                    times.now_ms,
-                )
-                .await?;
-            checks[i] = Some(FenceCheck::new(
-                fence.entity.as_str().to_owned(),
-                fence.order.clone(),
-                Order::from_bytes(current),
-            ));
+            checks[i] = Some(self.pass_fence(tx, scope, fence, times.now_ms).await?);
         }
         Ok(checks)
     }

@@ -8,8 +8,12 @@
 //! which then reads [`Tx::fence`](crate::Tx::fence) and decides.
 
 use serde::{Deserialize, Serialize};
+use sqlx::Database;
 
-use crate::key::Order;
+use super::Engine;
+use super::session::millis;
+use crate::key::{FenceValue, Order};
+use crate::store::{SqlStore, StoreError};
 
 /// What the fence found for a delivery: its entity, its order and the
 /// order the entity's fence holds once it passed (in the claim's
@@ -59,6 +63,40 @@ impl FenceCheck {
             received: self.received.clone(),
             current: self.current.clone(),
         }
+    }
+}
+
+impl<S: SqlStore> Engine<S> {
+    /// Passes `value` through its entity's fence in `scope`, on the
+    /// claim's transaction `conn`, at `now_ms` (the fence then expires
+    /// after the engine's fence retention): what the fence found. The one
+    /// place single claims and batches advance a fence.
+    pub(super) async fn pass_fence(
+        &self,
+        conn: &mut <S::Db as Database>::Connection,
+        scope: &str,
+        value: &FenceValue,
+        now_ms: i64,
+    ) -> Result<FenceCheck, StoreError> {
+        let inner = &*self.inner;
+        let expires_at_ms = now_ms.saturating_add(millis(inner.fence_retention));
+        let entity = value.entity.as_str();
+        let current = inner
+            .store
+            .advance_fence(
+                conn,
+                scope,
+                entity,
+                value.order.as_bytes(),
+                expires_at_ms,
+                now_ms,
+            )
+            .await?;
+        Ok(FenceCheck::new(
+            entity.to_owned(),
+            value.order.clone(),
+            Order::from_bytes(current),
+        ))
     }
 }
 

@@ -7,12 +7,12 @@
 use std::time::{Duration, Instant};
 
 use super::crash::{Counted, Gate, Start};
-use super::fence::{FenceCheck, Stale, is_recorded_stale};
+use super::fence::{Stale, is_recorded_stale};
 use super::tx::{Origin, Tx};
 use super::{Engine, Failure};
 use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
-use crate::key::{FenceValue, IdemKey, KeyError, Order};
+use crate::key::{FenceValue, IdemKey, KeyError};
 use crate::store::{
     Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError, classify_existing,
     is_write_fault,
@@ -193,7 +193,7 @@ impl<S: SqlStore> std::fmt::Debug for Claimed<S> {
 
 impl<S: SqlStore> Claimed<S> {
     /// The claim a store or cache tier returned, as seen by the caller.
-    fn settled(claim: Claim, received: Option<Fingerprint>) -> Result<Self, StoreError> {
+    pub(crate) fn settled(claim: Claim, received: Option<Fingerprint>) -> Result<Self, StoreError> {
         match claim {
             Claim::Duplicate { result } => match is_recorded_stale(result.as_deref()) {
                 Some(stale) => Ok(Self::Stale(stale)),
@@ -444,52 +444,33 @@ impl<S: SqlStore> Engine<S> {
         claimed: Claimed<S>,
         spec: &ClaimSpec<'_>,
     ) -> Result<Claimed<S>, StoreError> {
-        let (Claimed::New(session), Some(value)) = (&claimed, spec.fence) else {
-            return Ok(claimed);
+        let (session, value) = match (claimed, spec.fence) {
+            (Claimed::New(session), Some(value)) => (session, value),
+            (claimed, _) => return Ok(claimed),
         };
-        let inner = &*self.inner;
-        let origin = session.tx.origin();
         let now_ms = session.times.now_ms;
-        let expires_at_ms = now_ms.saturating_add(millis(inner.fence_retention));
-        let advanced = match session.tx.lock().await {
+        let passed = match session.tx.lock().await {
             Ok(mut conn) => {
-                inner
-                    .store
-                    .advance_fence(
-                        &mut conn,
-                        origin.scope(),
-                        value.entity.as_str(),
-                        value.order.as_bytes(),
-                        expires_at_ms,
-                        now_ms,
-                    )
-                    .await
+                let scope = session.tx.origin().scope();
+                self.pass_fence(&mut conn, scope, value, now_ms).await
             }
             Err(_) => Err(StoreError::Corrupt(
                 "a new session's transaction is gone".into(),
             )),
         };
-        let Claimed::New(session) = claimed else {
-            return Ok(claimed);
-        };
-        let current = match advanced {
-            Ok(current) => Order::from_bytes(current),
+        let check = match passed {
+            Ok(check) => check,
             Err(e) => {
                 session.abandon().await;
                 return Err(e);
             }
         };
-        let check = FenceCheck::new(
-            value.entity.as_str().to_owned(),
-            value.order.clone(),
-            current,
-        );
         let stale = check.is_stale().then(|| check.stale());
         session.tx.origin().set_fence(check);
         let Some(stale) = stale else {
             return Ok(Claimed::New(session));
         };
-        if inner.fence.as_ref().is_some_and(|f| f.passes_stale()) {
+        if self.inner.fence.as_ref().is_some_and(|f| f.passes_stale()) {
             return Ok(Claimed::New(session));
         }
         match session.finish(&stale.recorded()).await {

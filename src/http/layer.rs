@@ -378,13 +378,13 @@ async fn unfenceable<S: SqlStore>(
         source: None,
         lock_wait: None,
     };
-    match cfg.engine.committed(scope, &req).await {
-        Ok(Some(crate::store::Claim::Duplicate { result })) => {
-            match crate::engine::Stale::from_recorded(result.as_deref().unwrap_or_default()) {
-                Some(_) => answer::stale(cfg),
-                None => answer::duplicate(cfg, result.as_deref()),
-            }
-        }
+    let found = cfg.engine.committed(scope, &req).await;
+    match found.and_then(|c| {
+        c.map(|c| Claimed::<S>::settled(c, fingerprint.copied()))
+            .transpose()
+    }) {
+        Ok(Some(Claimed::Duplicate { result })) => answer::duplicate(cfg, result.as_deref()),
+        Ok(Some(Claimed::Stale(_))) => answer::stale(cfg),
         Ok(Some(_)) => answer::conflict(cfg),
         Ok(None) => answer::refused(
             cfg,
