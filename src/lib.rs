@@ -36,7 +36,7 @@ pub mod telemetry;
 
 #[cfg(feature = "_broker")]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "amqp", feature = "kafka"))))]
-pub use broker::ConsumerStats;
+pub use broker::{ConsumerStats, PausePolicy};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use delivery::Delivery;
 pub use engine::{

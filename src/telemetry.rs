@@ -24,6 +24,8 @@
 //! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
 //! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark (librdkafka statistics, every `statistics_interval`, default 5 s) |
 //! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
+//! | [`onceonly_consumer_paused`](CONSUMER_PAUSED) | gauge | `scope`, `transport` | 1 while a consumer is paused because its handler keeps failing (see [`PausePolicy`](crate::PausePolicy)), 0 otherwise |
+//! | [`onceonly_consumer_pauses_total`](CONSUMER_PAUSES_TOTAL) | counter | `scope`, `transport` | times a consumer paused because its handler keeps failing |
 //! | [`onceonly_deadline_misses_total`](DEADLINE_MISSES_TOTAL) | counter | `scope`, `transport` | handlers given up at the transaction deadline (rolled back); a key that misses it [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times is dead-lettered `deadline` |
 //! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
 //! | [`onceonly_purge_last_success_timestamp_seconds`](PURGE_LAST_SUCCESS) | gauge | `table` | Unix time at which a [`Purger`](crate::ops::Purger) round last left no expired record behind |
@@ -91,6 +93,11 @@ pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
 
 /// Gauge of deliveries waiting in place for the infrastructure.
 pub const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
+
+/// Gauge: 1 while a consumer is paused because its handler keeps failing.
+pub const CONSUMER_PAUSED: &str = "onceonly_consumer_paused";
+/// Counter of the pauses of consumers whose handler kept failing.
+pub const CONSUMER_PAUSES_TOTAL: &str = "onceonly_consumer_pauses_total";
 
 /// Counter of handlers given up at the transaction deadline.
 pub const DEADLINE_MISSES_TOTAL: &str = "onceonly_deadline_misses_total";
@@ -222,6 +229,16 @@ pub fn describe_metrics() {
         WAITING_ON_INFRASTRUCTURE,
         Unit::Count,
         "Deliveries waiting in place until the database takes writes again"
+    );
+    metrics::describe_gauge!(
+        CONSUMER_PAUSED,
+        Unit::Count,
+        "1 while a consumer is paused because its handler keeps failing"
+    );
+    metrics::describe_counter!(
+        CONSUMER_PAUSES_TOTAL,
+        Unit::Count,
+        "Times a consumer paused because its handler keeps failing"
     );
     metrics::describe_counter!(
         STEPS_TOTAL,

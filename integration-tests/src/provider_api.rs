@@ -20,6 +20,10 @@
 //! | key seen with the same body, still in flight | 409 `{"error":"idempotency_key_in_use"}` | none |
 //! | key seen with the same body, completed | the stored answer, byte for byte, plus header `Idempotent-Replayed: true` | none |
 //!
+//! While the provider is [down](ProviderApi::set_down), every request is
+//! answered 503 `{"error":"unavailable"}` with no effect, and counted in
+//! [`ProviderApi::unavailable_answers`].
+//!
 //! A body mismatch is checked before the in-flight state: a key reused for a
 //! different request is a client bug whatever the timing, and the answer does
 //! not depend on a race.
@@ -103,6 +107,8 @@ struct Ledger {
     in_use_answers: usize,
     reused_answers: usize,
     delay: Duration,
+    down: bool,
+    unavailable_answers: usize,
 }
 
 /// State shared by the handle and the server.
@@ -220,6 +226,19 @@ impl ProviderApi {
     }
 }
 
+impl ProviderApi {
+    /// Takes the provider down (`true`: every request is answered 503 with
+    /// no effect) or brings it back.
+    pub fn set_down(&self, down: bool) {
+        self.shared.ledger().down = down;
+    }
+
+    /// How many 503 `unavailable` answers were given while down.
+    pub fn unavailable_answers(&self) -> usize {
+        self.shared.ledger().unavailable_answers
+    }
+}
+
 impl Drop for ProviderApi {
     /// Stops accepting connections and shuts the open ones down. Refunds
     /// already admitted still complete (their tasks are independent).
@@ -256,7 +275,14 @@ async fn refund(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    shared.ledger().requests += 1;
+    {
+        let mut ledger = shared.ledger();
+        ledger.requests += 1;
+        if ledger.down {
+            ledger.unavailable_answers += 1;
+            return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+        }
+    }
 
     let key = headers
         .get(IDEMPOTENCY_KEY)

@@ -25,6 +25,7 @@ pub struct AmqpConsumerBuilder<S> {
     exit_when_idle: Option<Duration>,
     reconnect_min: Duration,
     reconnect_max: Duration,
+    pause: Option<crate::PausePolicy>,
 }
 
 impl<S: SqlStore> AmqpConsumerBuilder<S> {
@@ -43,6 +44,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             exit_when_idle: None,
             reconnect_min: Duration::from_millis(200),
             reconnect_max: Duration::from_secs(10),
+            pause: None,
         }
     }
 
@@ -168,6 +170,20 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
         self
     }
 
+    /// Pauses consuming while the handler keeps failing (a dependency
+    /// down), instead of retrying every message to exhaustion and
+    /// dead-lettering it: no new delivery starts (the rest wait, unacked,
+    /// in the channel's prefetch), deliveries in flight wait unacked, and a
+    /// probe after each cool-down resumes consuming once the handler
+    /// succeeds again. See [`PausePolicy`](crate::PausePolicy) for the
+    /// rule; `build` refuses a policy that would pause only after the
+    /// [retry policy](Self::retry) dead-letters.
+    #[must_use]
+    pub fn pause_on_failure(mut self, policy: crate::PausePolicy) -> Self {
+        self.pause = Some(policy);
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<AmqpConsumer<S>, AmqpConsumerError> {
         let missing = |what: &str| AmqpConsumerError::Config(format!("{what} is required"));
@@ -193,6 +209,11 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             .scope(scope)
             .transport(crate::telemetry::TRANSPORT_AMQP)
             .build()?;
+        if let Some(pause) = &self.pause {
+            pause
+                .check(engine.retry_policy())
+                .map_err(AmqpConsumerError::Config)?;
+        }
         let dead_letter = self.dead_letter.unwrap_or_else(|| DeadLetterTarget {
             exchange: String::new(),
             routing_key: format!("{queue}.dlq"),
@@ -216,6 +237,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
                 exit_when_idle: self.exit_when_idle,
                 reconnect_min: self.reconnect_min,
                 reconnect_max: self.reconnect_max,
+                pause: self.pause,
             },
         ))
     }

@@ -22,6 +22,7 @@ use super::stats::{AmqpCounters, AmqpStats};
 use super::topology::{Topology, is_connection_level};
 use super::worker::{Env, handle};
 use crate::broker::bump;
+use crate::broker::pause::Breaker;
 use crate::broker::wait::Waits;
 use crate::engine::{Engine, Handler};
 use crate::store::SqlStore;
@@ -34,6 +35,7 @@ pub(super) struct Settings {
     pub(super) exit_when_idle: Option<Duration>,
     pub(super) reconnect_min: Duration,
     pub(super) reconnect_max: Duration,
+    pub(super) pause: Option<crate::broker::PausePolicy>,
 }
 
 /// An AMQP 0-9-1 (RabbitMQ) consumer that processes each message's effect
@@ -47,6 +49,9 @@ pub struct AmqpConsumer<S: SqlStore> {
     /// Its deliveries waiting for the infrastructure (the gauge's handle
     /// resolved at build, like every other metric handle).
     waits: Arc<Waits>,
+    /// Pauses consuming while the handler keeps failing.
+    breaker: Breaker,
+    counters: AmqpCounters,
 }
 
 /// Why a session ended.
@@ -62,8 +67,15 @@ impl<S: SqlStore> AmqpConsumer<S> {
     }
 
     pub(super) fn new(engine: Engine<S>, topology: Topology, settings: Settings) -> Self {
+        let counters = AmqpCounters::default();
         Self {
             waits: Waits::new(engine.telemetry()),
+            breaker: Breaker::new(
+                settings.pause,
+                engine.telemetry(),
+                Arc::clone(&counters.consumer.pauses),
+            ),
+            counters,
             engine,
             topology,
             settings,
@@ -107,8 +119,9 @@ impl<S: SqlStore> AmqpConsumer<S> {
             engine: self.engine,
             handler,
             topology: self.topology,
-            counters: AmqpCounters::default(),
+            counters: self.counters,
             waits,
+            breaker: self.breaker,
             publishing: super::publish::Confirms::new(super::publish::CONFIRM_TIMEOUT),
         });
         let settings = self.settings;

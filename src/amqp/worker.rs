@@ -16,6 +16,7 @@ use super::publish::{Confirms, copy_properties};
 use super::stats::AmqpCounters;
 use super::topology::Topology;
 use crate::broker::bump;
+use crate::broker::pause::Breaker;
 use crate::broker::shutdown::{outage_backoff, sleep_unless};
 use crate::broker::wait::{InfraWait, Waits};
 use crate::clock::{Clock, SystemClock};
@@ -32,6 +33,8 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) waits: Arc<Waits>,
     /// The channel's publishes: one at a time, each bounded.
     pub(crate) publishing: Confirms,
+    /// Pauses the consumer while its handler keeps failing.
+    pub(crate) breaker: Breaker,
 }
 
 /// What to publish before the ack.
@@ -86,7 +89,21 @@ async fn handle_in_span<S, H>(
     let (report, decision) = {
         let mut outage = InfraWait::new(&env.waits);
         loop {
+            // Nothing starts while the consumer is paused (see
+            // `PausePolicy`).
+            let Some(mut pass) = env.breaker.admit(stop).await else {
+                return;
+            };
+            if !channel.status().connected() {
+                return;
+            }
             let report = env.engine.process_in_span(&env.handler, delivery).await;
+            if env.breaker.held(&mut pass, &report.outcome) {
+                // Failed while the consumer is paused: runs again once it
+                // is admitted, not counted as an attempt.
+                tracing::debug!(queue = %env.topology.queue, "held while the consumer is paused");
+                continue;
+            }
             match decide(&report.outcome, attempt, env.engine.retry_policy()) {
                 Decision::Wait(fault) => {
                     let error = report.outcome.error_text().unwrap_or_default();

@@ -1,5 +1,6 @@
 //! Counters of what a broker consumer did, returned when it stops.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::engine::OutcomeKind;
@@ -24,6 +25,9 @@ pub struct ConsumerStats {
     /// [`Outcome::Stale`](crate::Outcome::Stale)): acknowledged, handler
     /// not run.
     pub stale: u64,
+    /// Times the consumer paused because its handler kept failing (see
+    /// [`PausePolicy`](crate::PausePolicy)).
+    pub pauses: u64,
     /// Messages settled for good: AMQP acks that reached the broker; Kafka
     /// records whose offset may now be committed.
     pub acked: u64,
@@ -38,6 +42,8 @@ pub(crate) struct Counters {
     pub(crate) dead_lettered: AtomicU64,
     pub(crate) acked: AtomicU64,
     pub(crate) stale: AtomicU64,
+    /// Shared with the consumer's [`Breaker`](super::pause::Breaker).
+    pub(crate) pauses: Arc<AtomicU64>,
 }
 
 /// Adds one to `counter`.
@@ -71,6 +77,7 @@ impl Counters {
             dead_lettered: read(&self.dead_lettered),
             acked: read(&self.acked),
             stale: read(&self.stale),
+            pauses: read(&self.pauses),
         }
     }
 }

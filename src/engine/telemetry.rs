@@ -110,6 +110,28 @@ impl Telemetry {
         )
     }
 
+    /// The gauge of this consumer's pause (see [`crate::PausePolicy`]),
+    /// resolved per call: once per consumer.
+    #[cfg(feature = "_broker")]
+    pub(crate) fn paused_gauge(&self) -> metrics::Gauge {
+        metrics::gauge!(
+            crate::telemetry::CONSUMER_PAUSED,
+            LABEL_SCOPE => self.scope.clone(),
+            LABEL_TRANSPORT => self.transport,
+        )
+    }
+
+    /// The counter of this consumer's pauses, resolved per call: once per
+    /// consumer.
+    #[cfg(feature = "_broker")]
+    pub(crate) fn pauses_counter(&self) -> metrics::Counter {
+        metrics::counter!(
+            crate::telemetry::CONSUMER_PAUSES_TOTAL,
+            LABEL_SCOPE => self.scope.clone(),
+            LABEL_TRANSPORT => self.transport,
+        )
+    }
+
     /// Counts one outcome and records it on `span`; a duplicate is logged
     /// at `debug` (it is not an error).
     pub(crate) fn outcome(&self, span: &Span, kind: OutcomeKind) {

@@ -8,6 +8,7 @@ use rdkafka::producer::FutureProducer;
 use super::KafkaConsumerError;
 use super::consumer::{KafkaConsumer, Settings};
 use super::dead_letter::DeadLetterer;
+use crate::broker::PausePolicy;
 use crate::engine::{Engine, EngineBuilder, RetryPolicy};
 use crate::store::SqlStore;
 
@@ -41,6 +42,7 @@ pub struct KafkaConsumerBuilder<S> {
     consumer: Vec<(String, String)>,
     producer: Vec<(String, String)>,
     group_protocol: Option<super::protocol::GroupProtocol>,
+    pause: Option<PausePolicy>,
 }
 
 impl<S: SqlStore> KafkaConsumerBuilder<S> {
@@ -66,6 +68,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             consumer: Vec::new(),
             producer: Vec::new(),
             group_protocol: None,
+            pause: None,
         }
     }
 
@@ -85,6 +88,19 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
     }
 
     crate::engine::forward_engine_settings!();
+
+    /// Pauses consuming while the handler keeps failing (a dependency
+    /// down), instead of retrying every record to exhaustion and
+    /// dead-lettering it: fetching from every assigned partition pauses,
+    /// records in flight wait uncommitted, and a probe after each
+    /// cool-down resumes consuming once the handler succeeds again. See
+    /// [`PausePolicy`] for the rule; `build` refuses a policy that would
+    /// pause only after the [retry policy](Self::retry) dead-letters.
+    #[must_use]
+    pub fn pause_on_failure(mut self, policy: PausePolicy) -> Self {
+        self.pause = Some(policy);
+        self
+    }
 
     /// Bootstrap servers, e.g. `127.0.0.1:9092` (`bootstrap.servers`).
     #[must_use]
@@ -327,6 +343,11 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             .scope(scope.clone())
             .transport(crate::telemetry::TRANSPORT_KAFKA)
             .build()?;
+        if let Some(pause) = &self.pause {
+            pause
+                .check(engine.retry_policy())
+                .map_err(KafkaConsumerError::Config)?;
+        }
 
         let mut consumer = ClientConfig::new();
         consumer
@@ -397,6 +418,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
                 commit_interval: self.commit_interval,
                 exit_when_idle: self.exit_when_idle,
                 drain_timeout: self.drain_timeout,
+                pause: self.pause,
             },
         ))
     }

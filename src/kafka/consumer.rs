@@ -18,6 +18,8 @@ use super::dead_letter::DeadLetterer;
 use super::message::Envelope;
 use super::partition::{Dispatched, Registry, Spawner, Tp, Wake};
 use super::worker::{Env, run_lane};
+use crate::broker::PausePolicy;
+use crate::broker::pause::Breaker;
 use crate::broker::wait::Waits;
 use crate::broker::{ConsumerStats, Counters};
 use crate::clock::{Clock, SystemClock};
@@ -39,6 +41,7 @@ pub(super) struct Settings {
     pub(super) commit_interval: Duration,
     pub(super) exit_when_idle: Option<Duration>,
     pub(super) drain_timeout: Duration,
+    pub(super) pause: Option<PausePolicy>,
 }
 
 /// A Kafka consumer group member that processes each record's effect exactly
@@ -53,6 +56,9 @@ pub struct KafkaConsumer<S: SqlStore> {
     /// Its deliveries waiting for the infrastructure (the gauge's handle
     /// resolved at build, like every other metric handle).
     waits: Arc<Waits>,
+    /// Pauses consuming while the handler keeps failing.
+    breaker: Arc<Breaker>,
+    counters: Counters,
 }
 
 impl<S: SqlStore> KafkaConsumer<S> {
@@ -67,8 +73,15 @@ impl<S: SqlStore> KafkaConsumer<S> {
         dead_letters: DeadLetterer,
         settings: Settings,
     ) -> Self {
+        let counters = Counters::default();
         Self {
             waits: Waits::new(engine.telemetry()),
+            breaker: Arc::new(Breaker::new(
+                settings.pause,
+                engine.telemetry(),
+                Arc::clone(&counters.pauses),
+            )),
+            counters,
             engine,
             config,
             dead_letters,
@@ -117,8 +130,9 @@ impl<S: SqlStore> KafkaConsumer<S> {
             linger: self.settings.linger,
             shutdown: shutdown.clone(),
             failure: Mutex::new(None),
-            counters: Counters::default(),
+            counters: self.counters,
             waits,
+            breaker: Arc::clone(&self.breaker),
         });
         let spawn_on = runtime.clone();
         let lanes_env = Arc::clone(&env);
@@ -155,6 +169,8 @@ impl<S: SqlStore> KafkaConsumer<S> {
             commit_interval: self.settings.commit_interval,
             exit_when_idle: self.settings.exit_when_idle,
             shutdown,
+            breaker: self.breaker,
+            breaker_paused: None,
         };
         std::thread::Builder::new()
             .name("onceonly-kafka-poll".into())
@@ -186,6 +202,11 @@ struct Poller {
     commit_interval: Duration,
     exit_when_idle: Option<Duration>,
     shutdown: CancellationToken,
+    /// The consumer's breaker: fetching pauses during its cool-downs.
+    breaker: Arc<Breaker>,
+    /// The assignment epoch in which every assigned partition was paused
+    /// for the breaker's cool-down, while it lasts.
+    breaker_paused: Option<u64>,
 }
 
 impl Poller {
@@ -209,9 +230,12 @@ impl Poller {
                 }
             }
             let resume = self.registry.release_held();
-            if !resume.is_empty() {
+            // During a cool-down every partition stays paused; the
+            // breaker's resume resumes them.
+            if !resume.is_empty() && self.breaker_paused.is_none() {
                 self.set_paused(&resume, false);
             }
+            self.follow_breaker();
             self.read_partition_queues();
             if last_commit.elapsed() >= self.commit_interval {
                 self.commit_finished();
@@ -240,6 +264,35 @@ impl Poller {
             }
         }
         fatal.map_or(Ok(()), Err)
+    }
+
+    /// Pauses fetching from every assigned partition while the breaker
+    /// cools down (again after each new assignment), and resumes the
+    /// partitions not held back for their in-flight bound once it probes.
+    /// Records in flight are untouched: they wait at the breaker.
+    fn follow_breaker(&mut self) {
+        let cooling = self.breaker.cooling_down();
+        match (cooling, self.breaker_paused) {
+            (false, None) => {}
+            (true, paused) => {
+                let (epoch, assigned) = self.registry.assignment();
+                if paused != Some(epoch) {
+                    self.set_paused(&assigned, true);
+                    self.breaker_paused = Some(epoch);
+                    tracing::debug!(
+                        partitions = assigned.len(),
+                        "fetching paused for the cool-down"
+                    );
+                }
+            }
+            (false, Some(_)) => {
+                let (_, assigned) = self.registry.assignment();
+                let resume = self.registry.not_held_back(assigned);
+                self.set_paused(&resume, false);
+                self.breaker_paused = None;
+                tracing::debug!(partitions = resume.len(), "fetching resumed for the probe");
+            }
+        }
     }
 
     /// Serves the main queue until it is empty: rebalance callbacks, errors,
@@ -336,6 +389,9 @@ impl Poller {
     }
 
     fn set_paused(&self, tps: &[Tp], pause: bool) {
+        if tps.is_empty() {
+            return;
+        }
         let mut tpl = TopicPartitionList::with_capacity(tps.len());
         for (topic, partition) in tps {
             tpl.add_partition(topic, *partition);

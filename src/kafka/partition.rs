@@ -222,6 +222,14 @@ impl Registry {
         resume
     }
 
+    /// Those of `tps` not paused for their in-flight bound.
+    pub(crate) fn not_held_back(&self, tps: Vec<Tp>) -> Vec<Tp> {
+        let state = lock(&self.state);
+        tps.into_iter()
+            .filter(|tp| state.slots.get(tp).is_none_or(|slot| !slot.paused))
+            .collect()
+    }
+
     /// Whether `tp` is assigned and can take another record now: nothing
     /// held back for it and fewer than `max_in_flight` at its workers. The
     /// polling thread reads a partition's own queue only then, so a full

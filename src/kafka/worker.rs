@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use super::dead_letter::{DeadLetter, DeadLetterer, header_text, headers};
 use super::message::Envelope;
 use super::partition::Partition;
+use crate::broker::pause::{Breaker, Pass};
 use crate::broker::shutdown::{outage_backoff, sleep_unless};
 use crate::broker::wait::{InfraWait, Waits};
 use crate::broker::{Counters, bump};
@@ -40,6 +41,8 @@ pub(crate) struct Env<S: SqlStore, H> {
     pub(crate) counters: Counters,
     /// The deliveries waiting for the infrastructure.
     pub(crate) waits: Arc<Waits>,
+    /// Pauses the consumer while its handler keeps failing.
+    pub(crate) breaker: Arc<Breaker>,
 }
 
 impl<S: SqlStore, H> Env<S, H> {
@@ -177,9 +180,16 @@ async fn process<S, H>(
             return;
         }
     }
+    // Nothing starts while the consumer is paused (see `PausePolicy`).
+    let Some(first_pass) = env.breaker.admit(&partition.stop).await else {
+        return;
+    };
+    let mut gate = Some(first_pass);
     let mut deliveries: Vec<_> = batch.iter().map(Envelope::delivery).collect();
-    // A suspect lane goes record by record (marked as they come, below).
-    let batched = if deliveries.len() > 1 && suspicion.trusted {
+    // A suspect lane goes record by record (marked as they come, below),
+    // and so does a probe.
+    let probing = gate.as_ref().is_some_and(Pass::is_probe);
+    let batched = if deliveries.len() > 1 && suspicion.trusted && !probing {
         partition.batches.renew(&env.engine).await;
         env.engine
             .try_process_batch(&env.handler, &deliveries)
@@ -200,11 +210,24 @@ async fn process<S, H>(
             // Committed in the batch, which counted it and traced it in
             // its own span: nothing left to do.
             Some(report) if report.outcome.is_done() => {
+                env.breaker.observe(&report.outcome);
                 env.counters.settled(report.outcome.kind());
                 Some(report.outcome.kind())
             }
             None if stopped => return,
             batched => {
+                let pass = match gate.take() {
+                    Some(pass) => Some(pass),
+                    None if stopped => None,
+                    None => env.breaker.admit(&partition.stop).await,
+                };
+                let Some(pass) = pass else {
+                    // Stopped while paused: this record and the rest stay
+                    // uncommitted (those committed in the batch still
+                    // count, above).
+                    stopped = true;
+                    continue;
+                };
                 // One span per record, over its processing, retries and
                 // dead letter.
                 let span = env.engine.delivery_span(delivery);
@@ -231,7 +254,7 @@ async fn process<S, H>(
                         let kind = report.outcome.kind();
                         report.outcome.is_done().then_some(kind)
                     } else {
-                        settle(env, partition, envelope, delivery, report).await
+                        settle(env, partition, envelope, delivery, report, pass).await
                     }
                 }
                 .instrument(span)
@@ -270,15 +293,19 @@ async fn trusted<S: SqlStore, H>(env: &Env<S, H>, partition: &Partition, process
 }
 
 /// Drives one record to a final outcome, doing what
-/// [`decide`](crate::engine::decide) says. The kind of its last outcome
-/// once it is final (processed, duplicate, or dead-letter or retry copy
-/// acknowledged); `None` if the partition stopped first.
+/// [`decide`](crate::engine::decide) says, unless the consumer's breaker
+/// holds it (its attempt under `pass` failed while the consumer is
+/// paused: it runs again once the breaker admits it, not counted as an
+/// attempt). The kind of its last outcome once it is final (processed,
+/// duplicate, or dead-letter or retry copy acknowledged); `None` if the
+/// partition stopped first.
 async fn settle<S, H>(
     env: &Env<S, H>,
     partition: &Partition,
     envelope: &Envelope,
     delivery: &crate::Delivery,
     mut report: Report<H::Output>,
+    mut pass: Pass<'_>,
 ) -> Option<OutcomeKind>
 where
     S: SqlStore,
@@ -295,19 +322,31 @@ where
     };
     let mut outage = InfraWait::new(&env.waits);
     loop {
-        match decide(&report.outcome, attempts, env.engine.retry_policy()) {
-            Decision::Ack => {
+        let held = env.breaker.held(&mut pass, &report.outcome);
+        let decision = if held {
+            None
+        } else {
+            Some(decide(&report.outcome, attempts, env.engine.retry_policy()))
+        };
+        match decision {
+            None => tracing::debug!(
+                topic = %partition.topic,
+                partition = partition.partition,
+                offset = envelope.offset(),
+                "held while the consumer is paused"
+            ),
+            Some(Decision::Ack) => {
                 env.counters.settled(report.outcome.kind());
                 return Some(report.outcome.kind());
             }
-            Decision::Wait(fault) => {
+            Some(Decision::Wait(fault)) => {
                 let error = report.outcome.error_text().unwrap_or_default();
                 tracing::debug!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), %fault, %error, "waiting for the database");
                 if !outage.wait(&partition.stop, fault, &error).await {
                     return None;
                 }
             }
-            Decision::Retry { delay, reason } if env.dead_letters.retry_topic().is_some() => {
+            Some(Decision::Retry { delay, reason }) if env.dead_letters.retry_topic().is_some() => {
                 // Non-blocking: a copy waits in the retry topic, the
                 // partition moves on.
                 let due = u64::try_from(SystemClock.now_ms())
@@ -324,7 +363,7 @@ where
                 }
                 return sent.then_some(report.outcome.kind());
             }
-            Decision::Retry { delay, reason } => {
+            Some(Decision::Retry { delay, reason }) => {
                 bump(&env.counters.retried);
                 env.engine.telemetry().retried(reason);
                 tracing::debug!(attempts, ?delay, reason, "retrying the record");
@@ -333,11 +372,11 @@ where
                 }
                 attempts += 1;
             }
-            Decision::DeadLetter {
+            Some(Decision::DeadLetter {
                 reason,
                 error,
                 attempts,
-            } => {
+            }) => {
                 let letter = DeadLetter {
                     reason,
                     error,
@@ -348,6 +387,7 @@ where
                 return sent.then_some(report.outcome.kind());
             }
         }
+        pass = env.breaker.admit(&partition.stop).await?;
         report = env.engine.process_in_span(&env.handler, delivery).await;
     }
 }
