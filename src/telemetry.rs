@@ -34,7 +34,7 @@
 //! | [`onceonly_generation_rotation_overdue_seconds`](GENERATION_ROTATION_OVERDUE) | gauge | `table` | how long a rotation has been possible (no live record left in the other generation) without one happening, as of the last [`Purger`](crate::ops::Purger) round: 0 while the table rotates when it can |
 //! | [`onceonly_steps_total`](STEPS_TOTAL) | counter | `scope`, `result` | [steps](crate::Tx::step) of handlers: `called` (the call ran and its result was recorded) or `replayed` (an earlier attempt's recorded result returned without calling) |
 //! | [`onceonly_steps_orphaned`](STEPS_ORPHANED) | gauge | `table` | finished steps whose key's transaction never committed, older than the [`Completer`](crate::ops::Completer)'s grace, as of its last round |
-//! | `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds`, `onceonly_outbox_dead_rows` | gauge | `table` | pending outbox messages, the age of the oldest, dead messages (the [relay](crate::outbox::Relay) refreshes them every 5 s) |
+//! | `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds`, `onceonly_outbox_dead_rows` | gauge | `table` | pending outbox messages that are due (delayed messages are left out until they are due), the age of the oldest, dead messages (the [relay](crate::outbox::Relay) refreshes them every 5 s) |
 //! | `onceonly_outbox_published_total`, `onceonly_outbox_publish_seconds` | counter, histogram | `kind` | outbox messages confirmed by their destination, and the time of each publish, confirm included (for pipelined messages: until their key's last confirm) |
 //! | `onceonly_outbox_failures_total` | counter | `kind`, `destination`, `permanent` | failed outbox publishes |
 //!

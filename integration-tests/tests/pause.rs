@@ -30,9 +30,14 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::{PgPool, Postgres};
 
-/// Payments before the outage, and during it.
+/// Payments before the outage, during it, and after it.
 const BEFORE: usize = 10;
 const DURING: usize = 30;
+const AFTER: usize = 10;
+const ALL: usize = BEFORE + DURING + AFTER;
+/// Kafka partitions (a lane each), AMQP handlers at once.
+const PARTITIONS: i32 = 3;
+const AMQP_CONCURRENCY: usize = 8;
 /// How long the API stays down.
 const OUTAGE: Duration = Duration::from_secs(4);
 const COOL_DOWN: Duration = Duration::from_millis(400);
@@ -189,14 +194,15 @@ async fn assert_refunded_once(store: &onceonly::PgStore, api: &ProviderApi, n: u
 }
 
 /// The provider saw the consumer pause: at most the attempts that pause
-/// it, then one probe per cool-down.
-fn assert_paused(outage: &Outage, stats: &ConsumerStats) {
+/// it (and one more for each delivery that ran at once with them), then
+/// one probe per cool-down.
+fn assert_paused(outage: &Outage, stats: &ConsumerStats, concurrency: usize) {
     eprintln!(
         "paused: the API refused {} calls in {OUTAGE:?} ({} in the second half); {stats:?}",
         outage.refused, outage.refused_late
     );
     let probes = (OUTAGE.as_millis() / COOL_DOWN.as_millis()) as usize + 2;
-    let bound = pause().attempts_to_pause() as usize + probes;
+    let bound = pause().attempts_to_pause() as usize + concurrency - 1 + probes;
     assert!(
         outage.refused <= bound,
         "{} calls to the API while it was down: the consumer did not pause (at most {bound} expected)",
@@ -226,7 +232,7 @@ async fn kafka_scenario(
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let topic = unique("pause");
     let dlt = format!("{topic}.dlt");
-    create_topic(&topic, 1).await;
+    create_topic(&topic, PARTITIONS).await;
     create_topic(&dlt, 1).await;
     let (store, api) = setup("pause_kafka").await;
     let records = |range: std::ops::Range<usize>| -> Vec<Record> {
@@ -237,7 +243,7 @@ async fn kafka_scenario(
             })
             .collect()
     };
-    produce(&topic, &records(0..BEFORE)).await;
+    let mut ends = produce(&topic, &records(0..BEFORE)).await;
 
     let group = unique("pause_group");
     let mut builder = KafkaConsumer::builder(store.clone())
@@ -259,11 +265,13 @@ async fn kafka_scenario(
     ));
     wait_booked(store.pool(), BEFORE, Duration::from_secs(30)).await;
     api.set_down(true);
-    let ends = produce(&topic, &records(BEFORE..BEFORE + DURING)).await;
+    ends.extend(produce(&topic, &records(BEFORE..BEFORE + DURING)).await);
     let outage = outage(&api).await;
     // Dead letters are published only while the API is down.
     let letters = read_all(&dlt, 1, BEFORE + DURING, Duration::from_secs(2));
-    let expected = BEFORE + DURING - letters.len();
+    // Consuming resumed: payments made after the outage go through too.
+    ends.extend(produce(&topic, &records(BEFORE + DURING..ALL)).await);
+    let expected = ALL - letters.len();
     wait_booked(store.pool(), expected, Duration::from_secs(60)).await;
     // Let the last offsets be committed.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -273,11 +281,14 @@ async fn kafka_scenario(
         .expect("consumer did not stop")
         .expect("consumer task")
         .expect("consumer failed");
-    assert_eq!(
-        committed(&group, &topic, 1).get(&0),
-        ends.get(&0),
-        "offsets committed to the end"
-    );
+    let committed = committed(&group, &topic, PARTITIONS);
+    for (partition, end) in &ends {
+        assert_eq!(
+            committed.get(partition),
+            Some(end),
+            "partition {partition}: offsets committed to the end"
+        );
+    }
     (store, api, stats, outage, letters)
 }
 
@@ -285,8 +296,8 @@ async fn kafka_scenario(
 async fn kafka_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
     let (store, api, stats, outage, letters) = kafka_scenario(true).await;
     assert!(letters.is_empty(), "{} dead letters", letters.len());
-    assert_paused(&outage, &stats);
-    assert_refunded_once(&store, &api, BEFORE + DURING).await;
+    assert_paused(&outage, &stats, PARTITIONS as usize);
+    assert_refunded_once(&store, &api, ALL).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -308,7 +319,7 @@ async fn without_a_pause_the_outage_dead_letters_payments() {
     );
     // Every record hammered the API five times.
     assert!(outage.refused >= 5 * letters.len(), "{}", outage.refused);
-    assert_eq!(api.refunds().len(), BEFORE + DURING - letters.len());
+    assert_eq!(api.refunds().len(), ALL - letters.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -331,6 +342,7 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
             .queue(&queue)
             .key_expr("json:/payment")
             .retry(retry())
+            .concurrency(AMQP_CONCURRENCY)
             .pause_on_failure(pause())
             .build()
             .expect("consumer")
@@ -346,7 +358,8 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
     api.set_down(true);
     amqp::publish(&channel, &queue, &messages(BEFORE..BEFORE + DURING)).await;
     let outage = outage(&api).await;
-    wait_booked(store.pool(), BEFORE + DURING, Duration::from_secs(60)).await;
+    amqp::publish(&channel, &queue, &messages(BEFORE + DURING..ALL)).await;
+    wait_booked(store.pool(), ALL, Duration::from_secs(60)).await;
     stop.cancel();
     let stats = tokio::time::timeout(Duration::from_secs(30), run)
         .await
@@ -363,13 +376,13 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
         0,
         "every message acked"
     );
-    assert_paused(&outage, &stats.consumer);
+    assert_paused(&outage, &stats.consumer, AMQP_CONCURRENCY);
     assert_eq!(
         stats.consumer.acked as usize,
-        BEFORE + DURING + stats.consumer.retried as usize,
+        ALL + stats.consumer.retried as usize,
         "{stats:?}"
     );
-    assert_refunded_once(&store, &api, BEFORE + DURING).await;
+    assert_refunded_once(&store, &api, ALL).await;
 }
 
 #[tokio::test]

@@ -85,7 +85,7 @@ async fn handle_in_span<S, H>(
     let prior: u32 = header_text(props.headers().as_ref(), headers::ATTEMPTS)
         .and_then(|t| t.parse().ok())
         .unwrap_or(0);
-    let attempt = prior.saturating_add(1);
+    let mut attempt = prior.saturating_add(1);
     let (report, decision) = {
         let mut outage = InfraWait::new(&env.waits);
         loop {
@@ -100,11 +100,21 @@ async fn handle_in_span<S, H>(
             let report = env.engine.process_in_span(&env.handler, delivery).await;
             if env.breaker.held(&mut pass, &report.outcome) {
                 // Failed while the consumer is paused: runs again once it
-                // is admitted, not counted as an attempt.
+                // is admitted, not counted as an attempt; its failures were
+                // most likely the outage's, so its retries start over.
                 tracing::debug!(queue = %env.topology.queue, "held while the consumer is paused");
+                attempt = 1;
                 continue;
             }
             match decide(&report.outcome, attempt, env.engine.retry_policy()) {
+                Decision::DeadLetter { .. } if env.breaker.undecided(&report.outcome) => {
+                    // Out of retries before the breaker could tell an
+                    // outage from this message's own failure: try again.
+                    let delay = env.engine.retry_policy().final_delay();
+                    if !sleep_unless(stop, delay).await || !channel.status().connected() {
+                        return;
+                    }
+                }
                 Decision::Wait(fault) => {
                     let error = report.outcome.error_text().unwrap_or_default();
                     if !outage.wait(stop, fault, &error).await || !channel.status().connected() {

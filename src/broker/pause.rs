@@ -28,8 +28,13 @@ use metrics::{Counter, Gauge};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Outcome, RetryPolicy, Telemetry};
+use crate::engine::{Failure, Outcome, RetryPolicy, Telemetry};
 use crate::sync::lock;
+
+/// The largest [`PausePolicy::window`].
+const MAX_WINDOW: u32 = 10_000;
+/// The longest [`PausePolicy::cool_down`].
+const MAX_COOL_DOWN: Duration = Duration::from_secs(24 * 3600);
 
 /// When a consumer pauses because its handler keeps failing (a payment
 /// API down, say), instead of retrying every message to exhaustion and
@@ -43,8 +48,14 @@ use crate::sync::lock;
 /// the share that failed reaches [`failure_rate`](Self::failure_rate).
 /// Counted: attempts whose handler failed with a retryable error (a
 /// [`HandlerError::retryable`](crate::HandlerError::retryable), a panic, a
-/// refusal at commit) and attempts whose handler ran and committed.
-/// Everything else says nothing about the dependency and is not counted.
+/// refusal at commit), handlers given up at the transaction deadline too
+/// often ([`Failure::Deadline`](crate::Failure::Deadline): a dependency
+/// that hangs), and attempts whose handler ran and committed (each record
+/// of a committed Kafka batch). Everything else says nothing about the
+/// dependency and is not counted. The rate is over every handler outcome,
+/// not only calls to one dependency: on a topic where a third of the
+/// messages call the failing API, a third of the attempts fail; set the
+/// rate accordingly. Each consumer counts its own attempts, in memory.
 ///
 /// While paused:
 /// - no delivery starts (Kafka pauses fetching from its partitions; AMQP
@@ -64,7 +75,23 @@ use crate::sync::lock;
 /// failed attempts in a row. The consumer builders refuse a policy whose
 /// number is above the retry policy's
 /// [`attempts`](crate::RetryPolicy::attempts), so that the consumer pauses
-/// before any delivery can exhaust its retries on the outage.
+/// before any delivery can exhaust its retries on the outage. Two more
+/// rules close the gaps that number leaves:
+/// - a held delivery's retries start over when it runs again (its failures
+///   were most likely the outage's), so a failure right after a resume
+///   does not dead-letter a delivery that was held at its last attempt;
+/// - a delivery that runs out of retries while the consumer has counted
+///   fewer than `min_attempts` attempts since it started or resumed (a
+///   consumer restarted during an outage, a message whose earlier attempts
+///   ran on another instance or in a retry queue) is not dead-lettered: it
+///   is tried again after the retry policy's last delay, until the
+///   consumer can judge, and then pauses or dead-letters it.
+///
+/// **Long pauses on RabbitMQ.** Deliveries held unacknowledged longer than
+/// the broker's `consumer_timeout` (30 minutes by default) make RabbitMQ
+/// close the channel; they are redelivered (and deduplicated), and on a
+/// quorum queue each redelivery counts towards `x-delivery-limit`. Raise
+/// `consumer_timeout` for queues that may pause that long.
 ///
 /// **The trade-off.** A message that fails with a retryable error on its
 /// own, while nothing else runs, looks like an outage: the consumer pauses
@@ -173,8 +200,17 @@ impl PausePolicy {
                 self.min_attempts, self.window
             ));
         }
-        if self.cool_down.is_zero() {
-            return Err("pause_on_failure: the cool-down must be above zero".into());
+        if self.window > MAX_WINDOW {
+            return Err(format!(
+                "pause_on_failure: the window is at most {MAX_WINDOW} attempts, not {}",
+                self.window
+            ));
+        }
+        if self.cool_down.is_zero() || self.cool_down > MAX_COOL_DOWN {
+            return Err(format!(
+                "pause_on_failure: the cool-down must be above zero and at most {MAX_COOL_DOWN:?}, not {:?}",
+                self.cool_down
+            ));
         }
         let needed = self.attempts_to_pause();
         if needed > retry.attempts() {
@@ -252,6 +288,12 @@ impl Breaker {
         pauses: Arc<AtomicU64>,
     ) -> Self {
         let capacity = policy.map_or(0, |p| p.window as usize);
+        let gauge = telemetry.paused_gauge();
+        // A consumer starts running (a former one of this scope may have
+        // stopped while paused).
+        if policy.is_some() {
+            gauge.set(0.0);
+        }
         Self {
             policy,
             state: Mutex::new(State {
@@ -261,7 +303,7 @@ impl Breaker {
                 since: None,
             }),
             changed: Notify::new(),
-            gauge: telemetry.paused_gauge(),
+            gauge,
             pauses_counter: telemetry.pauses_counter(),
             telemetry: telemetry.clone(),
             pauses,
@@ -285,6 +327,9 @@ impl Breaker {
             return Some(Pass { probe: None });
         }
         loop {
+            if stop.is_cancelled() {
+                return None;
+            }
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
@@ -382,6 +427,25 @@ impl Breaker {
         self.held(&mut Pass { probe: None }, outcome);
     }
 
+    /// Whether `outcome`, a failure that ran out of retries, must not be
+    /// dead-lettered yet: it is one the policy counts, and the breaker has
+    /// counted fewer than `min_attempts` attempts since it started or
+    /// resumed, too few to tell an outage from this delivery's own failure
+    /// (a consumer restarted during an outage, a delivery whose earlier
+    /// attempts ran on another instance). It is tried again until the
+    /// breaker can judge: then it pauses (and holds it) or it is
+    /// dead-lettered.
+    pub(crate) fn undecided<T>(&self, outcome: &Outcome<T>) -> bool {
+        let Some(policy) = self.policy else {
+            return false;
+        };
+        verdict(outcome) == Some(true) && {
+            let state = lock(&self.state);
+            state.phase == Phase::Running
+                && u32::try_from(state.recent.len()).unwrap_or(u32::MAX) < policy.min_attempts
+        }
+    }
+
     fn pause(&self, state: &mut State, policy: PausePolicy, attempts: u32) {
         state.phase = Phase::Paused(Instant::now() + policy.cool_down);
         state.since = Some(Instant::now());
@@ -427,6 +491,9 @@ impl Breaker {
 fn verdict<T>(outcome: &Outcome<T>) -> Option<bool> {
     match outcome {
         Outcome::Processed { .. } => Some(false),
+        // A handler given up at the transaction deadline, again and again:
+        // a dependency that hangs.
+        Outcome::Failed(Failure::Deadline { .. }) => Some(true),
         Outcome::Failed(f) if f.infra_fault().is_none() && f.is_retryable() => Some(true),
         _ => None,
     }
@@ -436,7 +503,7 @@ fn verdict<T>(outcome: &Outcome<T>) -> Option<bool> {
 mod tests {
     use super::*;
     use crate::KeyRedaction;
-    use crate::engine::{Failure, HandlerError};
+    use crate::engine::HandlerError;
 
     fn breaker(policy: PausePolicy) -> Breaker {
         let telemetry = Telemetry::new("test", "kafka", KeyRedaction::default());
@@ -465,11 +532,23 @@ mod tests {
         assert!(err.contains("after 5 failed attempts"), "{err}");
         assert!(p.failure_rate(0.0).check(&RetryPolicy::default()).is_err());
         assert!(p.min_attempts(11).check(&RetryPolicy::default()).is_err());
+        let huge = p
+            .cool_down(Duration::from_secs(100 * 24 * 3600))
+            .check(&RetryPolicy::default())
+            .unwrap_err();
+        assert!(huge.contains("at most"), "{huge}");
+        let wide = p
+            .window(20_000)
+            .min_attempts(1)
+            .failure_rate(0.0001)
+            .check(&RetryPolicy::default())
+            .unwrap_err();
+        assert!(wide.contains("at most 10000"), "{wide}");
     }
 
     #[tokio::test]
     async fn pauses_at_the_rate_holds_failures_and_resumes_on_a_probe() {
-        let b = breaker(PausePolicy::new().cool_down(Duration::from_millis(50)));
+        let b = breaker(PausePolicy::new().cool_down(Duration::from_millis(300)));
         let stop = CancellationToken::new();
         // 6 successes then failures: the window of 10 needs 5 failures.
         for _ in 0..6 {
@@ -543,6 +622,42 @@ mod tests {
         assert!(probe.probe.is_some(), "a duplicate told nothing");
         stop.cancel();
         assert!(b.admit(&stop).await.is_none(), "a stop ends the wait");
+    }
+
+    #[tokio::test]
+    async fn exhausted_failures_wait_until_the_breaker_can_judge() {
+        let stop = CancellationToken::new();
+        // A fresh breaker (a consumer restarted during an outage): the
+        // first failures are not dead-lettered, the fifth pauses.
+        let b = breaker(PausePolicy::new());
+        for _ in 0..4 {
+            let mut pass = b.admit(&stop).await.unwrap();
+            assert!(!b.held(&mut pass, &failed()));
+            assert!(b.undecided(&failed()), "too few attempts to judge");
+        }
+        let mut pass = b.admit(&stop).await.unwrap();
+        assert!(b.held(&mut pass, &failed()), "paused and held");
+        assert!(!b.undecided(&failed()), "held, not retried");
+        // A breaker that judged a low failure rate lets it be dead-lettered,
+        // and never holds what it does not count.
+        let b = breaker(PausePolicy::new());
+        for i in 0..10 {
+            let outcome = if i == 9 { failed() } else { processed() };
+            let mut pass = b.admit(&stop).await.unwrap();
+            assert!(!b.held(&mut pass, &outcome));
+        }
+        assert!(!b.undecided(&failed()));
+        let permanent: Outcome<()> =
+            Outcome::Failed(Failure::Handler(HandlerError::permanent("bad")));
+        assert!(!breaker(PausePolicy::new()).undecided(&permanent));
+        // A handler given up at the deadline again and again counts: a
+        // dependency that hangs.
+        let b = breaker(PausePolicy::new().window(2).min_attempts(2));
+        let hung: Outcome<()> = Outcome::Failed(Failure::Deadline { misses: 3 });
+        for held in [false, true] {
+            let mut pass = b.admit(&stop).await.unwrap();
+            assert_eq!(b.held(&mut pass, &hung), held);
+        }
     }
 
     #[tokio::test]

@@ -84,6 +84,16 @@ impl RetryPolicy {
         self.max_attempts
     }
 
+    /// The delay before the last attempt (the initial delay for a single
+    /// attempt): how long a consumer that pauses on failures waits before
+    /// trying a delivery again that ran out of attempts before its pause
+    /// policy could judge (see [`PausePolicy`](crate::PausePolicy)).
+    #[cfg(feature = "_broker")]
+    pub(crate) fn final_delay(&self) -> Duration {
+        self.delay_after(self.max_attempts.saturating_sub(1).max(1))
+            .unwrap_or(self.initial)
+    }
+
     /// The delay before the next attempt after `attempts_made` failed
     /// attempts, or `None` when the policy is exhausted.
     pub fn delay_after(&self, attempts_made: u32) -> Option<Duration> {

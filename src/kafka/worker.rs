@@ -197,6 +197,11 @@ async fn process<S, H>(
     } else {
         None
     };
+    if batched.is_some() {
+        // The batch ran under the first pass; each record redone on its
+        // own is admitted anew (the consumer may have paused meanwhile).
+        gate = None;
+    }
     let mut reports = batched.map(Vec::into_iter);
     let mut stopped = false;
     let telemetry = env.engine.telemetry();
@@ -247,15 +252,10 @@ async fn process<S, H>(
                         }
                         None => env.engine.process_in_span(&env.handler, delivery).await,
                     };
-                    // Once the partition stops, records already committed in
-                    // this batch are still final; the others are abandoned,
-                    // stay uncommitted and are redelivered to the next owner.
-                    if stopped {
-                        let kind = report.outcome.kind();
-                        report.outcome.is_done().then_some(kind)
-                    } else {
-                        settle(env, partition, envelope, delivery, report, pass).await
-                    }
+                    // (Once the partition stopped, the records of this batch
+                    // not committed in it were abandoned above: they stay
+                    // uncommitted and are redelivered to the next owner.)
+                    settle(env, partition, envelope, delivery, report, pass).await
                 }
                 .instrument(span)
                 .await
@@ -329,12 +329,30 @@ where
             Some(decide(&report.outcome, attempts, env.engine.retry_policy()))
         };
         match decision {
-            None => tracing::debug!(
-                topic = %partition.topic,
-                partition = partition.partition,
-                offset = envelope.offset(),
-                "held while the consumer is paused"
-            ),
+            None => {
+                tracing::debug!(
+                    topic = %partition.topic,
+                    partition = partition.partition,
+                    offset = envelope.offset(),
+                    "held while the consumer is paused"
+                );
+                // Its failures were most likely the outage's: its retries
+                // start over when it runs again.
+                attempts = 1;
+            }
+            Some(Decision::DeadLetter { .. }) if env.breaker.undecided(&report.outcome) => {
+                // Out of retries before the breaker could tell an outage
+                // from this record's own failure: try again.
+                let delay = env.engine.retry_policy().final_delay();
+                tracing::debug!(
+                    attempts,
+                    ?delay,
+                    "retries ran out before the pause policy could judge; trying again"
+                );
+                if !sleep_unless(&partition.stop, delay).await {
+                    return None;
+                }
+            }
             Some(Decision::Ack) => {
                 env.counters.settled(report.outcome.kind());
                 return Some(report.outcome.kind());

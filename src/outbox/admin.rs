@@ -34,7 +34,19 @@ impl OutboxStats {
             .sum()
     }
 
-    /// The oldest row of `status`, in ms since the Unix epoch.
+    /// Pending rows not due yet ([delayed](super::OutboxMessage::not_before)
+    /// messages), all kinds.
+    pub fn delayed(&self) -> i64 {
+        self.counts.iter().map(|c| c.delayed).sum()
+    }
+
+    /// Pending rows that are due: the backlog a relay has to work off.
+    pub fn backlog(&self) -> i64 {
+        self.rows(Status::Pending) - self.delayed()
+    }
+
+    /// The oldest due row of `status` (delayed messages age from when they
+    /// are due), in ms since the Unix epoch.
     pub fn oldest_ms(&self, status: Status) -> Option<i64> {
         self.counts
             .iter()

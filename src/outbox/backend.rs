@@ -22,7 +22,9 @@ pub struct NewRow<'a> {
     pub order_key: &'a str,
     pub headers: &'a str,
     pub payload: &'a [u8],
-    pub now_ms: i64,
+    /// When it may first be sent: its `next_attempt_at_ms` and its
+    /// `created_at_ms` (enqueue time, or a delayed message's due time).
+    pub due_ms: i64,
 }
 
 /// A pending row, as a relay publishes it.
@@ -72,7 +74,9 @@ pub struct OutboxRecord {
     pub status: Status,
     /// The last failure, if any.
     pub last_error: Option<String>,
-    /// When it was enqueued, in ms since the Unix epoch.
+    /// When it was enqueued, in ms since the Unix epoch; for a
+    /// [delayed](super::OutboxMessage::not_before) message, when it is due
+    /// (a delayed message ages from then).
     pub created_at_ms: i64,
     /// When its destination confirmed it.
     pub sent_at_ms: Option<i64>,
@@ -131,8 +135,11 @@ pub struct StatusCount {
     pub kind: String,
     /// How many rows.
     pub rows: i64,
-    /// The oldest row's `created_at_ms`.
+    /// The oldest due row's `created_at_ms` (delayed rows do not count).
     pub oldest_ms: Option<i64>,
+    /// Pending rows not due yet: [delayed](super::OutboxMessage::not_before)
+    /// messages (included in `rows`).
+    pub delayed: i64,
 }
 
 /// A SQL backend the outbox runs on: PostgreSQL, MySQL/MariaDB or SQLite.
@@ -414,8 +421,8 @@ where
             .bind(row.order_key)
             .bind(row.headers)
             .bind(row.payload)
-            .bind(row.now_ms)
-            .bind(row.now_ms);
+            .bind(row.due_ms)
+            .bind(row.due_ms);
         if matches!(Self::DIALECT, Dialect::Postgres) {
             q = q.bind(channel);
         }
@@ -463,7 +470,22 @@ where
         qb.push_bind(limit);
         qb.push(sql.follow_lock);
         let rows = DB::build(&mut qb).fetch_all(&mut *conn).await?;
-        rows.iter().map(read).collect()
+        // A delayed row stops its key: neither it nor the rows behind it
+        // leave before it is due (order is kept).
+        let mut stopped = std::collections::HashSet::new();
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            use sqlx::Row as _;
+            let row = read(r)?;
+            let due: i64 = r.try_get("next_attempt_at_ms")?;
+            let is_head = heads.iter().any(|h| h.id == row.id);
+            if stopped.contains(&row.order_key) || (!is_head && due > now_ms) {
+                stopped.insert(row.order_key.clone());
+                continue;
+            }
+            out.push(row);
+        }
+        Ok(out)
     }
 
     async fn update_pending(
@@ -511,7 +533,12 @@ where
 
     async fn stats(pool: &Pool<Self>, sql: &OutboxSql) -> Result<Vec<StatusCount>, sqlx::Error> {
         use sqlx::Row as _;
-        let rows = sqlx::query(&sql.stats).fetch_all(pool).await?;
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let rows = sqlx::query(&sql.stats)
+            .bind(now)
+            .bind(now)
+            .fetch_all(pool)
+            .await?;
         let mut out = Vec::with_capacity(rows.len());
         for r in &rows {
             let code: i16 = r.try_get("status")?;
@@ -523,6 +550,7 @@ where
                 kind: text_nn::<Self>(r, "kind", Self::DIALECT.byte_text())?,
                 rows: r.try_get("n")?,
                 oldest_ms: r.try_get("oldest_ms")?,
+                delayed: r.try_get("delayed_n")?,
             });
         }
         Ok(out)

@@ -120,6 +120,17 @@ pub struct OutboxMessage {
     pub(crate) payload: Vec<u8>,
     pub(crate) headers: Vec<(String, String)>,
     pub(crate) order_by: Option<String>,
+    pub(crate) not_before: Option<NotBefore>,
+    pub(crate) id: Option<String>,
+}
+
+/// When a delayed message may leave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NotBefore {
+    /// At this time, in ms since the Unix epoch.
+    At(i64),
+    /// This long after it is enqueued.
+    After(std::time::Duration),
 }
 
 impl OutboxMessage {
@@ -173,6 +184,8 @@ impl OutboxMessage {
             payload,
             headers: Vec::new(),
             order_by: None,
+            not_before: None,
+            id: None,
         }
     }
 
@@ -190,6 +203,56 @@ impl OutboxMessage {
     pub fn order_by(mut self, key: impl Into<String>) -> Self {
         self.order_by = Some(key.into());
         self
+    }
+
+    /// A delayed message: a relay sends it no earlier than `at` (and
+    /// within its [poll interval](super::RelayBuilder::poll_interval)
+    /// after). Until then it is pending but not due: counted apart from the
+    /// backlog ([`StatusCount::delayed`](super::StatusCount::delayed)), and
+    /// `onceonly outbox inspect` shows it as delayed. It keeps its place in
+    /// its ordering key: the messages enqueued after it with the same key
+    /// wait for it (give it its own [`order_by`](Self::order_by) key to let
+    /// them pass). A time in the past is now.
+    #[must_use]
+    pub fn not_before(mut self, at: std::time::SystemTime) -> Self {
+        let ms = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        self.not_before = Some(NotBefore::At(ms));
+        self
+    }
+
+    /// A delayed message, sent no earlier than `delay` after it is
+    /// enqueued (see [`not_before`](Self::not_before)).
+    #[must_use]
+    pub fn delay(mut self, delay: std::time::Duration) -> Self {
+        self.not_before = Some(NotBefore::After(delay));
+        self
+    }
+
+    /// The message's id from the caller's own `id`, unique within the
+    /// scope it is enqueued in: the message id becomes a hash of the scope
+    /// and `id`, and enqueuing a message with the same scope and id again
+    /// adds nothing while the first is in the table (a job that runs again
+    /// after a crash enqueues each of its messages once). Without it,
+    /// a message enqueued in a claim gets [`message_id`] and one enqueued
+    /// without a claim ([`Outbox::enqueue_in`](super::Outbox::enqueue_in))
+    /// a random id.
+    #[must_use]
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// When the message may first be sent, for one enqueued at `now_ms`.
+    pub(crate) fn due_ms(&self, now_ms: i64) -> i64 {
+        match self.not_before {
+            None => now_ms,
+            Some(NotBefore::At(at)) => at.max(now_ms),
+            Some(NotBefore::After(delay)) => {
+                now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
+            }
+        }
     }
 
     /// Where it goes.
@@ -242,8 +305,24 @@ pub fn message_id(origin: &Origin, position: u32) -> String {
     }
     h.update(origin.claimed_at_ms().to_be_bytes());
     h.update(position.to_be_bytes());
-    // 128 bits, as a UUID-shaped string downstream systems accept as an id.
-    let d = h.finalize();
+    uuid_shaped(&h.finalize())
+}
+
+/// The id of a message given the caller's own `id` (see
+/// [`OutboxMessage::id`]) in `scope`.
+pub(crate) fn caller_message_id(scope: &str, id: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"onceonly-outbox-id\0");
+    for part in [scope.as_bytes(), id.as_bytes()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    uuid_shaped(&h.finalize())
+}
+
+/// 128 bits of a digest, as a UUID-shaped string downstream systems accept
+/// as an id.
+fn uuid_shaped(d: &[u8]) -> String {
     let hex = hex::encode(&d[..16]);
     format!(
         "{}-{}-{}-{}-{}",

@@ -178,7 +178,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
     /// Inserts `message` in the claim's transaction: it commits with the
     /// handler's writes and leaves only then, through a [`Relay`]. Returns
     /// its id (see [`message_id`]: the same for every copy of the message,
-    /// new for a later run of the key after its record expired).
+    /// new for a later run of the key after its record expired; or the
+    /// hash of the claim's scope and the caller's [`id`](OutboxMessage::id)).
     pub async fn enqueue(
         &self,
         conn: &mut TxGuard<DB>,
@@ -186,24 +187,99 @@ impl<DB: OutboxBackend> Outbox<DB> {
     ) -> Result<String, HandlerError> {
         let origin = conn.origin();
         let position = origin.next_position();
-        let id = message_id(origin, position);
-        if message.destination.target().is_empty()
-            && !matches!(message.destination, Destination::Amqp { .. })
-        {
-            return Err(HandlerError::permanent(
-                "an outbox message needs a topic or URL",
-            ));
-        }
-        let headers = serde_json::to_string(&message.headers).map_err(HandlerError::permanent)?;
         let scope = origin.scope().to_owned();
+        let id = match &message.id {
+            Some(id) => message::caller_message_id(&scope, id),
+            None => message_id(origin, position),
+        };
         let causation = origin.key().to_owned();
         let traceparent = origin.traceparent().map(str::to_owned);
-        let order_key = message.order_key();
-        let row = NewRow {
-            message_id: &id,
+        let source = Source {
+            id: &id,
             scope: &scope,
             causation: Some(&causation),
             traceparent: traceparent.as_deref(),
+        };
+        self.insert(&mut *conn, &source, &message)
+            .await
+            .map_err(|e| match e {
+                EnqueueError::Invalid(why) => HandlerError::permanent(why),
+                EnqueueError::Database(e) => e.into(),
+            })?;
+        Ok(id)
+    }
+
+    /// Inserts `message` in a transaction of the outbox's database that is
+    /// not a claim's: a route without an idempotency key, a scheduled job,
+    /// a backfill. The message leaves, through a [`Relay`], only if and
+    /// once `conn`'s transaction commits (begin one with `pool.begin()`,
+    /// enqueue beside your own writes, commit). `scope` names the sender
+    /// (shown by `onceonly outbox inspect`, sent as no header). Returns the
+    /// message id: from the caller's [`id`](OutboxMessage::id) if it has
+    /// one (so that a job run again enqueues each message once), random
+    /// otherwise. The message carries no causation id.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use onceonly::outbox::{Outbox, OutboxMessage};
+    ///
+    /// let outbox = Outbox::<sqlx::Postgres>::new();
+    /// let mut tx = pool.begin().await?;
+    /// sqlx::query("UPDATE invoices SET reminded = true WHERE id = 42")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// let reminder = OutboxMessage::webhook("https://example.com/hooks", r#"{"invoice":42}"#)
+    ///     .id("reminder:invoice-42")      // a second run of the job adds nothing
+    ///     .delay(Duration::from_secs(3600)); // sent in an hour
+    /// outbox.enqueue_in(&mut tx, "billing-cron", reminder).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_in(
+        &self,
+        conn: &mut DB::Connection,
+        scope: &str,
+        message: OutboxMessage,
+    ) -> Result<String, EnqueueError> {
+        let id = match &message.id {
+            Some(id) => message::caller_message_id(scope, id),
+            None => uuid::Uuid::new_v4().to_string(),
+        };
+        let source = Source {
+            id: &id,
+            scope,
+            causation: None,
+            traceparent: None,
+        };
+        self.insert(conn, &source, &message).await?;
+        Ok(id)
+    }
+
+    /// Inserts the row of `message` from `source`.
+    async fn insert(
+        &self,
+        conn: &mut DB::Connection,
+        source: &Source<'_>,
+        message: &OutboxMessage,
+    ) -> Result<(), EnqueueError> {
+        if message.destination.target().is_empty()
+            && !matches!(message.destination, Destination::Amqp { .. })
+        {
+            return Err(EnqueueError::Invalid(
+                "an outbox message needs a topic or URL",
+            ));
+        }
+        let headers = serde_json::to_string(&message.headers)
+            .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
+        let order_key = message.order_key();
+        let now_ms = SystemClock.now_ms();
+        let row = NewRow {
+            message_id: source.id,
+            scope: source.scope,
+            causation: source.causation,
+            traceparent: source.traceparent,
             kind: message.destination.kind().as_str(),
             destination: message.destination.target(),
             routing_key: message.destination.routing_key(),
@@ -211,10 +287,12 @@ impl<DB: OutboxBackend> Outbox<DB> {
             order_key: &order_key,
             headers: &headers,
             payload: &message.payload,
-            now_ms: SystemClock.now_ms(),
+            // A delayed message becomes sendable, and starts to age, when
+            // it is due.
+            due_ms: message.due_ms(now_ms),
         };
-        DB::insert(&mut *conn, &self.sql, &row, &self.channel).await?;
-        Ok(id)
+        DB::insert(conn, &self.sql, &row, &self.channel).await?;
+        Ok(())
     }
 
     pub(crate) fn sql(&self) -> &OutboxSql {
@@ -226,6 +304,26 @@ impl<DB: OutboxBackend> Outbox<DB> {
     pub(crate) fn channel(&self) -> &str {
         &self.channel
     }
+}
+
+/// Who enqueues a message.
+struct Source<'a> {
+    id: &'a str,
+    scope: &'a str,
+    causation: Option<&'a str>,
+    traceparent: Option<&'a str>,
+}
+
+/// Why [`Outbox::enqueue_in`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnqueueError {
+    /// The message cannot be sent (no topic or URL).
+    #[error("invalid outbox message: {0}")]
+    Invalid(&'static str),
+    /// The insert failed; the caller's transaction should be rolled back.
+    #[error("outbox insert failed: {0}")]
+    Database(#[from] sqlx::Error),
 }
 
 /// The PostgreSQL NOTIFY channel of outbox table `table`:

@@ -358,7 +358,8 @@ impl<DB: OutboxBackend> Relay<DB> {
         .await
         {
             Ok(stats) => {
-                let backlog = stats.rows(Status::Pending);
+                // Delayed messages are not due: not a backlog yet.
+                let backlog = stats.backlog();
                 gauge!("onceonly_outbox_backlog", "table" => table.to_owned()).set(backlog as f64);
                 let age = stats
                     .oldest_ms(Status::Pending)

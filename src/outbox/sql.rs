@@ -39,7 +39,8 @@ pub struct OutboxSql {
     /// `$1` the new status (pending or dead), `$2` next attempt, `$3`
     /// error, `$4` id.
     pub failed: String,
-    /// Rows and the oldest `created_at_ms` per status and kind.
+    /// Rows, the oldest due `created_at_ms` and the delayed rows per
+    /// status and kind (`$1`, `$2`: now).
     pub stats: String,
     /// Deletes at most `$2` rows sent before `$1`.
     pub purge_sent: String,
@@ -176,8 +177,9 @@ impl OutboxSql {
             p(1),
             p(2)
         );
-        let follow_prefix =
-            format!("SELECT {ROW_COLS}, order_key FROM {t} WHERE status = 0 AND order_key IN (");
+        let follow_prefix = format!(
+            "SELECT {ROW_COLS}, order_key, next_attempt_at_ms FROM {t} WHERE status = 0 AND order_key IN ("
+        );
         let follow_lock = match dialect {
             Dialect::Sqlite => "",
             _ => " FOR UPDATE",
@@ -195,9 +197,15 @@ impl OutboxSql {
             p(3),
             p(4)
         );
+        // `$1` and `$2`: now. Delayed rows (pending, not due yet) are
+        // counted apart and do not age.
         let stats = format!(
-            "SELECT status, kind, COUNT(*) AS n, MIN(created_at_ms) AS oldest_ms \
-             FROM {t} GROUP BY status, kind ORDER BY status, kind"
+            "SELECT status, kind, COUNT(*) AS n, \
+             MIN(CASE WHEN created_at_ms <= {} THEN created_at_ms END) AS oldest_ms, \
+             COUNT(CASE WHEN status = 0 AND created_at_ms > {} THEN 1 END) AS delayed_n \
+             FROM {t} GROUP BY status, kind ORDER BY status, kind",
+            p(1),
+            p(2)
         );
         let purge_sent = match dialect {
             Dialect::MySql => format!(

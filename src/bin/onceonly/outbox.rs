@@ -205,13 +205,15 @@ async fn stats(args: StatsArgs) -> CliResult {
                     "oldest": c.oldest_ms.map(rfc3339),
                     "oldest_ms": c.oldest_ms,
                     "oldest_age_seconds": age_s(c.oldest_ms),
+                    "delayed": c.delayed,
                 })
             })
             .collect();
         let oldest_pending = stats.oldest_ms(Status::Pending);
         let out = json!({
             "table": table,
-            "backlog": stats.rows(Status::Pending),
+            "backlog": stats.backlog(),
+            "delayed": stats.delayed(),
             "oldest_pending": oldest_pending.map(rfc3339),
             "oldest_pending_ms": oldest_pending,
             "oldest_pending_age_seconds": age_s(oldest_pending),
@@ -247,12 +249,19 @@ fn print_stats(table: &str, stats: &OutboxStats) {
         "outbox table {table}: {total} {}: {pending} pending, {sent} sent, {dead} dead",
         messages(total)
     );
+    let backlog = stats.backlog();
     match stats.oldest_ms(Status::Pending) {
         Some(ms) => out!(
-            "backlog: {pending} pending, the oldest enqueued {}",
+            "backlog: {backlog} pending, the oldest enqueued {}",
             when(Some(ms))
         ),
         None => out!("backlog: 0 pending"),
+    }
+    let delayed = stats.delayed();
+    if delayed > 0 {
+        out!(
+            "delayed: {delayed} not due yet (list them with `onceonly outbox inspect --status pending`)"
+        );
     }
     if dead > 0 {
         out!(
@@ -410,6 +419,7 @@ fn record_json(r: &OutboxRecord) -> serde_json::Value {
         "traceparent": r.row.traceparent,
         "attempts": r.row.attempts,
         "last_error": r.last_error,
+        "delayed": r.status == Status::Pending && r.created_at_ms > now_ms(),
         "created_at": rfc3339(r.created_at_ms),
         "created_at_ms": r.created_at_ms,
         "sent_at": r.sent_at_ms.map(rfc3339),
@@ -450,11 +460,18 @@ fn print_record(r: &OutboxRecord, now: i64, chars: usize) {
     out!("traceparent:  {}", opt(r.row.traceparent.as_deref()));
     out!("attempts:     {}", r.row.attempts);
     out!("last error:   {}", opt(r.last_error.as_deref()));
-    out!(
-        "created:      {} ({} ago)",
-        rfc3339(r.created_at_ms),
-        age(r.created_at_ms)
-    );
+    if r.status == Status::Pending && r.created_at_ms > now {
+        out!(
+            "delayed:      until {} (not due yet)",
+            rfc3339(r.created_at_ms)
+        );
+    } else {
+        out!(
+            "created:      {} ({} ago)",
+            rfc3339(r.created_at_ms),
+            age(r.created_at_ms)
+        );
+    }
     out!(
         "sent:         {}",
         r.sent_at_ms.map_or_else(|| "-".to_owned(), rfc3339)
