@@ -11,8 +11,9 @@
 //!   relay (`onceonly relay`, the real binary) are SIGKILLed at random
 //!   moments, again and again, while the job enqueues immediate and delayed
 //!   reminders: every invoice is reminded once in the database, its
-//!   reminder leaves with one message id, and no delayed reminder reaches
-//!   Kafka before it was due.
+//!   reminder leaves with one message id, each customer's reminders reach
+//!   Kafka in the order they were enqueued (a delayed one holds back those
+//!   behind it), and no delayed reminder reaches Kafka before it was due.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -101,7 +102,7 @@ async fn enqueue<DB: OutboxBackend>(
     id
 }
 
-const DELAY: Duration = Duration::from_millis(1500);
+const DELAY: Duration = Duration::from_millis(4000);
 
 /// The claimless and delayed cases on one backend; returns the outbox
 /// after the relay sent everything, for backend-specific checks.
@@ -115,11 +116,27 @@ async fn claimless_and_delayed<DB: OutboxBackend>(pool: &sqlx::Pool<DB>, outbox:
     let a = enqueue(pool, outbox, msg("k1", "a"), true).await;
     let again = enqueue(pool, outbox, msg("k1", "a"), true).await;
     assert_eq!(a, again, "a caller id gives one message id");
-    // k1: a, then b delayed, then c; k2: d.
+    // k1: a, then b delayed but ordered by k1, then c (waits for b);
+    // k2: e delayed (ordered alone), then d (does not wait for it); k4: f
+    // not before a time in the past (due now).
     let enqueued_at = now_ms();
-    let b = enqueue(pool, outbox, msg("k1", "b").delay(DELAY), true).await;
+    let b = enqueue(
+        pool,
+        outbox,
+        msg("k1", "b").delay(DELAY).order_by("k1"),
+        true,
+    )
+    .await;
     let c = enqueue(pool, outbox, msg("k1", "c"), true).await;
+    let e = enqueue(pool, outbox, msg("k2", "e").delay(DELAY), true).await;
     let d = enqueue(pool, outbox, msg("k2", "d"), true).await;
+    let f = enqueue(
+        pool,
+        outbox,
+        msg("k4", "f").not_before(SystemTime::now() - Duration::from_secs(60)),
+        true,
+    )
+    .await;
     // Without a caller id, each enqueue is a new message.
     let random = OutboxMessage::kafka("reminders", "k3", "x");
     let (r1, r2) = (
@@ -129,14 +146,15 @@ async fn claimless_and_delayed<DB: OutboxBackend>(pool: &sqlx::Pool<DB>, outbox:
     assert_ne!(r1, r2);
 
     let stats = outbox.stats(pool).await.expect("stats");
-    assert_eq!(stats.rows(Status::Pending), 6, "{stats:?}");
-    assert_eq!(stats.delayed(), 1, "{stats:?}");
-    assert_eq!(stats.backlog(), 5, "the delayed message is not backlog yet");
+    assert_eq!(stats.rows(Status::Pending), 8, "{stats:?}");
+    assert_eq!(stats.delayed(), 2, "{stats:?}");
+    assert_eq!(stats.backlog(), 6, "delayed messages are not backlog yet");
     let rows = outbox.list(pool, Status::Pending, 10).await.expect("list");
     let row = |id: &str| rows.iter().find(|r| r.row.message_id == id).unwrap();
     assert_eq!(row(&a).row.scope, "jobs");
     assert_eq!(row(&a).row.causation, None, "no claim, no causation");
     let due = row(&b).created_at_ms;
+    let due_e = row(&e).created_at_ms;
     assert!(
         due >= enqueued_at + DELAY.as_millis() as i64,
         "the delayed row is due after its delay"
@@ -149,29 +167,30 @@ async fn claimless_and_delayed<DB: OutboxBackend>(pool: &sqlx::Pool<DB>, outbox:
         .build()
         .expect("relay")
         .spawn();
-    // a, d and the random ones leave at once; b and c wait for b.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while recorder.seen().len() < 4 {
+    // a, d, f and the random ones leave at once; b and c (behind b in
+    // k1), and e, wait.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let first: BTreeSet<String> = [&a, &d, &f, &r1, &r2].map(String::clone).into();
+    while recorder.seen().len() < first.len() {
         assert!(Instant::now() < deadline, "{:?}", recorder.seen());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    if now_ms() < due - 200 {
-        let seen: BTreeSet<String> = recorder.seen().into_iter().map(|(_, id, _)| id).collect();
-        assert_eq!(
-            seen,
-            BTreeSet::from([a.clone(), d.clone(), r1.clone(), r2.clone()]),
-            "before b is due, neither b nor c (behind it) has left"
-        );
-    }
-    while recorder.seen().len() < 6 {
+    let seen: BTreeSet<String> = recorder.seen().into_iter().map(|(_, id, _)| id).collect();
+    assert_eq!(
+        seen, first,
+        "before b and e are due, neither they nor c (behind b) left"
+    );
+    while recorder.seen().len() < 8 {
         assert!(Instant::now() < deadline, "{:?}", recorder.seen());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     relay.stop().await;
     let seen = recorder.seen();
-    assert_eq!(seen.len(), 6, "each message once: {seen:?}");
-    let b_at = recorder.published(&b).unwrap();
-    assert!(b_at >= due, "b left {} ms before it was due", due - b_at);
+    assert_eq!(seen.len(), 8, "each message once: {seen:?}");
+    for (delayed, due) in [(&b, due), (&e, due_e)] {
+        let at = recorder.published(delayed).unwrap();
+        assert!(at >= due, "a delayed message left {} ms early", due - at);
+    }
     let k1: Vec<&str> = seen
         .iter()
         .filter(|(k, _, _)| k == "k1")
@@ -179,12 +198,12 @@ async fn claimless_and_delayed<DB: OutboxBackend>(pool: &sqlx::Pool<DB>, outbox:
         .collect();
     assert_eq!(k1, [a.as_str(), b.as_str(), c.as_str()], "k1 in order");
     assert!(
-        recorder.published(&d).unwrap() < due,
-        "k2 did not wait for k1's delayed message"
+        recorder.published(&d).unwrap() < recorder.published(&e).unwrap(),
+        "d did not wait for e, a delayed message ordered alone"
     );
     assert_eq!(
         outbox.stats(pool).await.expect("stats").rows(Status::Sent),
-        6
+        8
     );
 }
 
@@ -392,26 +411,39 @@ async fn a_job_and_its_relay_killed_at_random_send_each_reminder_once_and_never_
         INVOICES,
         "re-runs of the job enqueued nothing twice"
     );
-    let due: BTreeMap<String, i64> =
-        sqlx::query_as::<_, (String, i64)>("SELECT message_id, created_at_ms FROM onceonly_outbox")
-            .fetch_all(&pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .collect();
+    // Each message's due time and its row id (the order of its customer).
+    let rows: BTreeMap<String, (i64, i64)> = sqlx::query_as::<_, (String, i64, i64)>(
+        "SELECT message_id, created_at_ms, id FROM onceonly_outbox",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, due, row)| (id, (due, row)))
+    .collect();
     // Kafka: every reminder, each invoice with one message id, none early.
     let records = read_to_end(&topic, 1, Duration::from_secs(2), Duration::from_secs(30));
-    let mut ids: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut invoices: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    // Per customer, the row ids in the order they first reached Kafka.
+    let mut order: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let mut seen = BTreeSet::new();
     let mut early = Vec::new();
     for m in &records {
-        let key = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
+        let customer = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
         let id = header(m, MESSAGE_ID_HEADER).expect("message id").to_owned();
+        let body: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
         let published = m.timestamp().to_millis().expect("timestamp");
-        let due_ms = due[&id];
+        let (due_ms, row) = rows[&id];
         if published < due_ms {
-            early.push((key.clone(), due_ms - published));
+            early.push((id.clone(), due_ms - published));
         }
-        ids.entry(key).or_default().insert(id);
+        if seen.insert(id.clone()) {
+            order.entry(customer).or_default().push(row);
+        }
+        invoices
+            .entry(body["invoice"].to_string())
+            .or_default()
+            .insert(id);
     }
     eprintln!(
         "{} records for {INVOICES} invoices ({} copies after kills); {KILLS} kills of the job and of the relay",
@@ -419,8 +451,18 @@ async fn a_job_and_its_relay_killed_at_random_send_each_reminder_once_and_never_
         records.len() as i64 - INVOICES
     );
     assert!(early.is_empty(), "delayed reminders sent early: {early:?}");
-    assert_eq!(ids.len() as i64, INVOICES, "every invoice reminded");
-    for (key, set) in &ids {
-        assert_eq!(set.len(), 1, "{key}: one message id, got {set:?}");
+    assert_eq!(invoices.len() as i64, INVOICES, "every invoice reminded");
+    for (invoice, set) in &invoices {
+        assert_eq!(
+            set.len(),
+            1,
+            "invoice {invoice}: one message id, got {set:?}"
+        );
+    }
+    for (customer, rows) in &order {
+        assert!(
+            rows.windows(2).all(|w| w[0] < w[1]),
+            "{customer}: reminders reached Kafka out of order: {rows:?}"
+        );
     }
 }

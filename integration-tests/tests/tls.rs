@@ -214,14 +214,33 @@ async fn a_claim_after_a_missed_deadline_does_not_wait_on_a_stale_tls_connection
             Ok(p.amount)
         },
     );
-    // Within the acquire timeout (2 s) or not at all.
-    let report = engine
-        .process(&quick, &Delivery::new(pay("QUICK", 7).account("a")))
-        .await;
+    // Each attempt ends within the acquire timeout (2 s): none waits on the
+    // stale connection. On a loaded machine a fresh TLS connection can
+    // itself take longer than the 150 ms transaction deadline: that attempt
+    // fails as infrastructure (a timeout) and the next one goes through.
+    let mut outcomes = Vec::new();
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let report = engine
+            .process(&quick, &Delivery::new(pay("QUICK", 7).account("a")))
+            .await;
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "an attempt waited {:?} (a stale connection?): {:?}",
+            started.elapsed(),
+            report.outcome
+        );
+        let done = matches!(report.outcome, Outcome::Processed { result: 7 });
+        let infra = matches!(&report.outcome, Outcome::Failed(f) if f.is_infrastructure());
+        outcomes.push(format!("{:?}", report.outcome));
+        if done {
+            break;
+        }
+        assert!(infra, "the claim after a missed deadline: {outcomes:?}");
+    }
     assert!(
-        matches!(report.outcome, Outcome::Processed { result: 7 }),
-        "the claim after a missed deadline: {:?}",
-        report.outcome
+        outcomes.last().is_some_and(|o| o.starts_with("Processed")),
+        "the claim after a missed deadline never went through: {outcomes:?}"
     );
 }
 

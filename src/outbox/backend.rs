@@ -128,6 +128,7 @@ impl Status {
 
 /// Rows of one status and kind.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StatusCount {
     /// The status.
     pub status: Status,
@@ -472,13 +473,14 @@ where
         let rows = DB::build(&mut qb).fetch_all(&mut *conn).await?;
         // A delayed row stops its key: neither it nor the rows behind it
         // leave before it is due (order is kept).
+        let head_ids: std::collections::HashSet<i64> = heads.iter().map(|h| h.id).collect();
         let mut stopped = std::collections::HashSet::new();
         let mut out = Vec::with_capacity(rows.len());
         for r in &rows {
             use sqlx::Row as _;
             let row = read(r)?;
             let due: i64 = r.try_get("next_attempt_at_ms")?;
-            let is_head = heads.iter().any(|h| h.id == row.id);
+            let is_head = head_ids.contains(&row.id);
             if stopped.contains(&row.order_key) || (!is_head && due > now_ms) {
                 stopped.insert(row.order_key.clone());
                 continue;

@@ -205,14 +205,18 @@ impl OutboxMessage {
         self
     }
 
-    /// A delayed message: a relay sends it no earlier than `at` (and
-    /// within its [poll interval](super::RelayBuilder::poll_interval)
-    /// after). Until then it is pending but not due: counted apart from the
-    /// backlog ([`StatusCount::delayed`](super::StatusCount::delayed)), and
-    /// `onceonly outbox inspect` shows it as delayed. It keeps its place in
-    /// its ordering key: the messages enqueued after it with the same key
-    /// wait for it (give it its own [`order_by`](Self::order_by) key to let
-    /// them pass). A time in the past is now.
+    /// A delayed message: a relay sends it no earlier than `at` (on the
+    /// enqueuer's clock, compared on the relay's: keep them in sync), soon
+    /// after a poll once it is due. Until then it is pending but not due:
+    /// counted apart from the backlog
+    /// ([`StatusCount::delayed`](super::StatusCount::delayed)), and
+    /// `onceonly outbox inspect` shows it as delayed. A time in the past is
+    /// now.
+    ///
+    /// Order: a delayed message is ordered on its own unless it has an
+    /// [`order_by`](Self::order_by) key; then it keeps its place in that
+    /// key, and the messages enqueued after it with that key wait for it
+    /// (and age, as backlog, meanwhile).
     #[must_use]
     pub fn not_before(mut self, at: std::time::SystemTime) -> Self {
         let ms = at
@@ -231,13 +235,17 @@ impl OutboxMessage {
     }
 
     /// The message's id from the caller's own `id`, unique within the
-    /// scope it is enqueued in: the message id becomes a hash of the scope
-    /// and `id`, and enqueuing a message with the same scope and id again
-    /// adds nothing while the first is in the table (a job that runs again
-    /// after a crash enqueues each of its messages once). Without it,
-    /// a message enqueued in a claim gets [`message_id`] and one enqueued
-    /// without a claim ([`Outbox::enqueue_in`](super::Outbox::enqueue_in))
-    /// a random id.
+    /// scope it is enqueued in (a claim's scope, or the scope given to
+    /// [`Outbox::enqueue_in`](super::Outbox::enqueue_in); not per inbound
+    /// key: two keys of one scope that send `.id("receipt")` send one
+    /// message). The message id becomes a hash of the scope and `id`, and
+    /// enqueuing a message with the same scope and id again adds nothing,
+    /// whatever its payload, for as long as the first is in the table:
+    /// pending, dead, or sent and not purged yet (the relay's `keep_sent`,
+    /// 24 h by default). A job that runs again after a crash so enqueues
+    /// each of its messages once; a job that runs every night needs ids
+    /// that name the night. Without it, a message enqueued in a claim gets
+    /// [`message_id`] and one enqueued without a claim a random id.
     #[must_use]
     pub fn id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
@@ -260,11 +268,14 @@ impl OutboxMessage {
         &self.destination
     }
 
-    /// The ordering key as stored: a SHA-256 over the destination and the
-    /// key messages are ordered by.
-    pub(crate) fn order_key(&self) -> String {
+    /// The ordering key as stored for message `id`: a SHA-256 over the
+    /// destination and the key messages are ordered by. A delayed message
+    /// without an [`order_by`](Self::order_by) key is ordered on its own
+    /// (by its id): it holds back nothing, and nothing holds it back.
+    pub(crate) fn order_key(&self, id: &str) -> String {
         let by: &[u8] = match (&self.order_by, &self.destination) {
             (Some(by), _) => by.as_bytes(),
+            (None, _) if self.not_before.is_some() => id.as_bytes(),
             (None, Destination::Kafka { .. }) => self.key.as_deref().unwrap_or_default(),
             (None, Destination::Amqp { routing_key, .. }) => routing_key.as_bytes(),
             (None, Destination::Webhook { .. }) => b"",
@@ -366,16 +377,41 @@ mod tests {
     }
 
     #[test]
+    fn a_delayed_message_is_ordered_alone_unless_ordered_by_a_key() {
+        use std::time::{Duration, UNIX_EPOCH};
+        let now = OutboxMessage::kafka("t", "k", "{}");
+        let later = now.clone().delay(Duration::from_secs(60));
+        assert_eq!(now.order_key("a"), now.order_key("b"));
+        assert_ne!(later.order_key("a"), now.order_key("a"));
+        assert_ne!(later.order_key("a"), later.order_key("b"));
+        let ordered = later.clone().order_by("k");
+        assert_eq!(ordered.order_key("a"), ordered.order_key("b"));
+        // Due times: now, later, a time in the past (now), a future time.
+        assert_eq!(now.due_ms(1_000), 1_000);
+        assert_eq!(later.due_ms(1_000), 61_000);
+        let past = now
+            .clone()
+            .not_before(UNIX_EPOCH + Duration::from_millis(10));
+        assert_eq!(past.due_ms(1_000), 1_000);
+        let at = now.not_before(UNIX_EPOCH + Duration::from_millis(5_000));
+        assert_eq!(at.due_ms(1_000), 5_000);
+    }
+
+    #[test]
     fn order_keys_follow_destination_and_key() {
         let a = OutboxMessage::kafka("settled", "acct-1", "{}");
         let b = OutboxMessage::kafka("settled", "acct-1", "{\"x\":1}");
         let c = OutboxMessage::kafka("settled", "acct-2", "{}");
         let d = OutboxMessage::kafka("other", "acct-1", "{}");
-        assert_eq!(a.order_key(), b.order_key());
-        assert_ne!(a.order_key(), c.order_key());
-        assert_ne!(a.order_key(), d.order_key());
+        assert_eq!(a.order_key("id"), b.order_key("id"));
+        assert_ne!(a.order_key("id"), c.order_key("id"));
+        assert_ne!(a.order_key("id"), d.order_key("id"));
         let e = OutboxMessage::kafka("settled", "acct-2", "{}").order_by("acct-1");
-        assert_eq!(e.order_key(), a.order_key(), "order_by replaces the key");
-        assert_eq!(a.order_key().len(), 64);
+        assert_eq!(
+            e.order_key("id"),
+            a.order_key("id"),
+            "order_by replaces the key"
+        );
+        assert_eq!(a.order_key("id").len(), 64);
     }
 }

@@ -213,11 +213,15 @@ impl<DB: OutboxBackend> Outbox<DB> {
     /// not a claim's: a route without an idempotency key, a scheduled job,
     /// a backfill. The message leaves, through a [`Relay`], only if and
     /// once `conn`'s transaction commits (begin one with `pool.begin()`,
-    /// enqueue beside your own writes, commit). `scope` names the sender
-    /// (shown by `onceonly outbox inspect`, sent as no header). Returns the
-    /// message id: from the caller's [`id`](OutboxMessage::id) if it has
-    /// one (so that a job run again enqueues each message once), random
-    /// otherwise. The message carries no causation id.
+    /// enqueue beside your own writes, commit; on SQLite begin with
+    /// `pool.begin_with("BEGIN IMMEDIATE")` if the transaction reads before
+    /// it writes, so that it queues behind a relay instead of failing as
+    /// busy). `scope` names the sender (1 to 128 bytes; shown by
+    /// `onceonly outbox inspect`, sent as no header). Returns the message
+    /// id: from the caller's [`id`](OutboxMessage::id) if it has one (so
+    /// that a job run again enqueues each message once while the first is
+    /// in the table), random otherwise. The message carries no causation
+    /// id.
     ///
     /// ```no_run
     /// # #[cfg(feature = "postgres")]
@@ -243,6 +247,9 @@ impl<DB: OutboxBackend> Outbox<DB> {
         scope: &str,
         message: OutboxMessage,
     ) -> Result<String, EnqueueError> {
+        crate::store::validate_scope(scope).map_err(|_| {
+            EnqueueError::Invalid("the scope must be 1 to 128 bytes, no control characters")
+        })?;
         let id = match &message.id {
             Some(id) => message::caller_message_id(scope, id),
             None => uuid::Uuid::new_v4().to_string(),
@@ -273,7 +280,7 @@ impl<DB: OutboxBackend> Outbox<DB> {
         }
         let headers = serde_json::to_string(&message.headers)
             .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
-        let order_key = message.order_key();
+        let order_key = message.order_key(source.id);
         let now_ms = SystemClock.now_ms();
         let row = NewRow {
             message_id: source.id,

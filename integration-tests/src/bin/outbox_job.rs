@@ -5,8 +5,9 @@
 //!
 //! For each invoice `1..=INVOICES`, in one PostgreSQL transaction: records
 //! the reminder in table `reminders` (once per invoice), and enqueues a
-//! Kafka record for `TOPIC` with the caller's id `reminder-<n>` (so a run
-//! after a crash enqueues nothing twice), delayed by `DELAY_MS` for even
+//! Kafka record for `TOPIC` keyed and ordered by the invoice's customer
+//! (`customer-<n % 8>`) with the caller's id `reminder-<n>` (so a run after
+//! a crash enqueues nothing twice), delayed by `DELAY_MS` for even
 //! invoices. Every run walks every invoice again; a killed run is simply
 //! started again. Exits 0 once every invoice was walked.
 
@@ -33,8 +34,12 @@ async fn main() {
             .await
             .expect("reminder");
         let body = serde_json::json!({ "invoice": invoice }).to_string();
-        let mut message = OutboxMessage::kafka(topic, format!("invoice-{invoice}"), body)
-            .id(format!("reminder-{invoice}"));
+        // One ordering key per customer: a delayed reminder holds back the
+        // customer's later ones.
+        let customer = format!("customer-{}", invoice % 8);
+        let mut message = OutboxMessage::kafka(topic, customer.clone(), body)
+            .id(format!("reminder-{invoice}"))
+            .order_by(customer);
         if invoice % 2 == 0 {
             message = message.delay(delay);
         }

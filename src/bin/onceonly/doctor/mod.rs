@@ -267,7 +267,8 @@ async fn dedup_retention<S: AdminStore>(store: &S, args: &DoctorArgs) -> (Durati
 /// Backlog, oldest pending and dead messages of the outbox.
 fn outbox_finding(table: &str, stats: &onceonly::outbox::OutboxStats) -> Finding {
     use onceonly::outbox::Status as Row;
-    let pending = stats.rows(Row::Pending);
+    // Delayed messages are not due yet: not backlog.
+    let pending = stats.backlog();
     let dead = stats.rows(Row::Dead);
     let age_s = stats
         .oldest_ms(Row::Pending)
