@@ -42,7 +42,7 @@ mod relay_support;
 use std::time::Duration;
 
 use clap::Parser;
-use onceonly::kafka::KafkaConsumer;
+use onceonly::kafka::{GroupProtocol, KafkaConsumer};
 use onceonly::outbox::{KafkaPublisher, Outbox, Relay};
 use onceonly::{RetryPolicy, SqlStore};
 use sqlx::Postgres;
@@ -83,6 +83,11 @@ struct Args {
     /// before giving its partitions to the others.
     #[arg(long, env = "KAFKA_SESSION_TIMEOUT_MS", default_value_t = 10_000)]
     session_timeout_ms: u64,
+    /// The consumer group protocol: `classic`, or `consumer` (KIP-848: the
+    /// broker assigns partitions and owns the session timeout, so
+    /// --session-timeout-ms is not used).
+    #[arg(long, env = "KAFKA_GROUP_PROTOCOL", default_value = "classic", value_parser = ["classic", "consumer"])]
+    group_protocol: String,
     /// Exit 0 once the assignment is drained and nothing arrived for SECS seconds.
     #[arg(long, env = "EXIT_WHEN_IDLE", value_name = "SECS")]
     exit_when_idle: Option<u64>,
@@ -118,12 +123,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .dead_letter_topic(&args.dead_letter_topic)
         .batch_size(args.batch_size)
         .key_concurrency(args.key_concurrency)
-        .consumer_config("session.timeout.ms", args.session_timeout_ms.to_string())
         .retry(
             RetryPolicy::default()
                 .max_attempts(3)
                 .initial_delay(Duration::from_millis(50)),
         );
+    builder = if args.group_protocol == "consumer" {
+        builder.group_protocol(GroupProtocol::Consumer)
+    } else {
+        builder.consumer_config("session.timeout.ms", args.session_timeout_ms.to_string())
+    };
     if let Some(secs) = args.exit_when_idle {
         builder = builder.exit_when_idle(Duration::from_secs(secs));
     }

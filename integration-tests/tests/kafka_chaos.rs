@@ -4,7 +4,8 @@
 //! than 20,000 payments (37 % duplicates) flow; then a drain. The group must
 //! end with every key charged exactly once, exact balances, no dead letter
 //! and every partition committed to its end (lag 0), with batch size 1 and
-//! with batch size 100.
+//! with batch size 100; and under KIP-848 (`group.protocol=consumer`),
+//! with batch size 1.
 //!
 //! It runs on librdkafka's mock cluster: tansu 0.6.0 never expires a
 //! SIGKILLed member, so the partitions of a killed process would never be
@@ -30,6 +31,8 @@ const KILLS_EACH: usize = 5;
 const DISTINCT: usize = 12_700;
 
 struct Group {
+    /// KIP-848 (`group.protocol=consumer`) rather than the classic protocol.
+    kip848: bool,
     bootstrap: String,
     topic: String,
     dlt: String,
@@ -41,7 +44,7 @@ struct Group {
 
 impl Group {
     fn spawn(&self) -> Child {
-        let args = payments_args(
+        let mut args = payments_args(
             &self.bootstrap,
             &self.topic,
             &self.group,
@@ -49,12 +52,15 @@ impl Group {
             &self.dlt,
             self.batch_size,
         );
+        if self.kip848 {
+            args.extend(["--group-protocol".to_owned(), "consumer".to_owned()]);
+        }
         self.log.spawn("kafka_payments", &args)
     }
 }
 
-async fn chaos(kafka: &MockKafka, batch_size: usize) {
-    let name = format!("kchaos{batch_size}");
+async fn chaos(kafka: &MockKafka, batch_size: usize, kip848: bool) {
+    let name = format!("kchaos{batch_size}{}", if kip848 { "k" } else { "" });
     let topic = unique(&name);
     let dlt = format!("{topic}.dlt");
     kafka.create_topic(&topic, PARTITIONS);
@@ -69,6 +75,7 @@ async fn chaos(kafka: &MockKafka, batch_size: usize) {
         .map(|(no, body)| Record::new(no.clone(), body.clone()))
         .collect();
     let group = Group {
+        kip848,
         bootstrap: kafka.bootstrap().to_owned(),
         topic: topic.clone(),
         dlt: dlt.clone(),
@@ -149,7 +156,8 @@ async fn chaos(kafka: &MockKafka, batch_size: usize) {
     let letters = read_all_on(kafka.bootstrap(), &dlt, 1, 1, Duration::from_secs(1));
     assert!(letters.is_empty(), "nothing was dead-lettered");
     eprintln!(
-        "batch {batch_size}: {} messages ({} duplicates), {} kills ({killed_mid_stream} while producing), ledger exact, lag 0",
+        "{} batch {batch_size}: {} messages ({} duplicates), {} kills ({killed_mid_stream} while producing), ledger exact, lag 0",
+        if kip848 { "KIP-848" } else { "classic" },
         stream.messages.len(),
         stream.duplicates(),
         kills.iter().sum::<usize>()
@@ -161,6 +169,16 @@ async fn chaos(kafka: &MockKafka, batch_size: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_members_killed_five_times_each_lose_and_double_nothing() {
     let kafka = MockKafka::start(1);
-    chaos(&kafka, 1).await;
-    chaos(&kafka, 100).await;
+    chaos(&kafka, 1, false).await;
+    chaos(&kafka, 100, false).await;
+}
+
+/// The same chaos under KIP-848 (`group.protocol=consumer`): the broker
+/// expires a killed member after its consumer session timeout (6 s here,
+/// as the classic members' `session.timeout.ms`) and reassigns its
+/// partitions incrementally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kip848_three_members_killed_five_times_each_lose_and_double_nothing() {
+    let kafka = MockKafka::start_kip848(1, Duration::from_secs(6));
+    chaos(&kafka, 1, true).await;
 }

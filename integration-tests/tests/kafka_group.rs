@@ -301,3 +301,64 @@ async fn kip848_refuses_client_side_group_timings() {
     assert!(refused.to_string().contains("KIP-848"), "{refused}");
     assert!(s.member_kip848().build().is_ok());
 }
+
+/// KIP-848 (`group.protocol=consumer`) on the mock cluster: members join
+/// and leave while partitions are paused at their in-flight bound, so the
+/// broker revokes and reassigns them incrementally; each revoke drains as
+/// under the classic protocol, and the ledger is exact. The members that
+/// stay run until every partition is committed to its end (the one that
+/// left had its partitions taken over), however long the broker takes to
+/// reassign them, then stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kip848_members_joining_and_leaving_lose_and_double_nothing() {
+    let s = setup("kip848", 1, 300).await;
+    let slow = |b: KafkaConsumerBuilder<PgStore>| {
+        // Never idle long enough to exit: stopped by the test.
+        b.max_in_flight(4).exit_when_idle(Duration::from_secs(3600))
+    };
+    let handler = Arc::new(Ledger {
+        delay: Duration::from_millis(2),
+        ..Ledger::default()
+    });
+    let start = |builder: KafkaConsumerBuilder<PgStore>, stop: CancellationToken| {
+        let run = builder
+            .build()
+            .expect("consumer")
+            .run_until(Arc::clone(&handler), stop);
+        tokio::spawn(async move {
+            let _stats = run.await.expect("consumer failed");
+        })
+    };
+    let stay = CancellationToken::new();
+    let a = start(slow(s.member_kip848()), stay.clone());
+    s.wait_for_rows(50).await;
+    let b = start(slow(s.member_kip848()), stay.clone());
+    s.wait_for_rows(150).await;
+    let leave = CancellationToken::new();
+    let c = start(slow(s.member_kip848()), leave.clone());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    leave.cancel();
+    finish(vec![c]).await;
+    // The members that stay take over what the one that left had, and
+    // commit every partition to its end.
+    let started = Instant::now();
+    loop {
+        let got = committed_on(s.kafka.bootstrap(), &s.group, &s.topic, PARTITIONS);
+        if s.ends.iter().all(|(p, end)| got.get(p) == Some(end)) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "partitions not committed to their ends 90 s after a member left: {got:?} of {:?}",
+            s.ends
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "every partition committed to its end {:?} after the member left",
+        started.elapsed()
+    );
+    stay.cancel();
+    finish(vec![a, b]).await;
+    s.assert_exactly_once().await;
+}

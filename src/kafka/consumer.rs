@@ -241,7 +241,10 @@ impl Poller {
                 self.commit_finished();
                 last_commit = Instant::now();
             }
+            // Not while paused for a failing dependency: fetching stopped,
+            // so nothing arriving says nothing about the backlog.
             if let Some(idle) = self.exit_when_idle
+                && self.breaker_paused.is_none()
                 && self.registry.is_drained(idle)
             {
                 tracing::info!(?idle, "drained and idle; stopping");
