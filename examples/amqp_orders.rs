@@ -35,6 +35,8 @@ mod ledger;
 mod metrics_endpoint;
 #[path = "support/relay.rs"]
 mod relay_support;
+#[path = "support/tracing_setup.rs"]
+mod tracing_setup;
 
 use std::time::Duration;
 
@@ -87,10 +89,9 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    // Logs, and OTLP traces with feature `otel` and
+    // OTEL_EXPORTER_OTLP_ENDPOINT set.
+    let _tracing = tracing_setup::init("amqp_orders");
     let args = Args::parse();
     args.metrics.install()?;
 

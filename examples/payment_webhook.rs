@@ -65,6 +65,8 @@
 mod ledger;
 #[path = "support/metrics.rs"]
 mod metrics_endpoint;
+#[path = "support/tracing_setup.rs"]
+mod tracing_setup;
 #[path = "support/webhook_app.rs"]
 mod webhook_app;
 
@@ -153,10 +155,9 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    // Logs, and OTLP traces with feature `otel` and
+    // OTEL_EXPORTER_OTLP_ENDPOINT set.
+    let _tracing = tracing_setup::init("payment_webhook");
     let args = Args::parse();
     args.metrics.install()?;
     #[cfg(feature = "providers")]

@@ -25,6 +25,8 @@ pub mod http;
 pub mod kafka;
 pub mod key;
 pub mod ops;
+#[cfg(feature = "otel")]
+mod otel;
 pub mod outbox;
 pub mod redact;
 #[cfg(feature = "redis")]

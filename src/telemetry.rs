@@ -68,7 +68,14 @@
 //!
 //! Each delivery runs in a span named [`SPAN_NAME`] (`onceonly.delivery`, at
 //! `INFO`) with the fields `scope`, `transport`, `source`, `key` and, once
-//! known, `outcome`. The handler runs inside it, so its own events carry
+//! known, `outcome`, and, for OpenTelemetry exporters, `otel.kind`
+//! (`consumer` on brokers, `server` over HTTP) and on brokers the
+//! messaging conventions `messaging.system` (`kafka`, `rabbitmq`),
+//! `messaging.operation.type` (`process`), `messaging.destination.name`
+//! (the topic or queue) and `messaging.message.id` (an outbox message's
+//! id). With feature `otel` the span is a child of the trace context the
+//! message or request carries, and what it sends on carries its own
+//! context (see [`crate::ops`], "Tracing"). The handler runs inside it, so its own events carry
 //! those fields, and so do onceonly's own events about the delivery (a
 //! store error, the cache tier's warnings). Keys can be personal data: the
 //! `key` field is shown as

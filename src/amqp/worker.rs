@@ -262,6 +262,12 @@ fn carried_headers(
     first_seen: u64,
 ) -> FieldTable {
     let mut h = original.cloned().unwrap_or_default();
+    // The trace context of the delivery that sends the copy (feature
+    // `otel`), which replaces the one the message carried.
+    #[cfg(feature = "otel")]
+    for (name, value) in crate::otel::headers_of(&tracing::Span::current()) {
+        set_text(&mut h, &name, &value);
+    }
     if header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).is_none() {
         set_text(
             &mut h,

@@ -196,7 +196,10 @@ impl<S: SqlStore> Engine<S> {
     /// [`telemetry`](crate::telemetry)), for transports that keep one span
     /// over retries, dead-lettering and acknowledgement.
     pub(crate) fn delivery_span(&self, delivery: &Delivery) -> Span {
-        self.inner.telemetry.span(delivery.source())
+        let span = self.inner.telemetry.span(delivery);
+        #[cfg(feature = "otel")]
+        crate::otel::adopt(&span, delivery);
+        span
     }
 
     /// Processes one delivery in one attempt (transient database errors such

@@ -199,7 +199,31 @@ impl Telemetry {
     }
 
     /// A new delivery span (see the [module documentation](self)).
-    pub(crate) fn span(&self, source: Option<&str>) -> Span {
+    pub(crate) fn span(&self, delivery: &crate::Delivery) -> Span {
+        let message_id = delivery
+            .metadata(crate::outbox::MESSAGE_ID_HEADER)
+            .and_then(|id| std::str::from_utf8(id).ok());
+        self.span_of(delivery.source(), message_id)
+    }
+
+    /// The span of a delivery from `source` (see [`span`](Self::span)),
+    /// before the delivery itself exists (the HTTP layer's).
+    pub(crate) fn span_of(&self, source: Option<&str>, message_id: Option<&str>) -> Span {
+        // The OpenTelemetry messaging conventions, for brokers: the system,
+        // the topic or queue (the source's first segment), the message id
+        // when the message carries one (an outbox message's).
+        let system = match self.transport {
+            crate::telemetry::TRANSPORT_KAFKA => Some("kafka"),
+            crate::telemetry::TRANSPORT_AMQP => Some("rabbitmq"),
+            _ => None,
+        };
+        let destination = system.and(source).map(|s| s.split('/').next().unwrap_or(s));
+        let message_id = system.and(message_id);
+        let kind = match (system, self.transport) {
+            (Some(_), _) => "consumer",
+            (None, crate::telemetry::TRANSPORT_HTTP) => "server",
+            (None, _) => "internal",
+        };
         tracing::info_span!(
             "onceonly.delivery",
             scope = &*self.scope,
@@ -207,6 +231,11 @@ impl Telemetry {
             source,
             key = Empty,
             outcome = Empty,
+            otel.kind = kind,
+            messaging.system = system,
+            messaging.operation.type = system.map(|_| "process"),
+            messaging.destination.name = destination,
+            messaging.message.id = message_id,
         )
     }
 

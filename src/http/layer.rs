@@ -170,7 +170,9 @@ where
         return pass(inner, req).await;
     }
     let source = format!("{} {}", req.method(), req.uri().path());
-    let span = cfg.engine.telemetry().span(Some(&source));
+    let span = cfg.engine.telemetry().span_of(Some(&source), None);
+    #[cfg(feature = "otel")]
+    crate::otel::adopt_http(&span, req.headers());
     handle_in_span(cfg, inner, req, source)
         .instrument(span)
         .await

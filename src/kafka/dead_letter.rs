@@ -183,13 +183,26 @@ impl DeadLetterer {
         extra: &[(&str, Option<&[u8]>)],
     ) -> Result<(), rdkafka::error::KafkaError> {
         let m = &envelope.message;
+        // The trace context of the delivery that sends the copy (feature
+        // `otel`), which replaces the one the record carried.
+        #[cfg(feature = "otel")]
+        let context = crate::otel::headers_of(&tracing::Span::current());
+        #[cfg(not(feature = "otel"))]
+        let context: Vec<(String, String)> = Vec::new();
+        let replaced = |key: &str| context.iter().any(|(n, _)| n.eq_ignore_ascii_case(key));
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
             for header in original.iter() {
-                if !headers::is_written(header.key) {
+                if !headers::is_written(header.key) && !replaced(header.key) {
                     h = h.insert(header);
                 }
             }
+        }
+        for (key, value) in &context {
+            h = h.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
         }
         let first_seen = origin.first_seen_ms.to_string();
         let common: [(&str, Option<&[u8]>); 6] = [

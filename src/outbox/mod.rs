@@ -278,15 +278,42 @@ impl<DB: OutboxBackend> Outbox<DB> {
                 "an outbox message needs a topic or URL",
             ));
         }
-        let headers = serde_json::to_string(&message.headers)
-            .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
+        // The current span's trace context (feature `otel`): the relay's
+        // publish continues the trace of the handler that enqueued it.
+        #[cfg(feature = "otel")]
+        let (traceparent, extra) = {
+            let mut context = crate::otel::headers_of(&tracing::Span::current());
+            let traceparent = context
+                .iter()
+                .position(|(n, _)| n.eq_ignore_ascii_case(TRACEPARENT_HEADER))
+                .map(|i| context.remove(i).1);
+            (
+                traceparent.or(source.traceparent.map(str::to_owned)),
+                context,
+            )
+        };
+        #[cfg(not(feature = "otel"))]
+        let (traceparent, extra): (Option<String>, Vec<(String, String)>) =
+            (source.traceparent.map(str::to_owned), Vec::new());
+        let headers = if extra.is_empty() {
+            serde_json::to_string(&message.headers)
+        } else {
+            let mut all: Vec<&(String, String)> = message
+                .headers
+                .iter()
+                .filter(|(n, _)| !extra.iter().any(|(e, _)| e.eq_ignore_ascii_case(n)))
+                .collect();
+            all.extend(extra.iter());
+            serde_json::to_string(&all)
+        }
+        .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
         let order_key = message.order_key(source.id);
         let now_ms = SystemClock.now_ms();
         let row = NewRow {
             message_id: source.id,
             scope: source.scope,
             causation: source.causation,
-            traceparent: source.traceparent,
+            traceparent: traceparent.as_deref(),
             kind: message.destination.kind().as_str(),
             destination: message.destination.target(),
             routing_key: message.destination.routing_key(),

@@ -302,9 +302,26 @@ impl<DB: OutboxBackend> Relay<DB> {
         // would wait for the next round.
         let same_kind = queue.iter().take_while(|r| r.kind == head.kind).count();
         let rows = &queue[..same_kind];
-        let messages: Vec<Outgoing<'_>> = rows.iter().map(|r| Outgoing::new(r)).collect();
+        #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
+        let mut messages: Vec<Outgoing<'_>> = rows.iter().map(|r| Outgoing::new(r)).collect();
+        // A producer span per message (feature `otel`), a child of the
+        // context the row stored, whose own context the message carries.
+        #[cfg(feature = "otel")]
+        let spans: Vec<tracing::Span> = messages
+            .iter_mut()
+            .map(|message| {
+                let span = publish_span(message.row);
+                crate::otel::adopt_headers(&span, &message.headers);
+                crate::otel::carry(&mut message.headers, &span);
+                span
+            })
+            .collect();
         let started = Instant::now();
         let results = publisher.publish_ordered(&messages, deadline).await;
+        #[cfg(feature = "otel")]
+        for (span, result) in spans.iter().zip(&results) {
+            span.record("outcome", if result.is_ok() { "sent" } else { "failed" });
+        }
         let took = started.elapsed().as_secs_f64();
         let mut sent = Vec::with_capacity(results.len());
         for (row, published) in rows.iter().copied().zip(results) {
@@ -586,4 +603,24 @@ impl RelayHandle {
             }
         }
     }
+}
+
+/// The span of one relayed message's publish (feature `otel`), with the
+/// OpenTelemetry messaging conventions.
+#[cfg(feature = "otel")]
+fn publish_span(row: &OutboxRow) -> tracing::Span {
+    let system = match Kind::parse(&row.kind) {
+        Some(Kind::Kafka) => Some("kafka"),
+        Some(Kind::Amqp) => Some("rabbitmq"),
+        _ => None,
+    };
+    tracing::info_span!(
+        "onceonly.publish",
+        otel.kind = "producer",
+        messaging.system = system,
+        messaging.operation.type = "send",
+        messaging.destination.name = %row.destination,
+        messaging.message.id = %row.message_id,
+        outcome = tracing::field::Empty,
+    )
 }
