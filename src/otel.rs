@@ -77,12 +77,17 @@ struct Collect(Vec<(String, String)>);
 
 impl Injector for Collect {
     fn set(&mut self, key: &str, value: String) {
-        self.0.push((key.to_owned(), value));
+        // The W3C propagator writes an empty `tracestate` for a context
+        // without one: no header rather than an empty one.
+        if !value.is_empty() {
+            self.0.push((key.to_owned(), value));
+        }
     }
 }
 
 /// Makes `span` a child of the trace context in `delivery`'s headers (and
-/// gives it their baggage), if they carry one the global propagator reads.
+/// gives it their baggage), if they carry one the global propagator reads
+/// and no span of the application's is current.
 pub(crate) fn adopt(span: &Span, delivery: &Delivery) {
     let parent =
         opentelemetry::global::get_text_map_propagator(|p| p.extract(&DeliveryHeaders(delivery)));
@@ -96,6 +101,12 @@ pub(crate) fn adopt_headers(span: &Span, headers: &[(String, String)]) {
 }
 
 fn adopt_context(span: &Span, parent: opentelemetry::Context) {
+    // Inside a span of the application's (its own request span, a job's
+    // span) the delivery stays that span's child: re-parenting it would
+    // tear the handler's spans away from the application's trace.
+    if Span::current().context().span().span_context().is_valid() {
+        return;
+    }
     if parent.span().span_context().is_valid() {
         // An error means the span was already started with another parent
         // or is not recorded by an OpenTelemetry layer: nothing to adopt.

@@ -20,7 +20,11 @@ pub fn init(service: &str) -> Tracing {
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_target(false);
-    let registry = tracing_subscriber::registry().with(logs);
+    // INFO and above, as `tracing_subscriber::fmt()` logs by default (and
+    // exports: no span per SQL statement).
+    let registry = tracing_subscriber::registry()
+        .with(tracing_subscriber::filter::LevelFilter::INFO)
+        .with(logs);
     #[cfg(feature = "otel")]
     if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some() {
         match otlp(service) {

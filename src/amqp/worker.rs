@@ -265,8 +265,24 @@ fn carried_headers(
     // The trace context of the delivery that sends the copy (feature
     // `otel`), which replaces the one the message carried.
     #[cfg(feature = "otel")]
-    for (name, value) in crate::otel::headers_of(&tracing::Span::current()) {
-        set_text(&mut h, &name, &value);
+    {
+        let context = crate::otel::headers_of(&tracing::Span::current());
+        if !context.is_empty() {
+            let kept: std::collections::BTreeMap<_, _> = h
+                .inner()
+                .iter()
+                .filter(|(name, _)| {
+                    !context
+                        .iter()
+                        .any(|(n, _)| n.eq_ignore_ascii_case(name.as_str()))
+                })
+                .map(|(name, value)| (name.clone(), value.clone()))
+                .collect();
+            h = FieldTable::from(kept);
+            for (name, value) in &context {
+                set_text(&mut h, name, value);
+            }
+        }
     }
     if header_text(Some(&h), headers::ORIGINAL_ROUTING_KEY).is_none() {
         set_text(

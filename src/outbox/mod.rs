@@ -283,14 +283,20 @@ impl<DB: OutboxBackend> Outbox<DB> {
         #[cfg(feature = "otel")]
         let (traceparent, extra) = {
             let mut context = crate::otel::headers_of(&tracing::Span::current());
-            let traceparent = context
-                .iter()
-                .position(|(n, _)| n.eq_ignore_ascii_case(TRACEPARENT_HEADER))
-                .map(|i| context.remove(i).1);
-            (
-                traceparent.or(source.traceparent.map(str::to_owned)),
-                context,
-            )
+            if context.is_empty() {
+                (source.traceparent.map(str::to_owned), context)
+            } else {
+                // The current context only (a B3 or X-Ray propagator writes
+                // no `traceparent`: then none, not the inbound one).
+                let traceparent = context
+                    .iter()
+                    .position(|(n, _)| n.eq_ignore_ascii_case(TRACEPARENT_HEADER))
+                    .map(|i| context.remove(i).1);
+                // The message's own `traceparent` header gives way too:
+                // one context per message (the empty value is not stored).
+                context.push((TRACEPARENT_HEADER.to_owned(), String::new()));
+                (traceparent, context)
+            }
         };
         #[cfg(not(feature = "otel"))]
         let (traceparent, extra): (Option<String>, Vec<(String, String)>) =
@@ -303,7 +309,7 @@ impl<DB: OutboxBackend> Outbox<DB> {
                 .iter()
                 .filter(|(n, _)| !extra.iter().any(|(e, _)| e.eq_ignore_ascii_case(n)))
                 .collect();
-            all.extend(extra.iter());
+            all.extend(extra.iter().filter(|(_, v)| !v.is_empty()));
             serde_json::to_string(&all)
         }
         .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;

@@ -27,6 +27,9 @@ impl<'a> Outgoing<'a> {
             headers.push((CAUSATION_HEADER.to_owned(), causation.clone()));
         }
         if let Some(traceparent) = &row.traceparent {
+            // One trace context per message: the stored one wins over a
+            // `traceparent` among the user's headers.
+            headers.retain(|(name, _)| !name.eq_ignore_ascii_case(TRACEPARENT_HEADER));
             headers.push((TRACEPARENT_HEADER.to_owned(), traceparent.clone()));
         }
         Self { row, headers }

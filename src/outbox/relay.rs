@@ -313,14 +313,28 @@ impl<DB: OutboxBackend> Relay<DB> {
                 let span = publish_span(message.row);
                 crate::otel::adopt_headers(&span, &message.headers);
                 crate::otel::carry(&mut message.headers, &span);
+                if message.row.kind == Kind::Webhook.as_str() {
+                    // Baggage (tenant or user ids) stays inside: a webhook
+                    // goes to a third party.
+                    message
+                        .headers
+                        .retain(|(name, _)| !name.eq_ignore_ascii_case("baggage"));
+                }
                 span
             })
             .collect();
         let started = Instant::now();
         let results = publisher.publish_ordered(&messages, deadline).await;
         #[cfg(feature = "otel")]
-        for (span, result) in spans.iter().zip(&results) {
-            span.record("outcome", if result.is_ok() { "sent" } else { "failed" });
+        for (i, span) in spans.iter().enumerate() {
+            match results.get(i) {
+                Some(Ok(())) => span.record("outcome", "sent"),
+                Some(Err(_)) => span
+                    .record("outcome", "failed")
+                    .record("otel.status_code", "ERROR"),
+                // Behind a failure, or past the round's deadline.
+                None => span.record("outcome", "not_sent"),
+            };
         }
         let took = started.elapsed().as_secs_f64();
         let mut sent = Vec::with_capacity(results.len());
@@ -614,12 +628,17 @@ fn publish_span(row: &OutboxRow) -> tracing::Span {
         Some(Kind::Amqp) => Some("rabbitmq"),
         _ => None,
     };
+    // A webhook is an HTTP call to a third party: a client span, named by
+    // its host only (a webhook URL's path or query can be a credential).
+    let host = system.is_none().then(|| destination_label(row));
     tracing::info_span!(
         "onceonly.publish",
-        otel.kind = "producer",
+        otel.kind = if system.is_some() { "producer" } else { "client" },
+        otel.status_code = tracing::field::Empty,
         messaging.system = system,
-        messaging.operation.type = "send",
-        messaging.destination.name = %row.destination,
+        messaging.operation.type = system.map(|_| "send"),
+        messaging.destination.name = system.map(|_| row.destination.as_str()),
+        server.address = host.as_deref(),
         messaging.message.id = %row.message_id,
         outcome = tracing::field::Empty,
     )
