@@ -17,6 +17,9 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::delivery::Delivery;
 
+/// Header pairs, as messages and outbox rows carry them.
+pub(crate) type Headers = Vec<(String, String)>;
+
 /// Reads a delivery's headers (its metadata), as UTF-8.
 struct DeliveryHeaders<'a>(&'a Delivery);
 
@@ -117,7 +120,7 @@ fn adopt_context(span: &Span, parent: opentelemetry::Context) {
 /// The headers the global propagator writes for `span`'s context
 /// (`traceparent`, `tracestate`, `baggage`), empty when the span is not
 /// recorded by an OpenTelemetry layer.
-pub(crate) fn headers_of(span: &Span) -> Vec<(String, String)> {
+pub(crate) fn headers_of(span: &Span) -> Headers {
     let cx = span.context();
     if !cx.span().span_context().is_valid() {
         return Vec::new();
@@ -127,14 +130,41 @@ pub(crate) fn headers_of(span: &Span) -> Vec<(String, String)> {
     out.0
 }
 
+/// The current span's context as headers (see [`headers_of`]): what a copy
+/// of a message (a dead letter, a retry copy) sent now carries.
+pub(crate) fn current() -> Headers {
+    headers_of(&Span::current())
+}
+
+/// Whether header `name` is one of `context`'s (header names compare
+/// without case).
+pub(crate) fn names(context: &[(String, String)], name: &str) -> bool {
+    context.iter().any(|(n, _)| n.eq_ignore_ascii_case(name))
+}
+
 /// Replaces, in `headers`, the headers of `span`'s context (when it has
-/// one): a copy of a message (a dead letter, a retry copy, a relayed
-/// outbox message) then continues the trace of the span that sent it.
-pub(crate) fn carry(headers: &mut Vec<(String, String)>, span: &Span) {
+/// one): a relayed outbox message then continues the trace of the span
+/// that sent it.
+pub(crate) fn carry(headers: &mut Headers, span: &Span) {
     let context = headers_of(span);
     if context.is_empty() {
         return;
     }
-    headers.retain(|(name, _)| !context.iter().any(|(n, _)| n.eq_ignore_ascii_case(name)));
+    headers.retain(|(name, _)| !names(&context, name));
     headers.extend(context);
+}
+
+/// The current span's context for an outbox row, if a span is recorded:
+/// its `traceparent` (none if the propagator writes another format) and
+/// its other headers (`tracestate`, `baggage`).
+pub(crate) fn current_for_outbox() -> Option<(Option<String>, Headers)> {
+    let mut context = current();
+    if context.is_empty() {
+        return None;
+    }
+    let traceparent = context
+        .iter()
+        .position(|(n, _)| n.eq_ignore_ascii_case(crate::outbox::TRACEPARENT_HEADER))
+        .map(|i| context.remove(i).1);
+    Some((traceparent, context))
 }

@@ -92,6 +92,24 @@ impl Handler<Postgres> for Refunding {
     }
 }
 
+impl Refunding {
+    fn of(api: &ProviderApi) -> Self {
+        Self {
+            api: api.url(),
+            client: reqwest::Client::new(),
+        }
+    }
+}
+
+/// What the consumer task `run`, whose stop was just cancelled, returned.
+async fn stopped<T, E: std::fmt::Debug>(run: tokio::task::JoinHandle<Result<T, E>>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("consumer did not stop")
+        .expect("consumer task")
+        .expect("consumer failed")
+}
+
 fn payment(i: usize) -> (String, Vec<u8>) {
     let no = format!("P-{i:03}");
     let body = json!({"payment": no, "amount": 100 + i}).to_string();
@@ -256,13 +274,12 @@ async fn kafka_scenario(
         builder = builder.pause_on_failure(pause());
     }
     let stop = CancellationToken::new();
-    let run = tokio::spawn(builder.build().expect("consumer").run_until(
-        Refunding {
-            api: api.url(),
-            client: reqwest::Client::new(),
-        },
-        stop.clone(),
-    ));
+    let run = tokio::spawn(
+        builder
+            .build()
+            .expect("consumer")
+            .run_until(Refunding::of(&api), stop.clone()),
+    );
     wait_booked(store.pool(), BEFORE, Duration::from_secs(30)).await;
     api.set_down(true);
     ends.extend(produce(&topic, &records(BEFORE..BEFORE + DURING)).await);
@@ -276,11 +293,7 @@ async fn kafka_scenario(
     // Let the last offsets be committed.
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.cancel();
-    let stats = tokio::time::timeout(Duration::from_secs(30), run)
-        .await
-        .expect("consumer did not stop")
-        .expect("consumer task")
-        .expect("consumer failed");
+    let stats = stopped(run).await;
     let committed = committed(&group, &topic, PARTITIONS);
     for (partition, end) in &ends {
         assert_eq!(
@@ -346,13 +359,7 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
             .pause_on_failure(pause())
             .build()
             .expect("consumer")
-            .run_until(
-                Refunding {
-                    api: api.url(),
-                    client: reqwest::Client::new(),
-                },
-                stop.clone(),
-            ),
+            .run_until(Refunding::of(&api), stop.clone()),
     );
     wait_booked(store.pool(), BEFORE, Duration::from_secs(30)).await;
     api.set_down(true);
@@ -361,11 +368,7 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
     amqp::publish(&channel, &queue, &messages(BEFORE + DURING..ALL)).await;
     wait_booked(store.pool(), ALL, Duration::from_secs(60)).await;
     stop.cancel();
-    let stats = tokio::time::timeout(Duration::from_secs(30), run)
-        .await
-        .expect("consumer did not stop")
-        .expect("consumer task")
-        .expect("consumer failed");
+    let stats = stopped(run).await;
     assert_eq!(
         amqp::depth(&channel, &dlq).await,
         0,

@@ -16,11 +16,11 @@ use super::publish::{Confirms, copy_properties};
 use super::stats::AmqpCounters;
 use super::topology::Topology;
 use crate::broker::bump;
-use crate::broker::pause::Breaker;
+use crate::broker::pause::{Breaker, Step};
 use crate::broker::shutdown::{outage_backoff, sleep_unless};
 use crate::broker::wait::{InfraWait, Waits};
 use crate::clock::{Clock, SystemClock};
-use crate::engine::{Decision, Engine, Handler, Outcome, decide};
+use crate::engine::{Decision, Engine, Handler, Outcome};
 use crate::store::SqlStore;
 
 /// What every delivery task of a consumer shares.
@@ -98,30 +98,33 @@ async fn handle_in_span<S, H>(
                 return;
             }
             let report = env.engine.process_in_span(&env.handler, delivery).await;
-            if env.breaker.held(&mut pass, &report.outcome) {
-                // Failed while the consumer is paused: runs again once it
-                // is admitted, not counted as an attempt; its failures were
-                // most likely the outage's, so its retries start over.
-                tracing::debug!(queue = %env.topology.queue, "held while the consumer is paused");
-                attempt = 1;
-                continue;
-            }
-            match decide(&report.outcome, attempt, env.engine.retry_policy()) {
-                Decision::DeadLetter { .. } if env.breaker.undecided(&report.outcome) => {
+            let policy = env.engine.retry_policy();
+            match env
+                .breaker
+                .step(&mut pass, &report.outcome, attempt, policy)
+            {
+                Step::Held => {
+                    // Failed while the consumer is paused: runs again once
+                    // it is admitted, not counted as an attempt; its
+                    // failures were most likely the outage's, so its
+                    // retries start over.
+                    tracing::debug!(queue = %env.topology.queue, "held while the consumer is paused");
+                    attempt = 1;
+                }
+                Step::Again(delay) => {
                     // Out of retries before the breaker could tell an
                     // outage from this message's own failure: try again.
-                    let delay = env.engine.retry_policy().final_delay();
                     if !sleep_unless(stop, delay).await || !channel.status().connected() {
                         return;
                     }
                 }
-                Decision::Wait(fault) => {
+                Step::Decided(Decision::Wait(fault)) => {
                     let error = report.outcome.error_text().unwrap_or_default();
                     if !outage.wait(stop, fault, &error).await || !channel.status().connected() {
                         return;
                     }
                 }
-                decision => break (report, decision),
+                Step::Decided(decision) => break (report, decision),
             }
         }
     };
@@ -266,16 +269,12 @@ fn carried_headers(
     // `otel`), which replaces the one the message carried.
     #[cfg(feature = "otel")]
     {
-        let context = crate::otel::headers_of(&tracing::Span::current());
+        let context = crate::otel::current();
         if !context.is_empty() {
             let kept: std::collections::BTreeMap<_, _> = h
                 .inner()
                 .iter()
-                .filter(|(name, _)| {
-                    !context
-                        .iter()
-                        .any(|(n, _)| n.eq_ignore_ascii_case(name.as_str()))
-                })
+                .filter(|(name, _)| !crate::otel::names(&context, name.as_str()))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect();
             h = FieldTable::from(kept);

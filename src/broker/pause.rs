@@ -28,7 +28,7 @@ use metrics::{Counter, Gauge};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Failure, Outcome, RetryPolicy, Telemetry};
+use crate::engine::{Decision, Failure, Outcome, RetryPolicy, Telemetry, decide};
 use crate::sync::lock;
 
 /// The largest [`PausePolicy::window`].
@@ -256,6 +256,20 @@ pub(crate) struct Breaker {
     pauses: Arc<AtomicU64>,
 }
 
+/// What a worker does after an attempt, the consumer's breaker consulted
+/// before [`decide`]: the one place both brokers take it from.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// The attempt failed while the consumer is (now) paused: admit the
+    /// delivery again and run it, its retries started over.
+    Held,
+    /// Out of retries before the breaker could judge (see
+    /// [`Breaker::undecided`]): wait this long, then run it again.
+    Again(Duration),
+    /// What [`decide`] says.
+    Decided(Decision),
+}
+
 /// Leave to run one attempt, from [`Breaker::admit`]. A probe that is
 /// dropped without a verdict (its consumer stopped) hands the probe on.
 pub(crate) struct Pass<'b> {
@@ -369,7 +383,7 @@ impl Breaker {
     /// delivery is held: its attempt failed while the consumer is (now)
     /// paused, so it waits for [`admit`](Self::admit) and runs again,
     /// neither counted as an attempt nor dead-lettered.
-    pub(crate) fn held<T>(&self, pass: &mut Pass<'_>, outcome: &Outcome<T>) -> bool {
+    fn held<T>(&self, pass: &mut Pass<'_>, outcome: &Outcome<T>) -> bool {
         let Some(policy) = self.policy else {
             return false;
         };
@@ -420,6 +434,26 @@ impl Breaker {
         tripped
     }
 
+    /// Records the outcome of an attempt run under `pass`, made after
+    /// `attempts` attempts of the delivery, and says what to do next.
+    pub(crate) fn step<T>(
+        &self,
+        pass: &mut Pass<'_>,
+        outcome: &Outcome<T>,
+        attempts: u32,
+        policy: &RetryPolicy,
+    ) -> Step {
+        if self.held(pass, outcome) {
+            return Step::Held;
+        }
+        match decide(outcome, attempts, policy) {
+            Decision::DeadLetter { .. } if self.undecided(outcome) => {
+                Step::Again(policy.final_delay())
+            }
+            decision => Step::Decided(decision),
+        }
+    }
+
     /// Counts the outcome of an attempt that needs no verdict (one
     /// committed in a Kafka batch).
     #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
@@ -435,7 +469,7 @@ impl Breaker {
     /// attempts ran on another instance). It is tried again until the
     /// breaker can judge: then it pauses (and holds it) or it is
     /// dead-lettered.
-    pub(crate) fn undecided<T>(&self, outcome: &Outcome<T>) -> bool {
+    fn undecided<T>(&self, outcome: &Outcome<T>) -> bool {
         let Some(policy) = self.policy else {
             return false;
         };

@@ -186,14 +186,17 @@ impl DeadLetterer {
         // The trace context of the delivery that sends the copy (feature
         // `otel`), which replaces the one the record carried.
         #[cfg(feature = "otel")]
-        let context = crate::otel::headers_of(&tracing::Span::current());
+        let context = crate::otel::current();
         #[cfg(not(feature = "otel"))]
         let context: Vec<(String, String)> = Vec::new();
-        let replaced = |key: &str| context.iter().any(|(n, _)| n.eq_ignore_ascii_case(key));
         let mut h = OwnedHeaders::new();
         if let Some(original) = m.headers() {
             for header in original.iter() {
-                if !headers::is_written(header.key) && !replaced(header.key) {
+                if !headers::is_written(header.key)
+                    && !context
+                        .iter()
+                        .any(|(n, _)| n.eq_ignore_ascii_case(header.key))
+                {
                     h = h.insert(header);
                 }
             }

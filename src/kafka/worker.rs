@@ -16,13 +16,13 @@ use tokio::time::Instant;
 use super::dead_letter::{DeadLetter, DeadLetterer, header_text, headers};
 use super::message::Envelope;
 use super::partition::Partition;
-use crate::broker::pause::{Breaker, Pass};
+use crate::broker::pause::{Breaker, Pass, Step};
 use crate::broker::shutdown::{outage_backoff, sleep_unless};
 use crate::broker::wait::{InfraWait, Waits};
 use crate::broker::{Counters, bump};
 use crate::clock::{Clock, SystemClock};
 use crate::engine::Telemetry;
-use crate::engine::{Decision, Engine, Handler, OutcomeKind, Report, decide};
+use crate::engine::{Decision, Engine, Handler, OutcomeKind, Report};
 use crate::store::SqlStore;
 use crate::sync::lock;
 
@@ -322,14 +322,12 @@ where
     };
     let mut outage = InfraWait::new(&env.waits);
     loop {
-        let held = env.breaker.held(&mut pass, &report.outcome);
-        let decision = if held {
-            None
-        } else {
-            Some(decide(&report.outcome, attempts, env.engine.retry_policy()))
-        };
-        match decision {
-            None => {
+        let policy = env.engine.retry_policy();
+        match env
+            .breaker
+            .step(&mut pass, &report.outcome, attempts, policy)
+        {
+            Step::Held => {
                 tracing::debug!(
                     topic = %partition.topic,
                     partition = partition.partition,
@@ -340,10 +338,9 @@ where
                 // start over when it runs again.
                 attempts = 1;
             }
-            Some(Decision::DeadLetter { .. }) if env.breaker.undecided(&report.outcome) => {
+            Step::Again(delay) => {
                 // Out of retries before the breaker could tell an outage
                 // from this record's own failure: try again.
-                let delay = env.engine.retry_policy().final_delay();
                 tracing::debug!(
                     attempts,
                     ?delay,
@@ -353,18 +350,20 @@ where
                     return None;
                 }
             }
-            Some(Decision::Ack) => {
+            Step::Decided(Decision::Ack) => {
                 env.counters.settled(report.outcome.kind());
                 return Some(report.outcome.kind());
             }
-            Some(Decision::Wait(fault)) => {
+            Step::Decided(Decision::Wait(fault)) => {
                 let error = report.outcome.error_text().unwrap_or_default();
                 tracing::debug!(topic = %partition.topic, partition = partition.partition, offset = envelope.offset(), %fault, %error, "waiting for the database");
                 if !outage.wait(&partition.stop, fault, &error).await {
                     return None;
                 }
             }
-            Some(Decision::Retry { delay, reason }) if env.dead_letters.retry_topic().is_some() => {
+            Step::Decided(Decision::Retry { delay, reason })
+                if env.dead_letters.retry_topic().is_some() =>
+            {
                 // Non-blocking: a copy waits in the retry topic, the
                 // partition moves on.
                 let due = u64::try_from(SystemClock.now_ms())
@@ -381,7 +380,7 @@ where
                 }
                 return sent.then_some(report.outcome.kind());
             }
-            Some(Decision::Retry { delay, reason }) => {
+            Step::Decided(Decision::Retry { delay, reason }) => {
                 bump(&env.counters.retried);
                 env.engine.telemetry().retried(reason);
                 tracing::debug!(attempts, ?delay, reason, "retrying the record");
@@ -390,7 +389,7 @@ where
                 }
                 attempts += 1;
             }
-            Some(Decision::DeadLetter {
+            Step::Decided(Decision::DeadLetter {
                 reason,
                 error,
                 attempts,

@@ -278,41 +278,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
                 "an outbox message needs a topic or URL",
             ));
         }
-        // The current span's trace context (feature `otel`): the relay's
-        // publish continues the trace of the handler that enqueued it.
-        #[cfg(feature = "otel")]
-        let (traceparent, extra) = {
-            let mut context = crate::otel::headers_of(&tracing::Span::current());
-            if context.is_empty() {
-                (source.traceparent.map(str::to_owned), context)
-            } else {
-                // The current context only (a B3 or X-Ray propagator writes
-                // no `traceparent`: then none, not the inbound one).
-                let traceparent = context
-                    .iter()
-                    .position(|(n, _)| n.eq_ignore_ascii_case(TRACEPARENT_HEADER))
-                    .map(|i| context.remove(i).1);
-                // The message's own `traceparent` header gives way too:
-                // one context per message (the empty value is not stored).
-                context.push((TRACEPARENT_HEADER.to_owned(), String::new()));
-                (traceparent, context)
-            }
-        };
-        #[cfg(not(feature = "otel"))]
-        let (traceparent, extra): (Option<String>, Vec<(String, String)>) =
-            (source.traceparent.map(str::to_owned), Vec::new());
-        let headers = if extra.is_empty() {
-            serde_json::to_string(&message.headers)
-        } else {
-            let mut all: Vec<&(String, String)> = message
-                .headers
-                .iter()
-                .filter(|(n, _)| !extra.iter().any(|(e, _)| e.eq_ignore_ascii_case(n)))
-                .collect();
-            all.extend(extra.iter().filter(|(_, v)| !v.is_empty()));
-            serde_json::to_string(&all)
-        }
-        .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
+        let (traceparent, headers) = trace_headers(message, source.traceparent)
+            .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
         let order_key = message.order_key(source.id);
         let now_ms = SystemClock.now_ms();
         let row = NewRow {
@@ -344,6 +311,29 @@ impl<DB: OutboxBackend> Outbox<DB> {
     pub(crate) fn channel(&self) -> &str {
         &self.channel
     }
+}
+
+/// The row's `traceparent` and headers (JSON) for `message`: with feature
+/// `otel` and a recorded current span, that span's context, so that the
+/// relay's publish continues the trace of the handler or job that enqueued
+/// it (the message's own trace headers give way: one context per
+/// message); otherwise the inbound `traceparent` and the message's headers.
+fn trace_headers(
+    message: &OutboxMessage,
+    inbound: Option<&str>,
+) -> Result<(Option<String>, String), serde_json::Error> {
+    #[cfg(feature = "otel")]
+    if let Some((traceparent, context)) = crate::otel::current_for_outbox() {
+        let own = message.headers.iter().filter(|(name, _)| {
+            !name.eq_ignore_ascii_case(TRACEPARENT_HEADER) && !crate::otel::names(&context, name)
+        });
+        let all: Vec<&(String, String)> = own.chain(context.iter()).collect();
+        return Ok((traceparent, serde_json::to_string(&all)?));
+    }
+    Ok((
+        inbound.map(str::to_owned),
+        serde_json::to_string(&message.headers)?,
+    ))
 }
 
 /// Who enqueues a message.
