@@ -20,6 +20,7 @@ pub struct Delivery {
     message_key: Option<Vec<u8>>,
     suspect: bool,
     json: OnceLock<Result<serde_json::Value, String>>,
+    decoded: bool,
 }
 
 impl Delivery {
@@ -86,6 +87,24 @@ impl Delivery {
         self
     }
 
+    /// Sets the payload's value tree, as a
+    /// [payload decoder](crate::engine::PayloadDecoder) read it (an Avro or
+    /// Protobuf record): key specs, fingerprints and [`Json`](crate::Json)
+    /// inputs read `tree` instead of parsing the payload as JSON; the raw
+    /// payload stays what dead letters carry.
+    #[must_use]
+    pub fn with_decoded(mut self, tree: serde_json::Value) -> Self {
+        self.json = OnceLock::from(Ok(tree));
+        self.decoded = true;
+        self
+    }
+
+    /// Whether the payload's value tree was set by a decoder (see
+    /// [`Delivery::with_decoded`]) rather than parsed from JSON.
+    pub fn is_decoded(&self) -> bool {
+        self.decoded
+    }
+
     /// Whether the delivery is a suspect (see [`Delivery::with_suspect`]).
     pub fn is_suspect(&self) -> bool {
         self.suspect
@@ -136,7 +155,8 @@ impl Delivery {
         self.principal.as_deref()
     }
 
-    /// The payload parsed as JSON, parsed at most once per delivery.
+    /// The payload parsed as JSON, parsed at most once per delivery, or the
+    /// value tree a decoder set (see [`Delivery::with_decoded`]).
     ///
     /// Returns the parser's message when the payload is not valid JSON.
     pub fn json(&self) -> Result<&serde_json::Value, &str> {

@@ -11,6 +11,14 @@
 //! Note on numbers: RFC 8785 represents numbers as IEEE-754 doubles, so two
 //! integers above 2^53 that round to the same double fingerprint alike. Carry
 //! such amounts as strings if they must be told apart.
+//!
+//! A record a [payload decoder](crate::engine::PayloadDecoder) read (Avro,
+//! Protobuf) is fingerprinted in its *decoded form*: the canonical JSON of
+//! its value tree where object members at their zero value (`null`,
+//! `false`, `0`, `""`, `[]`, `{}`) are left out, at every level, and
+//! integers beyond ±2^53 are their exact decimal strings. A field a newer
+//! schema version adds, unset, and the defaults proto3 does not write do
+//! not change it; two 64-bit ids one apart do.
 
 use std::fmt;
 
@@ -75,16 +83,26 @@ impl FingerprintSpec {
             Self::Disabled => None,
             Self::Raw => Some(raw(delivery.payload())),
             Self::Auto => Some(match delivery.json() {
-                Ok(value) => canonical_json(value),
+                Ok(value) => digest(b"onceonly-json\0", &canonical_tree(delivery, value)),
                 Err(_) => raw(delivery.payload()),
             }),
             Self::Fields(pointers) => Some(match delivery.json() {
                 Ok(value) => {
+                    let null = serde_json::Value::Null;
                     let picked: Vec<&serde_json::Value> = pointers
                         .iter()
-                        .map(|p| value.pointer(p).unwrap_or(&serde_json::Value::Null))
+                        .map(|p| value.pointer(p).unwrap_or(&null))
                         .collect();
-                    digest(b"onceonly-fields\0", &canonical_bytes(&picked))
+                    let bytes = if delivery.is_decoded() {
+                        let picked: Vec<serde_json::Value> = picked
+                            .into_iter()
+                            .map(|v| decoded_form(v).unwrap_or(serde_json::Value::Null))
+                            .collect();
+                        canonical_bytes(&picked)
+                    } else {
+                        canonical_bytes(&picked)
+                    };
+                    digest(b"onceonly-fields\0", &bytes)
                 }
                 Err(_) => raw(delivery.payload()),
             }),
@@ -97,6 +115,49 @@ pub fn canonical_bytes<T: serde::Serialize>(value: &T) -> Vec<u8> {
     // Serializing an in-memory serde_json value cannot fail: every map key is a
     // string and every float is finite.
     serde_json_canonicalizer::to_vec(value).unwrap_or_default()
+}
+
+/// The canonical bytes of `delivery`'s value tree `value`: RFC 8785, of
+/// the decoded form for a record a decoder read (see the module docs).
+pub(crate) fn canonical_tree(delivery: &Delivery, value: &serde_json::Value) -> Vec<u8> {
+    if delivery.is_decoded() {
+        canonical_bytes(&decoded_form(value).unwrap_or(serde_json::Value::Null))
+    } else {
+        canonical_bytes(value)
+    }
+}
+
+/// The decoded form of a value: `None` for a zero value, objects without
+/// their zero members, integers beyond ±2^53 as exact strings.
+fn decoded_form(value: &serde_json::Value) -> Option<serde_json::Value> {
+    use serde_json::Value;
+    const EXACT: u64 = 1 << 53;
+    match value {
+        Value::Null | Value::Bool(false) => None,
+        Value::String(s) if s.is_empty() => None,
+        Value::Number(n) if n.as_f64() == Some(0.0) => None,
+        Value::Number(n) if n.as_u64().is_some_and(|u| u > EXACT) => {
+            Some(Value::String(n.to_string()))
+        }
+        Value::Number(n) if n.as_i64().is_some_and(|i| i.unsigned_abs() > EXACT) => {
+            Some(Value::String(n.to_string()))
+        }
+        Value::Array(items) if items.is_empty() => None,
+        Value::Array(items) => Some(Value::Array(
+            items
+                .iter()
+                .map(|v| decoded_form(v).unwrap_or(Value::Null))
+                .collect(),
+        )),
+        Value::Object(members) => {
+            let kept: serde_json::Map<String, Value> = members
+                .iter()
+                .filter_map(|(k, v)| Some((k.clone(), decoded_form(v)?)))
+                .collect();
+            (!kept.is_empty()).then_some(Value::Object(kept))
+        }
+        other => Some(other.clone()),
+    }
 }
 
 /// Fingerprint of a parsed JSON value in canonical form.
@@ -119,6 +180,42 @@ fn digest(domain: &[u8], bytes: &[u8]) -> Fingerprint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn decoded(tree: serde_json::Value) -> Option<Fingerprint> {
+        FingerprintSpec::Auto.compute(&Delivery::new(b"\0\0\0\0\x01".to_vec()).with_decoded(tree))
+    }
+
+    #[test]
+    fn decoded_records_ignore_zero_values_but_not_big_integers() {
+        use serde_json::json;
+        let v1 = decoded(json!({"no": "T-1", "amount": 5, "buyer": {"id": "u", "tags": []}}));
+        let v2 = decoded(
+            json!({"no": "T-1", "amount": 5, "memo": null, "test": false,
+            "fee": 0, "note": "", "buyer": {"id": "u", "tags": [], "vip": false}, "extra": {}}),
+        );
+        assert_eq!(v1, v2, "unset fields a newer version added change nothing");
+        assert_ne!(
+            v1,
+            decoded(json!({"no": "T-1", "amount": 6, "buyer": {"id": "u"}}))
+        );
+        assert_ne!(
+            decoded(json!({"payee": 9_007_199_254_740_993_u64})),
+            decoded(json!({"payee": 9_007_199_254_740_992_u64})),
+            "64-bit ids one apart"
+        );
+        assert_ne!(
+            decoded(json!({"debit": -9_007_199_254_740_993_i64})),
+            decoded(json!({"debit": -9_007_199_254_740_992_i64}))
+        );
+        // Positions in arrays stay.
+        assert_ne!(decoded(json!({"a": [0, 1]})), decoded(json!({"a": [1]})));
+        // The JSON form of the same record fingerprints alike (a topic
+        // moving from JSON to Avro).
+        assert_eq!(
+            decoded(json!({"no": "T-1", "amount": 5})),
+            FingerprintSpec::Auto.compute(&Delivery::new(br#"{"amount":5,"no":"T-1"}"#.to_vec()))
+        );
+    }
 
     fn fp(body: &str) -> Option<Fingerprint> {
         FingerprintSpec::Auto.compute(&Delivery::new(body.as_bytes().to_vec()))

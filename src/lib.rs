@@ -32,6 +32,9 @@ pub mod redact;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg(feature = "schema-registry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "schema-registry")))]
+pub mod schema_registry;
 pub mod store;
 mod sync;
 pub mod telemetry;

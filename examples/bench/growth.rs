@@ -20,7 +20,7 @@ use super::stats::{Table, ms, percentile};
 const PURGE_BATCH: u32 = 5_000;
 
 /// A handler with no writes: only the dedup record is written.
-struct Noop;
+pub(super) struct Noop;
 
 #[async_trait::async_trait]
 impl Handler<Postgres> for Noop {

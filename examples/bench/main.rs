@@ -16,7 +16,10 @@
 //!   without a held `xmin` (`BENCH_BIG_TABLE=10000000,50000000,100000000`
 //!   for the 100M-record run);
 //! - `memory`: peak RSS of the AMQP consumer draining a large backlog
-//!   (1,000,000 messages with `--full`).
+//!   (1,000,000 messages with `--full`);
+//! - `registry`: Avro and Protobuf payloads decoded through a
+//!   `SchemaRegistry` against the same records parsed as JSON, alone and
+//!   inside a claim.
 //!
 //! The Kafka, AMQP and HTTP tables also show what a delivery costs:
 //! database round trips and statements per delivery, counted by a
@@ -58,6 +61,7 @@ mod memory;
 mod meter;
 mod mock;
 mod outbox;
+mod registry;
 mod scale_out;
 mod variant;
 
@@ -78,6 +82,7 @@ enum Scenario {
     Purge,
     Outbox,
     BigTable,
+    Registry,
     All,
 }
 
@@ -224,7 +229,7 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
     .await?;
     bench.header();
     type Step = fn(&mut Bench) -> common::StepFuture<'_>;
-    let steps: [(Scenario, &str, Step); 8] = [
+    let steps: [(Scenario, &str, Step); 9] = [
         (Scenario::Kafka, "kafka", |b| Box::pin(kafka::run(b))),
         (Scenario::Amqp, "amqp", |b| Box::pin(amqp::run(b))),
         (Scenario::Http, "http", |b| Box::pin(http::run(b))),
@@ -236,6 +241,9 @@ async fn run(args: Args) -> Result<bool, common::BoxError> {
         (Scenario::Outbox, "outbox", |b| Box::pin(outbox::run(b))),
         (Scenario::BigTable, "big-table", |b| {
             Box::pin(big_table::run(b))
+        }),
+        (Scenario::Registry, "registry", |b| {
+            Box::pin(registry::run(b))
         }),
     ];
     for (scenario, name, step) in steps {

@@ -117,6 +117,7 @@ pub mod private_pg;
 pub mod prometheus;
 pub mod provider_api;
 pub mod redis_cluster;
+pub mod schema_registry;
 pub mod services;
 pub mod silent_proxy;
 pub mod tls;

@@ -68,7 +68,7 @@ impl Waits {
 
     fn note_fault(&self, state: &mut WaitState, fault: InfraFault, error: &dyn std::fmt::Display) {
         if state.fault == Some(fault) {
-            tracing::debug!(%fault, %error, "still waiting for the database");
+            tracing::debug!(%fault, %error, "still waiting for the database or schema registry");
             return;
         }
         state.fault = Some(fault);
@@ -77,7 +77,7 @@ impl Waits {
             transport = self.telemetry.transport(),
             %fault,
             %error,
-            "the database cannot take writes: deliveries wait in place (no ack, no offset commit, no dead letter)"
+            "the database (or the schema registry) cannot serve deliveries: they wait in place (no ack, no offset commit, no dead letter)"
         );
     }
 

@@ -102,8 +102,25 @@ impl<S: SqlStore> Engine<S> {
         }
         let mut reports: Vec<Option<Report<H::Output>>> = deliveries.iter().map(|_| None).collect();
         let spans: Vec<Span> = deliveries.iter().map(|d| self.delivery_span(d)).collect();
-        let mut ready = Vec::with_capacity(deliveries.len());
+        // Decoded first, outside the transaction; a decoder that cannot
+        // reach its registry sends the batch one by one, where each
+        // delivery waits.
+        let mut decoded = Vec::with_capacity(deliveries.len());
         for ((index, delivery), span) in deliveries.iter().enumerate().zip(&spans) {
+            match self.decoded(delivery).instrument(span.clone()).await {
+                Ok(delivery) => decoded.push(Some(delivery)),
+                Err(Outcome::Failed(_)) => return None,
+                Err(outcome) => {
+                    reports[index] = Some(report(None, outcome));
+                    decoded.push(None);
+                }
+            }
+        }
+        let mut ready = Vec::with_capacity(deliveries.len());
+        for ((index, delivery), span) in decoded.iter().enumerate().zip(&spans) {
+            let Some(delivery) = delivery.as_deref() else {
+                continue;
+            };
             let key = match self.inner.key.derive(delivery) {
                 Ok(key) => key,
                 Err(e) => {

@@ -93,6 +93,7 @@ pub struct EngineBuilder<S> {
     fence: Option<FenceSpec>,
     fence_retention: Duration,
     downstream_secret: Option<Vec<u8>>,
+    decoder: Option<Arc<dyn super::PayloadDecoder>>,
 }
 
 impl<S: SqlStore> EngineBuilder<S> {
@@ -114,7 +115,24 @@ impl<S: SqlStore> EngineBuilder<S> {
             fence: None,
             fence_retention: DEFAULT_FENCE_RETENTION,
             downstream_secret: None,
+            decoder: None,
         }
+    }
+
+    /// Decodes payloads that are not JSON (Avro or Protobuf in the
+    /// Confluent wire format: a
+    /// [`SchemaRegistry`](crate::schema_registry::SchemaRegistry) with
+    /// feature `schema-registry`) into the value tree that key specs
+    /// (`json:/out_trade_no`), fingerprints and [`Json`](crate::Json)
+    /// inputs then read, before anything else of the delivery and outside
+    /// every transaction. A payload it cannot read is rejected
+    /// (`decode_error`); a decoder that cannot reach its registry makes
+    /// the transports wait. See [`PayloadDecoder`](super::PayloadDecoder).
+    /// The HTTP layer does not use it.
+    #[must_use]
+    pub fn payload_decoder(mut self, decoder: impl super::PayloadDecoder) -> Self {
+        self.decoder = Some(Arc::new(decoder));
+        self
     }
 
     /// Fences each entity against out-of-order deliveries: `fence` says
@@ -412,6 +430,7 @@ impl<S: SqlStore> EngineBuilder<S> {
                 fence: self.fence,
                 fence_retention: self.fence_retention,
                 steps: Arc::new(steps),
+                decoder: self.decoder,
             }),
         })
     }

@@ -29,15 +29,23 @@ pub trait FromDelivery: Sized + Send + 'static {
     fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError>;
 }
 
-/// JSON input: the payload deserialized with serde.
+/// JSON input: the payload deserialized with serde, or the value tree a
+/// [payload decoder](crate::engine::PayloadDecoder) read (an Avro or
+/// Protobuf record).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Json<T>(pub T);
 
 impl<T: DeserializeOwned + Send + 'static> FromDelivery for Json<T> {
     fn from_delivery(delivery: &Delivery) -> Result<Self, DecodeError> {
-        serde_json::from_slice(delivery.payload())
-            .map(Json)
-            .map_err(|e| DecodeError(e.to_string()))
+        let decoded = if delivery.is_decoded() {
+            match delivery.json() {
+                Ok(tree) => T::deserialize(tree),
+                Err(e) => return Err(DecodeError(e.to_owned())),
+            }
+        } else {
+            serde_json::from_slice(delivery.payload())
+        };
+        decoded.map(Json).map_err(|e| DecodeError(e.to_string()))
     }
 }
 

@@ -15,6 +15,7 @@ mod fence;
 mod handler;
 mod outcome;
 mod overrun;
+mod payload;
 mod retry;
 pub(crate) mod session;
 mod settings;
@@ -45,6 +46,7 @@ pub use handler::{
 pub use outcome::{Failure, Outcome, OutcomeKind, Rejection, Report};
 pub use overrun::DEFAULT_MAX_DEADLINE_MISSES;
 pub(crate) use overrun::HANDLER_DEADLINE;
+pub use payload::{PayloadDecoder, PayloadError};
 pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
 #[allow(unused_imports)] // no transport compiled in: no user
@@ -96,6 +98,9 @@ struct Inner<S: SqlStore> {
     fence_retention: Duration,
     /// The steps table and the downstream keys' secret.
     steps: Arc<steps::StepLog<S::Db>>,
+    /// Turns payloads that are not JSON into their value tree (see
+    /// [`EngineBuilder::payload_decoder`]).
+    decoder: Option<Arc<dyn PayloadDecoder>>,
 }
 
 /// A moving share of duplicates among an optimistic engine's recent
@@ -202,6 +207,16 @@ impl<S: SqlStore> Engine<S> {
         span
     }
 
+    /// `delivery` with the value tree of the engine's
+    /// [payload decoder](EngineBuilder::payload_decoder), if it has one;
+    /// the outcome of a payload the decoder cannot read.
+    pub(crate) async fn decoded<'d, T>(
+        &self,
+        delivery: &'d Delivery,
+    ) -> Result<std::borrow::Cow<'d, Delivery>, Outcome<T>> {
+        payload::decoded(self.inner.decoder.as_deref(), delivery).await
+    }
+
     /// Processes one delivery in one attempt (transient database errors such
     /// as deadlocks are retried internally a few times; handler failures are
     /// not). Transports that schedule their own retries call this and use
@@ -261,6 +276,11 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        let decoded = match self.decoded(delivery).await {
+            Ok(decoded) => decoded,
+            Err(outcome) => return report(None, outcome),
+        };
+        let delivery = &*decoded;
         let key = match self.inner.key.derive(delivery) {
             Ok(key) => key,
             Err(e) => return report(None, Outcome::Rejected(e.into())),

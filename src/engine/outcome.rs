@@ -227,6 +227,18 @@ pub enum Failure {
         /// How many of the key's attempts missed the deadline.
         misses: u32,
     },
+    /// The [payload decoder](crate::engine::PayloadDecoder) could not reach
+    /// what it needs (a schema registry down, slow or refusing the
+    /// credentials). Nothing ran; the message is not at fault: transports
+    /// wait in place (see [`Failure::infra_fault`]).
+    #[error("the payload decoder is unavailable: {source}")]
+    Decoder {
+        /// What kind of outage it is.
+        fault: InfraFault,
+        /// What went wrong.
+        #[source]
+        source: crate::engine::BoxError,
+    },
 }
 
 impl Failure {
@@ -236,19 +248,21 @@ impl Failure {
         match self {
             Self::Handler(e) => e.is_retryable() || e.is_infrastructure(),
             Self::Store(e) => e.is_infrastructure(),
-            Self::Panic(_) | Self::Commit(_) => true,
+            Self::Panic(_) | Self::Commit(_) | Self::Decoder { .. } => true,
             Self::Encode(_) | Self::TxHeld | Self::Crashed { .. } | Self::Deadline { .. } => false,
         }
     }
 
     /// The infrastructure fault this failure is, if it is the database's
     /// state rather than the message's (see [`InfraFault`]): a store
-    /// failure other than a data exception, or a handler error that
-    /// [is one](HandlerError::infra_fault).
+    /// failure other than a data exception, a handler error that
+    /// [is one](HandlerError::infra_fault), or an unavailable
+    /// [payload decoder](Failure::Decoder).
     pub fn infra_fault(&self) -> Option<InfraFault> {
         match self {
             Self::Store(e) => e.infra_fault(),
             Self::Handler(e) => e.infra_fault(),
+            Self::Decoder { fault, .. } => Some(*fault),
             Self::Panic(_)
             | Self::Encode(_)
             | Self::TxHeld

@@ -217,6 +217,11 @@ pub enum ClaimError {
     /// The store failed (see [`StoreError::infra_fault`]).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The engine's [payload decoder](crate::EngineBuilder::payload_decoder)
+    /// cannot read the payload (reject it) or cannot reach its registry
+    /// (wait).
+    #[error(transparent)]
+    Payload(#[from] super::PayloadError),
 }
 
 /// A key claimed in an open transaction. Dropping it without
@@ -319,6 +324,16 @@ impl<S: SqlStore> Engine<S> {
     /// # Ok(()) }
     /// ```
     pub async fn claim(&self, delivery: &Delivery) -> Result<Claimed<S>, ClaimError> {
+        let decoded;
+        let delivery = match self.inner.decoder.as_deref() {
+            Some(decoder) if !delivery.is_decoded() => {
+                decoded = delivery
+                    .clone()
+                    .with_decoded(decoder.decode(delivery).await?);
+                &decoded
+            }
+            _ => delivery,
+        };
         let key = self.inner.key.derive(delivery)?;
         let fence = self.fence_of(delivery)?;
         let fingerprint = self.inner.fingerprint.compute(delivery);

@@ -27,6 +27,7 @@ macro_rules! forward_engine_settings {
             fence,
             fence_retention,
             downstream_secret,
+            payload_decoder,
             configure_engine,
         );
     };
@@ -53,6 +54,17 @@ macro_rules! forward_engine_settings {
         #[must_use]
         pub fn key_expr(mut self, expr: &str) -> Self {
             self.engine = self.engine.key_expr(expr);
+            self
+        }
+    };
+    (@payload_decoder) => {
+        /// Decodes payloads that are not JSON (Avro or Protobuf under a
+        /// schema registry) into the value tree that key specs,
+        /// fingerprints and [`Json`](crate::Json) inputs read; see
+        /// [`EngineBuilder::payload_decoder`](crate::EngineBuilder::payload_decoder).
+        #[must_use]
+        pub fn payload_decoder(mut self, decoder: impl $crate::engine::PayloadDecoder) -> Self {
+            self.engine = self.engine.payload_decoder(decoder);
             self
         }
     };

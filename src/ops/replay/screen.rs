@@ -33,7 +33,9 @@ pub enum Verdict {
     /// Its key is committed with another payload: dead-lettered again as
     /// `fingerprint_mismatch`.
     Conflict,
-    /// It has no key or scope, or no dedup table was given: not known.
+    /// It has no key or scope, or no dedup table was given, or it is a
+    /// schema registry record (magic byte 0) whose consumer fingerprints
+    /// the decoded record: not known.
     Unknown,
 }
 
@@ -217,7 +219,10 @@ impl Screen {
 /// A live record with `stored` fingerprint, met again with `payload`: a
 /// duplicate when the fingerprints agree under the consumers' default
 /// ([`FingerprintSpec::Auto`]) or [`FingerprintSpec::Raw`], or when the
-/// record has none (fingerprints disabled).
+/// record has none (fingerprints disabled). A payload in the schema
+/// registry wire format (magic byte 0) whose fingerprints disagree is not
+/// known: its consumer fingerprints the decoded record, which the screen
+/// does not decode.
 fn verdict_of(stored: Option<&Fingerprint>, payload: &[u8]) -> Verdict {
     let Some(stored) = stored else {
         return Verdict::Duplicate;
@@ -228,6 +233,8 @@ fn verdict_of(stored: Option<&Fingerprint>, payload: &[u8]) -> Verdict {
         .any(|spec| spec.compute(&delivery).as_ref() == Some(stored));
     if same {
         Verdict::Duplicate
+    } else if payload.first() == Some(&0) {
+        Verdict::Unknown
     } else {
         Verdict::Conflict
     }
@@ -253,6 +260,11 @@ mod tests {
             Verdict::Conflict
         );
         assert_eq!(verdict_of(None, body), Verdict::Duplicate);
+        // An Avro or Protobuf record is fingerprinted decoded by its consumer.
+        assert_eq!(
+            verdict_of(Some(&stored), b"\0\0\0\0\x01avro"),
+            Verdict::Unknown
+        );
     }
 
     #[tokio::test]

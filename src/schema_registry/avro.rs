@@ -1,0 +1,366 @@
+//! Avro records to the value tree, as the
+//! [mapping table](crate::schema_registry#the-value-tree) says.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+
+use apache_avro::Schema;
+use apache_avro::reader::datum::GenericDatumReader;
+use apache_avro::schema::ResolvedSchema;
+use apache_avro::types::Value as Avro;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde_json::{Map, Number, Value};
+
+/// The largest decimal scale read: beyond it a schema is refused rather
+/// than a string of that many digits built.
+const MAX_SCALE: usize = 1_000;
+
+/// A writer schema with the named schemas its references bring, ready
+/// to read records.
+#[derive(Debug)]
+pub(crate) struct AvroSchema {
+    writer: Schema,
+    references: Vec<Schema>,
+    /// Named types by full name, to follow `Ref`s while building the tree.
+    names: HashMap<String, Schema>,
+}
+
+impl AvroSchema {
+    /// Parses `text` with `references` (each a schema text, in the order the
+    /// registry lists them, already including their own references).
+    ///
+    /// A recursive schema (a named type that contains itself, such as a
+    /// linked list) is refused: records of it nest as deep as their bytes
+    /// say, and reading them would overflow the stack on a hostile payload.
+    pub(crate) fn parse(text: &str, references: &[String]) -> Result<Self, String> {
+        let (writer, references) = if references.is_empty() {
+            (
+                Schema::parse_str(text).map_err(|e| e.to_string())?,
+                Vec::new(),
+            )
+        } else {
+            Schema::parse_str_with_list(text, references).map_err(|e| e.to_string())?
+        };
+        let names: HashMap<String, Schema> = {
+            let resolved =
+                ResolvedSchema::new_with_schemata(references.iter().chain([&writer]).collect())
+                    .map_err(|e| e.to_string())?;
+            resolved
+                .get_names()
+                .iter()
+                .map(|(name, schema)| (name.fullname(None), (*schema).clone()))
+                .collect()
+        };
+        if let Some(name) = recursive(&writer, &names, &mut Vec::new(), &mut HashSet::new()) {
+            return Err(format!(
+                "the named type {name} contains itself: recursive schemas are not read"
+            ));
+        }
+        Ok(Self {
+            writer,
+            references,
+            names,
+        })
+    }
+
+    /// The value tree of one datum.
+    pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
+        let resolved = ResolvedSchema::new_with_schemata(
+            self.references.iter().chain([&self.writer]).collect(),
+        )
+        .map_err(|e| format!("Avro schema: {e}"))?;
+        let reader = GenericDatumReader::builder(&self.writer)
+            .resolved_writer_schemata(resolved)
+            .build()
+            .map_err(|e| format!("Avro schema: {e}"))?;
+        let mut input = Strict::new(body);
+        let value = reader.read_value(&mut input);
+        // apache-avro reads a union, a boolean or a string cut short as
+        // `null` (the end of a container file): any read past the end is a
+        // truncated record here.
+        if input.overran {
+            return Err("the Avro record is truncated".to_owned());
+        }
+        let value =
+            value.map_err(|e| format!("the payload does not match its Avro schema: {e}"))?;
+        if !input.rest.is_empty() {
+            return Err(format!(
+                "{} bytes left after the Avro record: the payload does not match its schema",
+                input.rest.len()
+            ));
+        }
+        tree(&value, &self.writer, &self.names)
+    }
+}
+
+/// The payload as a reader that remembers being asked for more than it
+/// holds.
+struct Strict<'a> {
+    rest: &'a [u8],
+    overran: bool,
+}
+
+impl<'a> Strict<'a> {
+    fn new(rest: &'a [u8]) -> Self {
+        Self {
+            rest,
+            overran: false,
+        }
+    }
+}
+
+impl Read for Strict<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if !buf.is_empty() && self.rest.is_empty() {
+            self.overran = true;
+        }
+        self.rest.read(buf)
+    }
+}
+
+/// The first named type found inside itself, following references.
+fn recursive(
+    schema: &Schema,
+    names: &HashMap<String, Schema>,
+    path: &mut Vec<String>,
+    done: &mut HashSet<String>,
+) -> Option<String> {
+    let (name, children): (Option<String>, Vec<&Schema>) = match schema {
+        Schema::Ref { name } => {
+            let full = name.fullname(None);
+            if path.contains(&full) {
+                return Some(full);
+            }
+            if done.contains(&full) {
+                return None;
+            }
+            return names
+                .get(&full)
+                .and_then(|named| recursive(named, names, path, done));
+        }
+        Schema::Record(r) => (
+            Some(r.name.fullname(None)),
+            r.fields.iter().map(|f| &f.schema).collect(),
+        ),
+        Schema::Array(a) => (None, vec![&*a.items]),
+        Schema::Map(m) => (None, vec![&*m.types]),
+        Schema::Union(u) => (None, u.variants().iter().collect()),
+        _ => (None, Vec::new()),
+    };
+    if let Some(name) = &name {
+        path.push(name.clone());
+    }
+    let found = children
+        .into_iter()
+        .find_map(|child| recursive(child, names, path, done));
+    if let Some(name) = name {
+        path.pop();
+        done.insert(name);
+    }
+    found
+}
+
+/// The value tree of `value`, read under `schema`.
+fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Result<Value, String> {
+    let schema = match schema {
+        Schema::Ref { name } => names
+            .get(&name.fullname(None))
+            .ok_or_else(|| format!("Avro schema: unknown named type {}", name.fullname(None)))?,
+        other => other,
+    };
+    Ok(match (value, schema) {
+        (Avro::Null, Schema::Null) => Value::Null,
+        (Avro::Null, other) => {
+            return Err(format!(
+                "the Avro record is truncated: null read for {other:?}"
+            ));
+        }
+        (Avro::Boolean(b), _) => Value::Bool(*b),
+        (Avro::Int(n) | Avro::Date(n) | Avro::TimeMillis(n), _) => Value::from(*n),
+        (
+            Avro::Long(n)
+            | Avro::TimeMicros(n)
+            | Avro::TimestampMillis(n)
+            | Avro::TimestampMicros(n)
+            | Avro::TimestampNanos(n)
+            | Avro::LocalTimestampMillis(n)
+            | Avro::LocalTimestampMicros(n)
+            | Avro::LocalTimestampNanos(n),
+            _,
+        ) => Value::from(*n),
+        (Avro::Float(f), _) => float(f64::from(*f)),
+        (Avro::Double(f), _) => float(*f),
+        (Avro::String(s) | Avro::Enum(_, s), _) => Value::String(s.clone()),
+        (Avro::Bytes(b) | Avro::Fixed(_, b), _) => Value::String(BASE64.encode(b)),
+        (Avro::Uuid(u), _) => Value::String(u.to_string()),
+        (Avro::BigDecimal(d), _) => Value::String(d.to_string()),
+        (Avro::Decimal(d), Schema::Decimal(s)) => {
+            if s.scale > MAX_SCALE {
+                return Err(format!(
+                    "Avro decimal scale {} is above {MAX_SCALE}",
+                    s.scale
+                ));
+            }
+            let unscaled = num_bigint::BigInt::from(d.clone());
+            Value::String(with_scale(&unscaled.to_string(), s.scale))
+        }
+        (Avro::Decimal(_), other) => {
+            return Err(format!("Avro decimal read under a {other:?} schema"));
+        }
+        (Avro::Duration(d), _) => serde_json::json!({
+            "months": u32::from(d.months()),
+            "days": u32::from(d.days()),
+            "millis": u32::from(d.millis()),
+        }),
+        (Avro::Union(index, inner), Schema::Union(u)) => {
+            let branch = usize::try_from(*index)
+                .ok()
+                .and_then(|i| u.variants().get(i))
+                .ok_or_else(|| format!("Avro union branch {index} is not in the schema"))?;
+            tree(inner, branch, names)?
+        }
+        (Avro::Array(items), Schema::Array(a)) => Value::Array(
+            items
+                .iter()
+                .map(|item| tree(item, &a.items, names))
+                .collect::<Result<_, _>>()?,
+        ),
+        (Avro::Map(entries), Schema::Map(m)) => Value::Object(
+            entries
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), tree(v, &m.types, names)?)))
+                .collect::<Result<Map<_, _>, String>>()?,
+        ),
+        (Avro::Record(fields), Schema::Record(r)) => {
+            let mut object = Map::new();
+            for ((name, value), field) in fields.iter().zip(&r.fields) {
+                object.insert(name.clone(), tree(value, &field.schema, names)?);
+            }
+            Value::Object(object)
+        }
+        (value, schema) => {
+            return Err(format!(
+                "Avro value {value:?} does not fit its schema {schema:?}"
+            ));
+        }
+    })
+}
+
+/// A JSON number, or the string Protobuf's JSON mapping also uses for a
+/// float JSON cannot carry.
+fn float(f: f64) -> Value {
+    match Number::from_f64(f) {
+        Some(n) => Value::Number(n),
+        None if f.is_nan() => Value::String("NaN".to_owned()),
+        None if f > 0.0 => Value::String("Infinity".to_owned()),
+        None => Value::String("-Infinity".to_owned()),
+    }
+}
+
+/// `unscaled` (a decimal integer, maybe negative) with `scale` digits after
+/// the point: `with_scale("-5", 2)` is `"-0.05"`.
+fn with_scale(unscaled: &str, scale: usize) -> String {
+    if scale == 0 {
+        return unscaled.to_owned();
+    }
+    let (sign, digits) = match unscaled.strip_prefix('-') {
+        Some(digits) => ("-", digits),
+        None => ("", unscaled),
+    };
+    let digits = format!("{digits:0>width$}", width = scale + 1);
+    let (int, frac) = digits.split_at(digits.len() - scale);
+    format!("{sign}{int}.{frac}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decimals_keep_their_scale() {
+        assert_eq!(with_scale("12345", 2), "123.45");
+        assert_eq!(with_scale("-5", 2), "-0.05");
+        assert_eq!(with_scale("5", 0), "5");
+        assert_eq!(with_scale("0", 3), "0.000");
+        assert_eq!(with_scale("-120", 1), "-12.0");
+    }
+
+    #[test]
+    fn floats_json_cannot_carry_become_strings() {
+        assert_eq!(float(f64::NAN), "NaN");
+        assert_eq!(float(f64::INFINITY), "Infinity");
+        assert_eq!(float(f64::NEG_INFINITY), "-Infinity");
+        assert_eq!(float(1.5), 1.5);
+    }
+
+    #[test]
+    fn recursive_schemas_are_refused() {
+        let list = r#"{"type":"record","name":"N","fields":[{"name":"next","type":["null","N"]}]}"#;
+        assert!(
+            AvroSchema::parse(list, &[])
+                .unwrap_err()
+                .contains("contains itself")
+        );
+        let tree = r#"{"type":"record","name":"T","fields":[
+            {"name":"kids","type":{"type":"array","items":{"type":"record","name":"K","fields":[
+                {"name":"up","type":["null","T"]}]}}}]}"#;
+        assert!(
+            AvroSchema::parse(tree, &[])
+                .unwrap_err()
+                .contains("contains itself")
+        );
+        // A named type used twice side by side is not recursion.
+        let twice = r#"{"type":"record","name":"P","fields":[
+            {"name":"a","type":{"type":"fixed","name":"Amt","size":8,"logicalType":"decimal","precision":18,"scale":2}},
+            {"name":"b","type":"Amt"}]}"#;
+        let schema = AvroSchema::parse(twice, &[]).unwrap();
+        let mut body = vec![0u8; 7];
+        body.push(0x7b); // 1.23
+        body.extend([0xff; 8]); // -0.01
+        assert_eq!(
+            schema.decode(&body).unwrap(),
+            serde_json::json!({"a": "1.23", "b": "-0.01"})
+        );
+    }
+
+    #[test]
+    fn a_record_cut_short_is_truncated_not_null() {
+        let schema = AvroSchema::parse(
+            r#"{"type":"record","name":"R","fields":[
+                {"name":"id","type":"string"},
+                {"name":"memo","type":["null","string"],"default":null},
+                {"name":"ok","type":"boolean"}]}"#,
+            &[],
+        )
+        .unwrap();
+        // id "ab", memo null, ok true
+        assert_eq!(
+            schema.decode(b"\x04ab\x00\x01").unwrap(),
+            serde_json::json!({"id": "ab", "memo": null, "ok": true})
+        );
+        for cut in [&b"\x04ab\x00"[..], b"\x04ab", b"\x04a"] {
+            assert!(
+                schema.decode(cut).unwrap_err().contains("truncated"),
+                "{cut:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_refused() {
+        let schema = AvroSchema::parse(
+            r#"{"type":"record","name":"R","fields":[{"name":"a","type":"int"}]}"#,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(schema.decode(b"\x02").unwrap(), serde_json::json!({"a": 1}));
+        assert!(
+            schema
+                .decode(b"\x02\x02")
+                .unwrap_err()
+                .contains("left after")
+        );
+        assert!(schema.decode(b"").unwrap_err().contains("truncated"));
+    }
+}
