@@ -17,8 +17,9 @@
 //! its value tree where object members at their zero value (`null`,
 //! `false`, `0`, `""`, `[]`, `{}`) are left out, at every level, and
 //! integers beyond ±2^53 are their exact decimal strings. A field a newer
-//! schema version adds, unset, and the defaults proto3 does not write do
-//! not change it; two 64-bit ids one apart do.
+//! schema version adds, unset, and the defaults proto3 does not write (but
+//! an enum's, read as its first name) do not change it; two 64-bit ids
+//! one apart do. A zero and a missing value fingerprint alike.
 
 use std::fmt;
 

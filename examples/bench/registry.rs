@@ -153,8 +153,14 @@ pub(super) async fn run(b: &mut Bench) -> Res<()> {
     // Warm the schema cache; check that the three encodings agree.
     let [json, avro, proto] = &payloads[0];
     let want: serde_json::Value = serde_json::from_slice(json)?;
-    let got_avro = decoder.decode(&Delivery::new(avro.clone())).await?;
-    let got_proto = decoder.decode(&Delivery::new(proto.clone())).await?;
+    let got_avro = decoder
+        .decode(&Delivery::new(avro.clone()))
+        .await?
+        .unwrap_or_default();
+    let got_proto = decoder
+        .decode(&Delivery::new(proto.clone()))
+        .await?
+        .unwrap_or_default();
     b.check(got_avro == want, || {
         format!("Avro read {got_avro}, not {want}")
     });
@@ -184,7 +190,7 @@ pub(super) async fn run(b: &mut Bench) -> Res<()> {
             let tree = if index == 0 {
                 serde_json::from_slice::<serde_json::Value>(delivery.payload())?
             } else {
-                decoder.decode(&delivery).await?
+                decoder.decode(&delivery).await?.unwrap_or_default()
             };
             std::hint::black_box(tree);
         }

@@ -37,8 +37,13 @@ fn registry_at(url: &str) -> SchemaRegistry {
         .expect("registry client")
 }
 
+/// The tree `registry` reads from `payload` (a payload it leaves as it is
+/// fails the test).
 async fn decode(registry: &SchemaRegistry, payload: Vec<u8>) -> Result<Value, PayloadError> {
-    registry.decode(&Delivery::new(payload)).await
+    registry
+        .decode(&Delivery::new(payload))
+        .await
+        .map(|tree| tree.expect("a value tree, not a payload left as it is"))
 }
 
 fn unavailable(result: Result<Value, PayloadError>) -> InfraFault {
@@ -64,21 +69,16 @@ async fn every_fixture_decodes_to_its_tree_and_bad_payloads_are_malformed() {
             (expected, got) => panic!("{name}: expected {expected:?}, got {got:?}"),
         }
     }
-    // Plain JSON beside the wire format, for a topic moving to Avro.
+    // Plain JSON beside the wire format, for a topic moving to Avro: left
+    // as it is (the engine parses it as JSON, as without a decoder).
     let mixed = SchemaRegistry::builder(registry.url())
         .plain_json(true)
         .build()
         .unwrap();
-    assert_eq!(
-        decode(&mixed, fixtures.payload("bad_plain_json"))
-            .await
-            .unwrap(),
-        serde_json::json!({"out_trade_no": "T-1001"})
-    );
-    assert!(matches!(
-        decode(&mixed, fixtures.payload("bad_magic")).await,
-        Err(PayloadError::Malformed(_))
-    ));
+    for name in ["bad_plain_json", "bad_magic"] {
+        let read = mixed.decode(&Delivery::new(fixtures.payload(name))).await;
+        assert!(matches!(read, Ok(None)), "{name}: {read:?}");
+    }
     assert!(matches!(
         decode(&mixed, fixtures.payload("avro_v1_paid")).await,
         Ok(tree) if Some(&tree) == fixtures.expected("avro_v1_paid").as_ref()
@@ -103,7 +103,7 @@ async fn a_re_encode_under_a_new_schema_is_the_same_key_and_fingerprint() {
         let key = key.clone();
         async move {
             let raw = Delivery::new(payload);
-            let tree = decoder.decode(&raw).await.unwrap();
+            let tree = decoder.decode(&raw).await.unwrap().unwrap();
             let decoded = raw.clone().with_decoded(tree);
             (
                 key.derive(&decoded).unwrap().into_string(),
@@ -134,6 +134,84 @@ async fn a_re_encode_under_a_new_schema_is_the_same_key_and_fingerprint() {
             "{changed} carries another value: another fingerprint"
         );
     }
+}
+
+/// A topic moving from JSON to Avro: records processed before the move
+/// are still duplicates when redelivered to a consumer with the decoder
+/// and `plain_json`, zero values included (their key and fingerprint are
+/// what they were); an Avro re-encode is one too when the JSON had no
+/// member at a zero value (the decoded form leaves those out, the JSON
+/// fingerprint kept them).
+#[tokio::test]
+async fn moving_a_topic_from_json_to_avro_keeps_its_duplicates() {
+    use onceonly::{Engine, Outcome};
+    let registry = Registry::start().await;
+    let fixtures = Fixtures::load();
+    let dir = tempfile::tempdir().unwrap();
+    let store = onceonly::SqliteStore::open(dir.path().join("move.db"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let handler = handler_fn(|_tx: Tx<sqlx::Sqlite>, Json(_): Json<Value>| async move {
+        Ok::<_, HandlerError>(())
+    });
+    let engines = |scope: &str, key: &str| {
+        let before = Engine::builder(store.clone())
+            .scope(scope)
+            .key_expr(key)
+            .build()
+            .unwrap();
+        let decoder = SchemaRegistry::builder(registry.url())
+            .plain_json(true)
+            .build()
+            .unwrap();
+        let after = Engine::builder(store.clone())
+            .scope(scope)
+            .key_expr(key)
+            .payload_decoder(decoder)
+            .build()
+            .unwrap();
+        (before, after)
+    };
+    // The JSON of avro_v1_paid's record, without its null fee.
+    let paid = serde_json::json!({
+        "out_trade_no": "T-1001", "amount": "123.45", "currency": "CNY",
+        "paid_at": 1_796_466_600_000_i64, "status": "PAID",
+        "buyer": {"id": "u-7", "tags": ["vip", "cn"]}, "extras": {"channel": "app"},
+        "ref": "AQID/w==",
+    });
+    let mut with_zeros = paid.clone();
+    with_zeros["fee"] = Value::Null;
+    with_zeros["memo"] = serde_json::json!("");
+    for key in ["json:/out_trade_no", "fingerprint"] {
+        let (before, after) = engines(&format!("move-{}", key.len()), key);
+        let json = Delivery::new(with_zeros.to_string().into_bytes());
+        let first = before.process(&handler, &json).await;
+        assert!(
+            matches!(first.outcome, Outcome::Processed { .. }),
+            "{key}: {:?}",
+            first.outcome
+        );
+        let again = after.process(&handler, &json).await;
+        assert!(
+            matches!(again.outcome, Outcome::Duplicate { .. }),
+            "{key}: {:?}",
+            again.outcome
+        );
+    }
+    let (before, after) = engines("move-avro", "json:/out_trade_no");
+    let json = Delivery::new(paid.to_string().into_bytes());
+    assert!(matches!(
+        before.process(&handler, &json).await.outcome,
+        Outcome::Processed { .. }
+    ));
+    let avro = Delivery::new(fixtures.payload("avro_v1_paid"));
+    let again = after.process(&handler, &avro).await;
+    assert!(
+        matches!(again.outcome, Outcome::Duplicate { .. }),
+        "{:?}",
+        again.outcome
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -4,14 +4,16 @@
 //!
 //! A decoder runs before anything else of a delivery, outside every
 //! transaction (it may fetch a schema over the network), and says one of
-//! three things: here is the value tree; the payload is malformed (the
+//! four things: here is the value tree; the payload is not in its format
+//! and is read as it is (plain JSON); the payload is malformed (the
 //! delivery is rejected, reason `decode_error`, and dead-lettered); or what
 //! it needs is unavailable (the transports wait, as for a database outage,
 //! and dead-letter nothing).
 //!
 //! | Decoder answer | Outcome | Decision |
 //! |---|---|---|
-//! | `Ok(tree)` | processed as if the payload were `tree` in JSON | per the rest of the table in [`decide`](super::decide) |
+//! | `Ok(Some(tree))` | processed as if the payload were `tree` in JSON; fingerprinted in the [decoded form](crate::fingerprint) | per the rest of the table in [`decide`](super::decide) |
+//! | `Ok(None)` | processed as if there were no decoder: the payload is parsed as JSON, fingerprinted as JSON | per the rest of the table |
 //! | [`PayloadError::Malformed`] | [`Rejected`](super::Outcome::Rejected) (`decode_error`) | dead letter, never retried |
 //! | [`PayloadError::Unavailable`] | [`Failed`](super::Outcome::Failed) with [`Failure::Decoder`](super::Failure::Decoder) | wait in place, never an attempt |
 
@@ -29,8 +31,11 @@ use crate::store::InfraFault;
 /// [`EngineBuilder::payload_decoder`](super::EngineBuilder::payload_decoder)).
 #[async_trait]
 pub trait PayloadDecoder: Send + Sync + 'static {
-    /// The value tree of `delivery`'s payload.
-    async fn decode(&self, delivery: &Delivery) -> Result<serde_json::Value, PayloadError>;
+    /// The value tree of `delivery`'s payload, or `None` when the payload
+    /// is not in the decoder's format and is to be read as it is (a
+    /// plain JSON payload on a topic moving to Avro): exactly as without a
+    /// decoder, keys, fingerprints and inputs then parse it as JSON.
+    async fn decode(&self, delivery: &Delivery) -> Result<Option<serde_json::Value>, PayloadError>;
 }
 
 /// Why a [`PayloadDecoder`] gave no value tree.
@@ -67,7 +72,8 @@ pub(super) async fn decoded<'d, T>(
         return Ok(Cow::Borrowed(delivery));
     }
     match decoder.decode(delivery).await {
-        Ok(tree) => Ok(Cow::Owned(delivery.clone().with_decoded(tree))),
+        Ok(Some(tree)) => Ok(Cow::Owned(delivery.clone().with_decoded(tree))),
+        Ok(None) => Ok(Cow::Borrowed(delivery)),
         Err(PayloadError::Malformed(why)) => {
             Err(Outcome::Rejected(Rejection::Decode(DecodeError(why))))
         }
@@ -82,11 +88,11 @@ mod tests {
     use super::*;
     use crate::engine::{Decision, RetryPolicy, decide};
 
-    struct Fixed(fn() -> Result<serde_json::Value, PayloadError>);
+    struct Fixed(fn() -> Result<Option<serde_json::Value>, PayloadError>);
 
     #[async_trait]
     impl PayloadDecoder for Fixed {
-        async fn decode(&self, _: &Delivery) -> Result<serde_json::Value, PayloadError> {
+        async fn decode(&self, _: &Delivery) -> Result<Option<serde_json::Value>, PayloadError> {
             (self.0)()
         }
     }
@@ -98,9 +104,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_tree_replaces_the_payload_for_keys_and_inputs() {
-        let d = run(&Fixed(|| Ok(serde_json::json!({"out_trade_no": "T-1"}))))
-            .await
-            .unwrap();
+        let d = run(&Fixed(|| {
+            Ok(Some(serde_json::json!({"out_trade_no": "T-1"})))
+        }))
+        .await
+        .unwrap();
         assert!(d.is_decoded());
         assert_eq!(d.json().unwrap()["out_trade_no"], "T-1");
         assert_eq!(
@@ -137,6 +145,18 @@ mod tests {
         assert_eq!(
             decide(&outcome, 1, &RetryPolicy::default()),
             Decision::Wait(InfraFault::Unreachable)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_payload_not_in_the_format_is_read_as_it_is() {
+        let d = Delivery::new(br#"{"out_trade_no":"T-1"}"#.to_vec());
+        let plain = Fixed(|| Ok(None));
+        let read = decoded::<()>(Some(&plain), &d).await.unwrap();
+        assert!(matches!(read, Cow::Borrowed(_)));
+        assert!(
+            !read.is_decoded(),
+            "fingerprinted as JSON, as without a decoder"
         );
     }
 

@@ -326,12 +326,13 @@ impl<S: SqlStore> Engine<S> {
     pub async fn claim(&self, delivery: &Delivery) -> Result<Claimed<S>, ClaimError> {
         let decoded;
         let delivery = match self.inner.decoder.as_deref() {
-            Some(decoder) if !delivery.is_decoded() => {
-                decoded = delivery
-                    .clone()
-                    .with_decoded(decoder.decode(delivery).await?);
-                &decoded
-            }
+            Some(decoder) if !delivery.is_decoded() => match decoder.decode(delivery).await? {
+                Some(tree) => {
+                    decoded = delivery.clone().with_decoded(tree);
+                    &decoded
+                }
+                None => delivery,
+            },
             _ => delivery,
         };
         let key = self.inner.key.derive(delivery)?;

@@ -12,7 +12,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Map, Number, Value};
 
-/// The largest decimal scale read: beyond it a schema is refused rather
+/// The largest decimal scale read: beyond it a record is refused rather
 /// than a string of that many digits built.
 const MAX_SCALE: usize = 1_000;
 
@@ -194,7 +194,7 @@ fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Resul
         (Avro::String(s) | Avro::Enum(_, s), _) => Value::String(s.clone()),
         (Avro::Bytes(b) | Avro::Fixed(_, b), _) => Value::String(BASE64.encode(b)),
         (Avro::Uuid(u), _) => Value::String(u.to_string()),
-        (Avro::BigDecimal(d), _) => Value::String(d.to_string()),
+        (Avro::BigDecimal(d), _) => Value::String(d.to_plain_string()),
         (Avro::Decimal(d), Schema::Decimal(s)) => {
             if s.scale > MAX_SCALE {
                 return Err(format!(

@@ -187,14 +187,12 @@ fn parse(id: u32, answer: &client::Answer, references: &[(String, String)]) -> P
 
 #[async_trait]
 impl PayloadDecoder for SchemaRegistry {
-    async fn decode(&self, delivery: &Delivery) -> Result<serde_json::Value, PayloadError> {
+    async fn decode(&self, delivery: &Delivery) -> Result<Option<serde_json::Value>, PayloadError> {
         let payload = delivery.payload();
         if self.inner.plain_json && payload.first() != Some(&0) {
-            return serde_json::from_slice(payload).map_err(|e| {
-                PayloadError::Malformed(format!(
-                    "neither in the schema registry wire format nor JSON: {e}"
-                ))
-            });
+            // Read as it is: parsed and fingerprinted as JSON, exactly as
+            // before the topic had a decoder.
+            return Ok(None);
         }
         let (id, body) = wire::split(delivery.payload()).map_err(PayloadError::Malformed)?;
         let schema = self.schema(id).await?;
@@ -206,7 +204,8 @@ impl PayloadDecoder for SchemaRegistry {
                 .map_err(|e| format!("the payload is not the JSON its schema says: {e}")),
             Parsed::Unusable(why) => Err(format!("schema id {id} cannot be used: {why}")),
         };
-        tree.map_err(|why| PayloadError::Malformed(format!("schema id {id}: {why}")))
+        tree.map(Some)
+            .map_err(|why| PayloadError::Malformed(format!("schema id {id}: {why}")))
     }
 }
 
@@ -262,11 +261,12 @@ impl SchemaRegistryBuilder {
         self
     }
 
-    /// Also reads payloads that are not in the wire format (their first
-    /// byte is not the magic byte 0) as plain JSON, for a topic moving from
-    /// JSON to Avro or Protobuf; without it (the default) they are
-    /// rejected `decode_error`. A JSON record and its Avro or Protobuf
-    /// encoding fingerprint alike when their trees agree.
+    /// Reads payloads that are not in the wire format (their first byte
+    /// is not the magic byte 0) as they are, as plain JSON, for a topic
+    /// moving from JSON to Avro or Protobuf: their keys and fingerprints
+    /// are exactly what they were without a decoder, so a redelivery of a
+    /// record processed before the move is still a duplicate. Without it
+    /// (the default) they are rejected `decode_error`.
     pub fn plain_json(mut self, read: bool) -> Self {
         self.plain_json = read;
         self

@@ -56,16 +56,29 @@ impl ProtoSchema {
         let file = pool
             .get_file_by_name(SCHEMA_FILE)
             .ok_or_else(|| "Protobuf schema: the compiled file is missing".to_owned())?;
+        if let Some(field) = any_field(&file) {
+            return Err(format!(
+                "field {field} is a google.protobuf.Any: records with Any fields are not read \
+                 (an Any nests as deep as its bytes say, and its JSON form needs the packed type)"
+            ));
+        }
         Ok(Self { file })
     }
 
-    /// The message type the Confluent message `indexes` point at.
+    /// The message type the Confluent message `indexes` point at. Nested
+    /// messages are counted as Confluent's Java serializer counts them,
+    /// without the entries protoc generates for `map` fields (Confluent's
+    /// Python client counts those too: its indexes differ for messages
+    /// declared after a map field).
     fn message(&self, indexes: &[usize]) -> Result<MessageDescriptor, String> {
         let missing = || format!("Protobuf message indexes {indexes:?} are not in the schema");
         let (first, nested) = indexes.split_first().ok_or_else(missing)?;
         let mut message = self.file.messages().nth(*first).ok_or_else(missing)?;
         for index in nested {
-            let child = message.child_messages().nth(*index);
+            let child = message
+                .child_messages()
+                .filter(|m| !m.is_map_entry())
+                .nth(*index);
             message = child.ok_or_else(missing)?;
         }
         Ok(message)
@@ -91,6 +104,28 @@ impl ProtoSchema {
     }
 }
 
+/// The first field of a message of `file` (or of a message they reach)
+/// whose type is `google.protobuf.Any`.
+fn any_field(file: &FileDescriptor) -> Option<String> {
+    let mut seen = std::collections::HashSet::new();
+    let mut todo: Vec<MessageDescriptor> = file.messages().collect();
+    while let Some(message) = todo.pop() {
+        if !seen.insert(message.full_name().to_owned()) {
+            continue;
+        }
+        todo.extend(message.child_messages());
+        for field in message.fields() {
+            if let prost_reflect::Kind::Message(of) = field.kind() {
+                if of.full_name() == "google.protobuf.Any" {
+                    return Some(field.full_name().to_owned());
+                }
+                todo.push(of);
+            }
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,6 +145,24 @@ mod tests {
         assert_eq!(schema.message(&[1]).unwrap().full_name(), "t.C");
         assert!(schema.message(&[2]).is_err());
         assert!(schema.message(&[0, 1]).is_err());
+    }
+
+    #[test]
+    fn map_entries_do_not_count_as_nested_messages() {
+        // protoc lists LabelsEntry before Buyer; Confluent's Java
+        // serializer writes [0, 0] for Buyer.
+        let text = "syntax = \"proto3\"; package m; message P { map<string, string> labels = 1; message Buyer { string id = 1; } }";
+        let schema = ProtoSchema::compile(text, &[]).unwrap();
+        assert_eq!(schema.message(&[0, 0]).unwrap().full_name(), "m.P.Buyer");
+        assert!(schema.message(&[0, 1]).is_err());
+    }
+
+    #[test]
+    fn any_fields_are_refused() {
+        let text = "syntax = \"proto3\"; package a; import \"google/protobuf/any.proto\";
+            message Outer { Inner inner = 1; } message Inner { google.protobuf.Any detail = 1; }";
+        let refused = ProtoSchema::compile(text, &[]).unwrap_err();
+        assert!(refused.contains("a.Inner.detail"), "{refused}");
     }
 
     #[test]
