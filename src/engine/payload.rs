@@ -148,6 +148,20 @@ mod tests {
         );
     }
 
+    #[test]
+    fn claim_errors_say_whether_to_wait() {
+        use crate::engine::ClaimError;
+        let wait = ClaimError::Payload(PayloadError::Unavailable {
+            fault: InfraFault::Timeout,
+            source: "registry".into(),
+        });
+        assert_eq!(wait.infra_fault(), Some(InfraFault::Timeout));
+        let reject = ClaimError::Payload(PayloadError::Malformed("magic byte 1".into()));
+        assert_eq!(reject.infra_fault(), None);
+        let no_key = ClaimError::BadKey(crate::key::KeyError::Empty);
+        assert_eq!(no_key.infra_fault(), None);
+    }
+
     #[tokio::test]
     async fn a_payload_not_in_the_format_is_read_as_it_is() {
         let d = Delivery::new(br#"{"out_trade_no":"T-1"}"#.to_vec());

@@ -14,8 +14,8 @@ use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::{FenceValue, IdemKey, KeyError};
 use crate::store::{
-    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, SqlStore, StoreError, classify_existing,
-    is_write_fault,
+    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, InfraFault, SqlStore, StoreError,
+    classify_existing, is_write_fault,
 };
 
 /// What to claim, for [`Engine::claim_with`]: a key, and optionally another
@@ -222,6 +222,21 @@ pub enum ClaimError {
     /// (wait).
     #[error(transparent)]
     Payload(#[from] super::PayloadError),
+}
+
+impl ClaimError {
+    /// The infrastructure fault this is, if the delivery is not at fault
+    /// and should wait (the database, or the payload decoder's registry):
+    /// `None` for a delivery to reject (no valid key, a payload that does
+    /// not decode) or a data exception on one of its values.
+    pub fn infra_fault(&self) -> Option<InfraFault> {
+        match self {
+            Self::BadKey(_) => None,
+            Self::Store(e) => e.infra_fault(),
+            Self::Payload(super::PayloadError::Unavailable { fault, .. }) => Some(*fault),
+            Self::Payload(_) => None,
+        }
+    }
 }
 
 /// A key claimed in an open transaction. Dropping it without
