@@ -21,6 +21,7 @@
 //! an enum's, read as its first name) do not change it; two 64-bit ids
 //! one apart do. A zero and a missing value fingerprint alike.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use sha2::{Digest, Sha256};
@@ -90,20 +91,11 @@ impl FingerprintSpec {
             Self::Fields(pointers) => Some(match delivery.json() {
                 Ok(value) => {
                     let null = serde_json::Value::Null;
-                    let picked: Vec<&serde_json::Value> = pointers
+                    let picked: Vec<Cow<'_, serde_json::Value>> = pointers
                         .iter()
-                        .map(|p| value.pointer(p).unwrap_or(&null))
+                        .map(|p| form(delivery, value.pointer(p).unwrap_or(&null)))
                         .collect();
-                    let bytes = if delivery.is_decoded() {
-                        let picked: Vec<serde_json::Value> = picked
-                            .into_iter()
-                            .map(|v| decoded_form(v).unwrap_or(serde_json::Value::Null))
-                            .collect();
-                        canonical_bytes(&picked)
-                    } else {
-                        canonical_bytes(&picked)
-                    };
-                    digest(b"onceonly-fields\0", &bytes)
+                    digest(b"onceonly-fields\0", &canonical_bytes(&picked))
                 }
                 Err(_) => raw(delivery.payload()),
             }),
@@ -121,10 +113,16 @@ pub fn canonical_bytes<T: serde::Serialize>(value: &T) -> Vec<u8> {
 /// The canonical bytes of `delivery`'s value tree `value`: RFC 8785, of
 /// the decoded form for a record a decoder read (see the module docs).
 pub(crate) fn canonical_tree(delivery: &Delivery, value: &serde_json::Value) -> Vec<u8> {
+    canonical_bytes(&form(delivery, value))
+}
+
+/// What of `value` is fingerprinted: itself, or its decoded form (`null`
+/// for a zero value) for a record a decoder read.
+fn form<'v>(delivery: &Delivery, value: &'v serde_json::Value) -> Cow<'v, serde_json::Value> {
     if delivery.is_decoded() {
-        canonical_bytes(&decoded_form(value).unwrap_or(serde_json::Value::Null))
+        Cow::Owned(decoded_form(value).unwrap_or(serde_json::Value::Null))
     } else {
-        canonical_bytes(value)
+        Cow::Borrowed(value)
     }
 }
 
@@ -137,10 +135,12 @@ fn decoded_form(value: &serde_json::Value) -> Option<serde_json::Value> {
         Value::Null | Value::Bool(false) => None,
         Value::String(s) if s.is_empty() => None,
         Value::Number(n) if n.as_f64() == Some(0.0) => None,
-        Value::Number(n) if n.as_u64().is_some_and(|u| u > EXACT) => {
-            Some(Value::String(n.to_string()))
-        }
-        Value::Number(n) if n.as_i64().is_some_and(|i| i.unsigned_abs() > EXACT) => {
+        Value::Number(n)
+            if n.as_i64()
+                .map(i64::unsigned_abs)
+                .or(n.as_u64())
+                .is_some_and(|m| m > EXACT) =>
+        {
             Some(Value::String(n.to_string()))
         }
         Value::Array(items) if items.is_empty() => None,

@@ -202,10 +202,10 @@ impl Drop for Registry {
     }
 }
 
-type Shared_ = Arc<Mutex<Shared>>;
+type SharedState = Arc<Mutex<Shared>>;
 
 /// The refusal every route gives first, if any: down, or credentials.
-fn refusal(shared: &Shared_, headers: &HeaderMap, path: String) -> Option<Response> {
+fn refusal(shared: &SharedState, headers: &HeaderMap, path: String) -> Option<Response> {
     let mut s = shared.lock().unwrap();
     s.requests.push(path);
     if s.down {
@@ -242,7 +242,7 @@ fn schema_answer(schema: &Value) -> serde_json::Map<String, Value> {
 }
 
 async fn by_id(
-    State(shared): State<Shared_>,
+    State(shared): State<SharedState>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
@@ -261,7 +261,7 @@ async fn by_id(
 }
 
 async fn by_version(
-    State(shared): State<Shared_>,
+    State(shared): State<SharedState>,
     headers: HeaderMap,
     Path((subject, version)): Path<(String, String)>,
     uri: Uri,

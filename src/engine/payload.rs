@@ -59,28 +59,33 @@ pub enum PayloadError {
     },
 }
 
-/// `delivery` with its value tree, or the outcome of a payload that has
-/// none: the one place every entry of the engine decodes.
+/// `delivery` with its value tree, if `decoder` gives it one: the one
+/// place every entry of the engine decodes ([`Engine::claim`](super::Engine::claim)
+/// with this error, the others through [`decoded`]).
+pub(super) async fn decode<'d>(
+    decoder: Option<&dyn PayloadDecoder>,
+    delivery: &'d Delivery,
+) -> Result<Cow<'d, Delivery>, PayloadError> {
+    let Some(decoder) = decoder.filter(|_| !delivery.is_decoded()) else {
+        return Ok(Cow::Borrowed(delivery));
+    };
+    Ok(match decoder.decode(delivery).await? {
+        Some(tree) => Cow::Owned(delivery.clone().with_decoded(tree)),
+        None => Cow::Borrowed(delivery),
+    })
+}
+
+/// [`decode`], with a payload that has no value tree as its outcome.
 pub(super) async fn decoded<'d, T>(
     decoder: Option<&dyn PayloadDecoder>,
     delivery: &'d Delivery,
 ) -> Result<Cow<'d, Delivery>, Outcome<T>> {
-    let Some(decoder) = decoder else {
-        return Ok(Cow::Borrowed(delivery));
-    };
-    if delivery.is_decoded() {
-        return Ok(Cow::Borrowed(delivery));
-    }
-    match decoder.decode(delivery).await {
-        Ok(Some(tree)) => Ok(Cow::Owned(delivery.clone().with_decoded(tree))),
-        Ok(None) => Ok(Cow::Borrowed(delivery)),
-        Err(PayloadError::Malformed(why)) => {
-            Err(Outcome::Rejected(Rejection::Decode(DecodeError(why))))
+    decode(decoder, delivery).await.map_err(|e| match e {
+        PayloadError::Malformed(why) => Outcome::Rejected(Rejection::Decode(DecodeError(why))),
+        PayloadError::Unavailable { fault, source } => {
+            Outcome::Failed(Failure::Decoder { fault, source })
         }
-        Err(PayloadError::Unavailable { fault, source }) => {
-            Err(Outcome::Failed(Failure::Decoder { fault, source }))
-        }
-    }
+    })
 }
 
 #[cfg(test)]

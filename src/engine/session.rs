@@ -339,17 +339,8 @@ impl<S: SqlStore> Engine<S> {
     /// # Ok(()) }
     /// ```
     pub async fn claim(&self, delivery: &Delivery) -> Result<Claimed<S>, ClaimError> {
-        let decoded;
-        let delivery = match self.inner.decoder.as_deref() {
-            Some(decoder) if !delivery.is_decoded() => match decoder.decode(delivery).await? {
-                Some(tree) => {
-                    decoded = delivery.clone().with_decoded(tree);
-                    &decoded
-                }
-                None => delivery,
-            },
-            _ => delivery,
-        };
+        let decoded = super::payload::decode(self.inner.decoder.as_deref(), delivery).await?;
+        let delivery = &*decoded;
         let key = self.inner.key.derive(delivery)?;
         let fence = self.fence_of(delivery)?;
         let fingerprint = self.inner.fingerprint.compute(delivery);

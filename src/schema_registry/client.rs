@@ -155,36 +155,26 @@ impl Client {
             request = request.basic_auth(user, Some(password));
         }
         let unavailable = |fault, why: String| Fetch::Unavailable(fault, format!("{shown}: {why}"));
-        let response = request.send().await.map_err(|e| {
+        // No answer in time, or no connection.
+        let unanswered = |e: reqwest::Error| {
             let fault = if e.is_timeout() {
                 InfraFault::Timeout
             } else {
                 InfraFault::Unreachable
             };
             unavailable(fault, error_chain(&e))
-        })?;
+        };
+        let mut response = request.send().await.map_err(unanswered)?;
         let status = response.status();
-        let mut response = response;
         let mut body = Vec::new();
-        loop {
-            match response.chunk().await {
-                Ok(Some(chunk)) if body.len() + chunk.len() > MAX_ANSWER_BYTES => {
-                    return Err(unavailable(
-                        InfraFault::Corrupt,
-                        format!("an answer over {MAX_ANSWER_BYTES} bytes is not a registry's"),
-                    ));
-                }
-                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
-                Ok(None) => break,
-                Err(e) => {
-                    let fault = if e.is_timeout() {
-                        InfraFault::Timeout
-                    } else {
-                        InfraFault::Unreachable
-                    };
-                    return Err(unavailable(fault, error_chain(&e)));
-                }
+        while let Some(chunk) = response.chunk().await.map_err(unanswered)? {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(unavailable(
+                    InfraFault::Corrupt,
+                    format!("an answer over {MAX_ANSWER_BYTES} bytes is not a registry's"),
+                ));
             }
+            body.extend_from_slice(&chunk);
         }
         if status == StatusCode::OK {
             return serde_json::from_slice(&body).map_err(|e| {

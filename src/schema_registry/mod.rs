@@ -19,6 +19,7 @@ use tokio::sync::OnceCell;
 
 use crate::delivery::Delivery;
 use crate::engine::{PayloadDecoder, PayloadError};
+use crate::sync::lock;
 
 use avro::AvroSchema;
 use client::{Client, Fetch};
@@ -94,11 +95,7 @@ impl SchemaRegistry {
     /// The schema `id`, fetched once.
     async fn schema(&self, id: u32) -> Result<Arc<Parsed>, PayloadError> {
         let cell = {
-            let mut cache = self
-                .inner
-                .cache
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut cache = lock(&self.inner.cache);
             if cache.len() >= MAX_CACHED && !cache.contains_key(&id) {
                 forget_half(&mut cache);
             }
@@ -134,11 +131,7 @@ impl SchemaRegistry {
 
     /// Drops `id`'s cache entry unless a schema arrived in it meanwhile.
     fn forget(&self, id: u32) {
-        let mut cache = self
-            .inner
-            .cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut cache = lock(&self.inner.cache);
         if cache.get(&id).is_some_and(|cell| !cell.initialized()) {
             cache.remove(&id);
         }
@@ -146,10 +139,7 @@ impl SchemaRegistry {
 
     /// How many schemas are held in memory (for tests and diagnostics).
     pub fn cached_schemas(&self) -> usize {
-        self.inner
-            .cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.inner.cache)
             .values()
             .filter(|cell| cell.initialized())
             .count()
@@ -194,7 +184,7 @@ impl PayloadDecoder for SchemaRegistry {
             // before the topic had a decoder.
             return Ok(None);
         }
-        let (id, body) = wire::split(delivery.payload()).map_err(PayloadError::Malformed)?;
+        let (id, body) = wire::split(payload).map_err(PayloadError::Malformed)?;
         let schema = self.schema(id).await?;
         let tree = match &*schema {
             Parsed::Avro(avro) => avro.decode(body),
