@@ -135,7 +135,11 @@ struct Args {
     /// Secret the notifications are signed with (Standard Webhooks,
     /// HMAC-SHA256).
     #[cfg(feature = "webhook")]
-    #[arg(long, env = "NOTIFY_SECRET", default_value = "onceonly-example-secret")]
+    #[arg(
+        long,
+        env = "NOTIFY_SECRET",
+        default_value = "whsec_b25jZW9ubHktZXhhbXBsZS1ub3RpZnktc2VjcmV0IQ"
+    )]
     notify_secret: String,
     /// The provider API `POST /refunds` calls (`URL/v1/refunds`); the
     /// route is served only when this is set.
@@ -313,7 +317,7 @@ async fn notify<DB: OutboxBackend>(
     let outbox = Outbox::<DB>::new();
     outbox.migrate(pool).await?;
     let relay = Relay::builder(pool.clone(), outbox.clone())
-        .publisher(WebhookPublisher::new(args.notify_secret.as_bytes()))
+        .publisher(WebhookPublisher::new(args.notify_secret.as_bytes())?)
         .build()?
         .spawn();
     let notify = webhook_app::Notify {

@@ -207,8 +207,19 @@ pub fn read_to_end(
     quiet: Duration,
     timeout: Duration,
 ) -> Vec<OwnedMessage> {
+    read_to_end_on(&brokers(), topic, partitions, quiet, timeout)
+}
+
+/// [`read_to_end`] on the brokers at `bootstrap`.
+pub fn read_to_end_on(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    quiet: Duration,
+    timeout: Duration,
+) -> Vec<OwnedMessage> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", bootstrap)
         .set("group.id", crate::unique("reader"))
         .set("enable.auto.commit", "false")
         .create()

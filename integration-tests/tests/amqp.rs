@@ -490,3 +490,34 @@ async fn a_handler_always_slower_than_its_deadline_is_dead_lettered_deadline() {
     );
     assert_eq!(depth(&channel, &s.queue).await, 0, "queue drained");
 }
+
+/// Issue 44, defect 10: a consumer started on a database without its
+/// dedup table stops at once with the command that creates it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_first_start_without_the_dedup_table_stops_with_the_command_that_creates_it() {
+    let queue = unique("anoschema");
+    let (_conn, channel) = connect().await;
+    declare_queue(&channel, &queue).await;
+    let db_url = pg_schema("anoschema").await;
+    let store = PgStore::connect(&db_url)
+        .await
+        .expect("postgres")
+        .with_table("never_migrated")
+        .expect("table");
+    let run = AmqpConsumer::builder(store)
+        .url(url())
+        .queue(&queue)
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("consumer")
+        .run_until(Arc::new(Ledger::default()), CancellationToken::new());
+    let ended = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the consumer must not wait for a table that was never created");
+    match ended {
+        Err(onceonly::amqp::AmqpConsumerError::MissingSchema(why)) => {
+            assert!(why.contains("onceonly migrate"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

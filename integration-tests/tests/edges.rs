@@ -233,6 +233,9 @@ mod kafka_copies {
         let report = KafkaReplay::builder()
             .brokers(brokers())
             .topic(&dlt)
+            .options(onceonly::ops::replay::ReplayOptions::new().screen(
+                onceonly::ops::replay::Screen::new().retention(Duration::from_secs(86_400)),
+            ))
             .build()
             .expect("replay")
             .run()
@@ -628,7 +631,7 @@ mod webhook_redirect {
         })
         .await;
         let relay = Relay::builder(store.pool().clone(), outbox.clone())
-            .publisher(WebhookPublisher::new(b"secret".to_vec()))
+            .publisher(WebhookPublisher::new(b"secret".to_vec()).unwrap())
             .backoff(Duration::from_millis(50), Duration::from_millis(100))
             .max_attempts(3)
             .build()
@@ -867,10 +870,9 @@ mod relay_no_tx {
             |hook: String| move |_: &str| vec![OutboxMessage::webhook(&hook, b"{}".to_vec())];
         enqueue_for(&store, &outbox, "S-1", to_hook(hook.clone())).await;
         let relay = Relay::builder(store.pool().clone(), outbox.clone())
-            .publisher(WebhookPublisher::with_timeout(
-                b"k".to_vec(),
-                Duration::from_secs(20),
-            ))
+            .publisher(
+                WebhookPublisher::with_timeout(b"k".to_vec(), Duration::from_secs(20)).unwrap(),
+            )
             .poll_interval(Duration::from_millis(20))
             .build()
             .expect("relay")
@@ -940,7 +942,7 @@ mod smaller {
         outbox.migrate(&pool).await.expect("migrate");
         for _ in 0..4 {
             let relay = Relay::builder(pool.clone(), outbox.clone())
-                .publisher(WebhookPublisher::new(b"k".to_vec()))
+                .publisher(WebhookPublisher::new(b"k".to_vec()).unwrap())
                 .build()
                 .expect("relay")
                 .spawn();

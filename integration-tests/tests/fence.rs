@@ -441,12 +441,21 @@ async fn a_key_committed_before_its_scope_was_fenced_is_still_a_duplicate() {
         "{:?}",
         batch[0].outcome
     );
+    // Issue 44, defect 7: `Engine::claim` answers it as `process` does.
+    match fenced.claim(&old).await {
+        Ok(onceonly::engine::Claimed::Duplicate { .. }) => {}
+        other => panic!("Engine::claim of a committed key without entity or order: {other:?}"),
+    }
     // A new one without them is rejected.
     let new = Delivery::new(json!({"id": "new-1", "amount": 5}).to_string());
     assert_eq!(
         fenced.process(&noop, &new).await.outcome.reason(),
         Some("bad_key")
     );
+    assert!(matches!(
+        fenced.claim(&new).await,
+        Err(onceonly::engine::ClaimError::BadKey(_))
+    ));
 }
 
 #[tokio::test]

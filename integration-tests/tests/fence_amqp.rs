@@ -98,6 +98,8 @@ async fn a_replayed_dead_letter_older_than_the_fence_is_stale_and_acked() {
         u.as_str(),
         "--queue",
         dlq.as_str(),
+        "--retention",
+        "7d",
     ])
     .await;
     assert!(run.success, "replay failed: {}", run.stderr);

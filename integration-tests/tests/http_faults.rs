@@ -210,3 +210,47 @@ async fn a_handler_always_slower_than_its_deadline_is_refused_after_three_misses
     assert_eq!(send().await.unwrap().status(), 503);
     assert_eq!(runs.load(Ordering::SeqCst), 4);
 }
+
+/// Issue 44, defect 3: a handler that answers at once with a body that
+/// trickles (a byte every 200 ms for 20 s) must not hold its key, its
+/// transaction and a pool connection while the layer reads the body: the
+/// read is bounded by the transaction deadline, the request rolled back
+/// and answered `503`, and the key is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_response_body_that_trickles_is_bounded_by_the_transaction_deadline() {
+    let store = onceonly_integration_tests::pg_store(
+        &onceonly_integration_tests::pg_url(),
+        &onceonly_integration_tests::unique("http_trickle"),
+    )
+    .await
+    .deadlines(onceonly::store::Deadlines::default().transaction(Duration::from_millis(500)));
+    let trickle = move |tx: Tx<sqlx::Postgres>| async move {
+        drop(tx);
+        let bytes = futures_util::stream::unfold(0u32, |n| async move {
+            if n >= 100 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Some((
+                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"x")),
+                n + 1,
+            ))
+        });
+        (StatusCode::OK, axum::body::Body::from_stream(bytes))
+    };
+    let layer = IdempotencyLayer::idempotency_key(store.clone(), "trickle-http")
+        .build()
+        .unwrap();
+    let base = serve(Router::new().route("/pay", post(trickle).layer(layer))).await;
+    let sent = Client::new()
+        .post(format!("{base}/pay"))
+        .header("Idempotency-Key", "slow-body")
+        .body("{}")
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await;
+    let r = sent.expect("answered within the deadline, not after the whole body");
+    assert_eq!(r.status(), 503);
+    let record = store.get("trickle-http", "slow-body").await.unwrap();
+    assert!(record.is_none(), "the key was rolled back: {record:?}");
+}

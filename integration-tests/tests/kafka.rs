@@ -373,3 +373,36 @@ async fn a_rebalance_in_the_middle_loses_and_doubles_nothing() {
     // revoke whose transactions then found a duplicate (none can commit twice).
     assert!(n1 + n2 >= expected.len());
 }
+
+/// Issue 44, defect 10: a consumer started on a database without its
+/// dedup table (`migrate` never ran) stops at once with the command that
+/// creates it, instead of waiting for the table for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_first_start_without_the_dedup_table_stops_with_the_command_that_creates_it() {
+    let topic = unique("knoschema");
+    create_topic(&topic, 1).await;
+    let db_url = pg_schema("knoschema").await;
+    let store = PgStore::connect(&db_url)
+        .await
+        .expect("postgres")
+        .with_table("never_migrated")
+        .expect("table");
+    let run = KafkaConsumer::builder(store)
+        .brokers(onceonly_integration_tests::kafka::brokers())
+        .group_id(unique("group"))
+        .topic(&topic)
+        .key_expr("json:/out_trade_no")
+        .build()
+        .expect("consumer")
+        .run_until(Arc::new(Ledger::default()), CancellationToken::new());
+    let ended = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the consumer must not wait for a table that was never created");
+    match ended {
+        Err(onceonly::kafka::KafkaConsumerError::MissingSchema(why)) => {
+            assert!(why.contains("onceonly migrate"), "{why}");
+            assert!(why.contains("never_migrated"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -6,14 +6,21 @@
 //! The example binary is built by `cargo test` (examples are compiled with
 //! the tests); build it alone with
 //! `cargo build --example kafka_payments --features kafka,postgres`.
+//!
+//! The kill test runs on librdkafka's mock cluster: tansu 0.6.0 never
+//! expires a SIGKILLed member, so a restarted consumer could be given no
+//! partitions for good (`onceonly_integration_tests::mock`). The SIGTERM
+//! test leaves the group cleanly and stays on tansu.
 
 use std::time::{Duration, Instant};
 
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::kafka::{
-    Record, brokers, committed, create_topic, payments_args, pg_schema, produce, read_all,
+    Record, brokers, committed, committed_on, create_topic, payments_args, pg_schema, produce,
+    produce_on, read_all_on,
 };
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
+use onceonly_integration_tests::mock::MockKafka;
 use onceonly_integration_tests::{pay, unique};
 use sqlx::PgPool;
 use tokio::process::Child;
@@ -23,6 +30,7 @@ const DISTINCT: usize = 4_800;
 const KILLS: usize = 6;
 
 struct Run {
+    bootstrap: String,
     topic: String,
     dlt: String,
     group: String,
@@ -33,7 +41,7 @@ struct Run {
 impl Run {
     fn spawn(&self, batch_size: usize, exit_when_idle: Option<u64>) -> Child {
         let mut args = payments_args(
-            &brokers(),
+            &self.bootstrap,
             &self.topic,
             &self.group,
             &self.url,
@@ -53,10 +61,11 @@ impl Run {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
+    let kafka = MockKafka::start(1);
     let topic = unique("kcrash");
     let dlt = format!("{topic}.dlt");
-    create_topic(&topic, 3).await;
-    create_topic(&dlt, 1).await;
+    kafka.create_topic(&topic, 3);
+    kafka.create_topic(&dlt, 1);
     let url = pg_schema("kcrash").await;
     let pool = PgPool::connect(&url).await.expect("postgres");
 
@@ -67,9 +76,10 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         .iter()
         .map(|(key, body)| Record::new(key.clone(), body.clone()))
         .collect();
-    let ends = produce(&topic, &records).await;
+    let ends = produce_on(kafka.bootstrap(), &topic, &records).await;
 
     let run = Run {
+        bootstrap: kafka.bootstrap().to_owned(),
         topic,
         dlt,
         group: unique("kcrash_group"),
@@ -116,7 +126,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         .await;
 
     assert_exact(&pool, &stream.expected).await;
-    let positions = committed(&run.group, &run.topic, 3);
+    let positions = committed_on(kafka.bootstrap(), &run.group, &run.topic, 3);
     for (p, end) in &ends {
         assert_eq!(
             positions.get(p),
@@ -125,7 +135,7 @@ async fn kill_9_at_random_moments_loses_and_doubles_nothing() {
         );
     }
     assert!(
-        read_all(&run.dlt, 1, 1, Duration::from_secs(2)).is_empty(),
+        read_all_on(kafka.bootstrap(), &run.dlt, 1, 1, Duration::from_secs(2)).is_empty(),
         "nothing dead-lettered"
     );
 }
@@ -147,6 +157,7 @@ async fn sigterm_finishes_in_flight_work_commits_and_exits_0() {
         .collect();
     produce(&topic, &records).await;
     let run = Run {
+        bootstrap: brokers(),
         topic,
         dlt,
         group: unique("kterm_group"),

@@ -37,6 +37,7 @@ async fn a_record_that_aborts_the_consumer_is_dead_lettered_crashed_and_the_part
         distinct: 600,
         at: None,
         batch: 1,
+        stage: None,
     })
     .await;
 }
@@ -55,6 +56,24 @@ async fn a_poison_deep_in_a_batch_is_dead_lettered_after_max_crashes_plus_one_de
         distinct: 200,
         at: Some(31),
         batch: 50,
+        stage: None,
+    })
+    .await;
+}
+
+/// Issue 44, defect 2: a record that kills the process before its claim
+/// (here while its key is derived; a payload decoder that runs out of
+/// memory is the same) is parked `crashed` too, after the same number of
+/// deaths, instead of a crash loop on its offset for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_aborts_the_consumer_before_its_claim_is_dead_lettered_crashed() {
+    poison_run(&Poisoned {
+        name: "kpoisonk",
+        partitions: 2,
+        distinct: 300,
+        at: None,
+        batch: 1,
+        stage: Some("key"),
     })
     .await;
 }
@@ -70,6 +89,9 @@ struct Poisoned {
     at: Option<usize>,
     /// The consumer's batch size.
     batch: usize,
+    /// Where the poison kills the process (`POISON_STAGE`): the handler
+    /// by default.
+    stage: Option<&'static str>,
 }
 
 /// Runs `p`: the poison is dead-lettered `crashed` after at most
@@ -109,8 +131,9 @@ async fn poison_run(p: &Poisoned) {
     .iter()
     .map(|a| (*a).to_owned())
     .collect();
-    let log =
-        Logged::new(&format!("poison_worker_{}", p.name)).env("POISON_BATCH", &p.batch.to_string());
+    let log = Logged::new(&format!("poison_worker_{}", p.name))
+        .env("POISON_BATCH", &p.batch.to_string())
+        .env("POISON_STAGE", p.stage.unwrap_or("handler"));
     let worker = Path::new(env!("CARGO_BIN_EXE_poison_worker"));
     let what = format!("record (batches of {})", p.batch);
     log.poison_loop(worker, &args, MAX_CRASHES, &what).await;

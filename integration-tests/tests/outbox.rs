@@ -707,6 +707,7 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
         // onceonly's own format, which `SignatureCheck` verifies.
         .publisher(
             WebhookPublisher::with_timeout(secret, Duration::from_millis(500))
+                .unwrap()
                 .signing(onceonly::outbox::WebhookSigning::Onceonly),
         )
         .backoff(Duration::from_millis(50), Duration::from_millis(200))

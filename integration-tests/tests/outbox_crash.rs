@@ -14,6 +14,10 @@
 //! Build the example first: `cargo build --example kafka_payments
 //! --features kafka,postgres` (`cargo test --workspace --all-features`
 //! builds it too).
+//!
+//! It runs on librdkafka's mock cluster: tansu 0.6.0 never expires a
+//! SIGKILLed member, so a restarted consumer could be given no partitions
+//! for good (`onceonly_integration_tests::mock`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -24,9 +28,10 @@ use onceonly::{Json, Tx, handler_fn};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::example_ledger::Settled;
 use onceonly_integration_tests::kafka::{
-    Record, brokers, create_topic, header, payments_args, pg_schema, produce, read_to_end,
+    Record, header, payments_args, pg_schema, produce_on, read_to_end_on,
 };
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
+use onceonly_integration_tests::mock::MockKafka;
 use onceonly_integration_tests::{pay, pg_store, unique};
 use rdkafka::Message;
 use sqlx::{PgPool, Postgres};
@@ -45,6 +50,7 @@ fn env_or(name: &str, default: usize) -> usize {
 }
 
 struct Run {
+    bootstrap: String,
     topic: String,
     dlt: String,
     settled: String,
@@ -56,7 +62,7 @@ struct Run {
 impl Run {
     fn spawn(&self, batch_size: usize, exit_when_idle: Option<u64>) -> Child {
         let mut args = payments_args(
-            &brokers(),
+            &self.bootstrap,
             &self.topic,
             &self.group,
             &self.url,
@@ -86,12 +92,13 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
     let started = Instant::now();
     let distinct = env_or("ONCEONLY_OUTBOX_CRASH_DISTINCT", 4_000);
     let kills_wanted = env_or("ONCEONLY_OUTBOX_CRASH_KILLS", 6);
+    let kafka = MockKafka::start(1);
     let topic = unique("ocrash");
     let dlt = format!("{topic}.dlt");
     let settled = format!("{topic}.settled");
-    create_topic(&topic, PARTITIONS).await;
-    create_topic(&dlt, 1).await;
-    create_topic(&settled, PARTITIONS).await;
+    kafka.create_topic(&topic, PARTITIONS);
+    kafka.create_topic(&dlt, 1);
+    kafka.create_topic(&settled, PARTITIONS);
     let url = pg_schema("ocrash").await;
     let pool = PgPool::connect(&url).await.expect("postgres");
 
@@ -129,9 +136,10 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
         .iter()
         .map(|(key, body)| Record::new(key.clone(), body.clone()))
         .collect();
-    produce(&topic, &records).await;
+    produce_on(kafka.bootstrap(), &topic, &records).await;
 
     let run = Run {
+        bootstrap: kafka.bootstrap().to_owned(),
         topic,
         dlt,
         settled,
@@ -189,22 +197,28 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
     );
 
     // The bad payments were dead-lettered, and only they.
-    let dead: BTreeSet<(String, i64)> =
-        read_to_end(&run.dlt, 1, Duration::from_secs(2), Duration::from_secs(30))
-            .iter()
-            .map(|m| {
-                let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap_or_default())
-                    .expect("dead letter JSON");
-                (
-                    v["out_trade_no"].as_str().unwrap_or_default().to_owned(),
-                    v["amount"].as_i64().unwrap_or_default(),
-                )
-            })
-            .collect();
+    let dead: BTreeSet<(String, i64)> = read_to_end_on(
+        kafka.bootstrap(),
+        &run.dlt,
+        1,
+        Duration::from_secs(2),
+        Duration::from_secs(30),
+    )
+    .iter()
+    .map(|m| {
+        let v: serde_json::Value =
+            serde_json::from_slice(m.payload().unwrap_or_default()).expect("dead letter JSON");
+        (
+            v["out_trade_no"].as_str().unwrap_or_default().to_owned(),
+            v["amount"].as_i64().unwrap_or_default(),
+        )
+    })
+    .collect();
     assert_eq!(dead, bad, "dead-lettered payments");
 
     // (b), (c), (d): the settled topic.
-    let messages = read_to_end(
+    let messages = read_to_end_on(
+        kafka.bootstrap(),
         &run.settled,
         PARTITIONS,
         Duration::from_secs(3),
@@ -294,7 +308,7 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
     .await
     .expect("create applied");
     let consumer = KafkaConsumer::builder(store)
-        .brokers(brokers())
+        .brokers(kafka.bootstrap())
         .group_id(unique("ocrash_downstream"))
         .topic(&run.settled)
         .key_expr(&format!("header:{MESSAGE_ID_HEADER}"))

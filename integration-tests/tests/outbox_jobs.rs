@@ -296,6 +296,147 @@ async fn claimless_and_delayed_messages_on_sqlite() {
     claimless_and_delayed(store.pool(), &outbox).await;
 }
 
+/// Records like [`Recorder`], but the first attempt of the message whose
+/// payload is `fail_once` fails (retryable).
+struct FailsOnce {
+    recorder: Arc<Recorder>,
+    fail_once: Mutex<Option<String>>,
+}
+
+#[async_trait]
+impl Publisher for FailsOnce {
+    fn kind(&self) -> Kind {
+        Kind::Kafka
+    }
+
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), PublishError> {
+        let payload = String::from_utf8_lossy(&message.row.payload).into_owned();
+        let fail = {
+            let mut once = self.fail_once.lock().unwrap();
+            if once.as_deref() == Some(payload.as_str()) {
+                once.take()
+            } else {
+                None
+            }
+        };
+        if fail.is_some() {
+            return Err(PublishError::retryable("failing once"));
+        }
+        self.recorder.publish(message).await
+    }
+}
+
+/// Issue 44, defects 4 and 8: a key's messages leave in the order their
+/// transactions committed (T1 enqueues for `acct-1`, T2 enqueues for it
+/// too and commits first: T1's leaves first, since T2 waited for it), and
+/// a message due now (`not_before` in the past, a zero delay) keeps its
+/// place behind a message of its key whose first send failed.
+async fn commit_order<DB: OutboxBackend>(pool: &sqlx::Pool<DB>, outbox: &Outbox<DB>) {
+    outbox.migrate(pool).await.expect("migrate");
+    let msg = |key: &str, id: &str| OutboxMessage::kafka("orders", key, id.to_owned()).id(id);
+    let recorder = Arc::new(Recorder::default());
+    let publisher = FailsOnce {
+        recorder: Arc::clone(&recorder),
+        fail_once: Mutex::new(Some("p1".to_owned())),
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .publisher(publisher)
+        .poll_interval(Duration::from_millis(20))
+        .backoff(Duration::from_millis(300), Duration::from_millis(300))
+        .build()
+        .expect("relay")
+        .spawn();
+
+    let mut t1 = pool.begin().await.expect("begin");
+    let first = outbox
+        .enqueue_in(&mut t1, "jobs", msg("acct-1", "first"))
+        .await
+        .expect("enqueue first");
+    let t2 = tokio::spawn({
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        async move {
+            let mut t2 = pool.begin().await.expect("begin");
+            let id = outbox
+                .enqueue_in(&mut t2, "jobs", msg("acct-1", "second"))
+                .await
+                .expect("enqueue second");
+            t2.commit().await.expect("commit second");
+            id
+        }
+    });
+    // The relay polls meanwhile: nothing of acct-1 may leave before T1
+    // committed.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert!(
+        recorder.seen().is_empty(),
+        "a later message of acct-1 left before an earlier one committed: {:?}",
+        recorder.seen()
+    );
+    t1.commit().await.expect("commit first");
+    let second = tokio::time::timeout(Duration::from_secs(20), t2)
+        .await
+        .expect("T2 ends once T1 committed")
+        .expect("T2");
+
+    // p1's first send fails; p2 (a time in the past) and p3 (no delay)
+    // are due now and wait behind it.
+    let p1 = enqueue(pool, outbox, msg("acct-2", "p1"), true).await;
+    let p2 = enqueue(
+        pool,
+        outbox,
+        msg("acct-2", "p2").not_before(SystemTime::now() - Duration::from_secs(60)),
+        true,
+    )
+    .await;
+    let p3 = enqueue(
+        pool,
+        outbox,
+        msg("acct-2", "p3").delay(Duration::ZERO),
+        true,
+    )
+    .await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while recorder.seen().len() < 5 {
+        assert!(Instant::now() < deadline, "{:?}", recorder.seen());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.stop().await;
+    let order = |key: &str| -> Vec<String> {
+        recorder
+            .seen()
+            .into_iter()
+            .filter(|(k, _, _)| k == key)
+            .map(|(_, id, _)| id)
+            .collect()
+    };
+    assert_eq!(order("acct-1"), [first, second], "acct-1 in commit order");
+    assert_eq!(order("acct-2"), [p1, p2, p3], "acct-2 in enqueue order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_messages_leave_in_commit_order_on_postgres() {
+    let store = pg_store(&pg_url(), &unique("ocok")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("oco")).expect("table");
+    commit_order(store.pool(), &outbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_messages_leave_in_commit_order_on_postgres_generations() {
+    let store = pg_store(&pg_url(), &unique("ocok")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("ocg"))
+        .expect("table")
+        .generations(true);
+    commit_order(store.pool(), &outbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_messages_leave_in_commit_order_on_mariadb() {
+    let store = mysql_store(&mysql_url(), &unique("ocok")).await;
+    let outbox = Outbox::<sqlx::MySql>::on_table(&unique("oco")).expect("table");
+    commit_order(store.pool(), &outbox).await;
+}
+
 /// The scheduled job and the relay, each SIGKILLed at random moments.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_job_and_its_relay_killed_at_random_send_each_reminder_once_and_never_early() {

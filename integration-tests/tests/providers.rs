@@ -1253,3 +1253,44 @@ async fn a_signed_form_under_another_charset_is_not_a_second_key() {
     );
     assert_eq!(server.ledger().await, vec![("CAFÉ-1".into(), 1, 5)]);
 }
+
+/// Issue 44, defect 6: `FenceSpec::adyen()` reads `eventDate`, which
+/// Adyen does not sign and the Adyen route's payload (signed fields only)
+/// never holds: every callback would be answered `400` and Adyen would
+/// give up. The layer refuses it when built; a fence on signed fields
+/// builds.
+#[tokio::test]
+async fn an_adyen_route_refuses_a_fence_on_a_field_adyen_does_not_sign() {
+    use onceonly::http::providers::Adyen;
+    use onceonly::http::{HttpBuildError, IdempotencyLayer};
+    use onceonly::{FenceSpec, KeySpec, OrderSpec};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        onceonly_integration_tests::sqlite_store(&dir.path().join("k.db"), "onceonly_keys").await;
+    let hmac = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056";
+    let refused = IdempotencyLayer::provider(store.clone(), "adyen", Adyen::new(hmac).unwrap())
+        .fence(FenceSpec::adyen())
+        .build();
+    match refused {
+        Err(HttpBuildError::FenceFieldUnsigned { provider, pointer }) => {
+            assert_eq!(provider, "adyen");
+            assert!(pointer.ends_with("eventDate"), "{pointer}");
+        }
+        other => panic!(
+            "FenceSpec::adyen() on the Adyen route: {:?}",
+            other.map(|_| ())
+        ),
+    }
+    let signed = FenceSpec::new(
+        KeySpec::json_field("/notificationItems/0/NotificationRequestItem/pspReference"),
+        OrderSpec::rank(
+            "/notificationItems/0/NotificationRequestItem/eventCode",
+            ["AUTHORISATION", "CAPTURE", "REFUND"],
+        ),
+    );
+    IdempotencyLayer::provider(store, "adyen", Adyen::new(hmac).unwrap())
+        .fence(signed)
+        .build()
+        .expect("a fence on signed fields builds");
+}

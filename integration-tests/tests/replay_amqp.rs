@@ -81,6 +81,14 @@ async fn replay(s: &Setup, extra: &[&str]) -> onceonly_integration_tests::cli::R
         s.dlq.as_str(),
     ];
     args.extend_from_slice(extra);
+    // No retention is assumed: the operator states the consumers' one
+    // unless the dedup table tells it.
+    if !args
+        .iter()
+        .any(|a| ["--database-url", "--retention", "--beyond-retention"].contains(a))
+    {
+        args.extend(["--retention", "7d"]);
+    }
     onceonly(&args).await
 }
 
@@ -946,4 +954,51 @@ async fn error_texts_that_differ_in_keys_and_amounts_are_one_group() {
         "dlq groups consumed nothing"
     );
     assert_eq!(rows(&s.pool).await, 0);
+}
+
+/// Issue 44, defect 11: without the dedup table nothing tells the
+/// consumers' retention, and none is assumed: `replay` (dry run or not)
+/// refuses to start without `--retention` or `--database-url`, and a
+/// dated letter of a scope whose retention the table does not know is
+/// refused, however young; with `--retention` the same letter replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replay_assumes_no_retention() {
+    let s = setup("rpa_noret").await;
+    let (_conn, channel) = connect().await;
+    let letter = dead_letter(
+        &s.queue,
+        pay("NR-1", 5).account("a").body(),
+        "handler_error",
+        Some("NR-1"),
+        now_ms() - 2 * 86_400_000,
+    );
+    publish(&channel, &s.dlq, &[letter]).await;
+    let u = url();
+    for dry in [true, false] {
+        let mut args = vec![
+            "replay",
+            "amqp",
+            "--url",
+            u.as_str(),
+            "--queue",
+            s.dlq.as_str(),
+        ];
+        if dry {
+            args.push("--dry-run");
+        }
+        let run = onceonly(&args).await;
+        assert!(!run.success, "{run:?}");
+        assert!(run.stderr.contains("--retention"), "{}", run.stderr);
+    }
+    assert_eq!(depth(&channel, &s.dlq).await, 1, "nothing was replayed");
+    // The dedup table knows no record of the letter's scope: its retention
+    // is unknown, the letter is refused.
+    let run = replay(&s, &["--database-url", s.db.as_str()]).await;
+    assert!(!run.success, "{run:?}");
+    assert!(run.stdout.contains("refused"), "{}", run.stdout);
+    assert_eq!(depth(&channel, &s.dlq).await, 1, "refused, it stays");
+    // The operator says the consumers keep records 3 days: it replays.
+    let run = replay(&s, &["--retention", "3d"]).await;
+    assert!(run.success, "{run:?}");
+    assert_eq!(depth(&channel, &s.dlq).await, 0);
 }

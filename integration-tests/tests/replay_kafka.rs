@@ -88,6 +88,14 @@ async fn replay(s: &Setup, group: &str, extra: &[&str]) -> Run {
         group,
     ];
     args.extend_from_slice(extra);
+    // No retention is assumed: the operator states the consumers' one
+    // unless the dedup table tells it.
+    if !args
+        .iter()
+        .any(|a| ["--database-url", "--retention", "--beyond-retention"].contains(a))
+    {
+        args.extend(["--retention", "7d"]);
+    }
     onceonly(&args).await
 }
 

@@ -337,3 +337,188 @@ async fn sqlite_cannot_record_steps_and_says_so_when_built() {
     }
     assert_eq!(provider.requests(), 0);
 }
+
+/// A refund of `/entity` at `/order` on database `$db`: its step calls
+/// the provider, then the handler books the refund with `$insert` and
+/// fails (retryable) while `$fail` holds its key.
+macro_rules! fenced_refund_handler {
+    ($db:ty, $api:expr, $insert:expr, $fail:expr) => {{
+        let (api, insert, fail): (String, String, Arc<std::sync::Mutex<Option<String>>>) =
+            ($api, $insert, $fail);
+        handler_fn(move |tx: Tx<$db>, Json(r): Json<Value>| {
+            let (api, insert, fail) = (api.clone(), insert.clone(), Arc::clone(&fail));
+            async move {
+                let key = r["refund"].as_str().unwrap_or_default().to_owned();
+                let body = json!({"payment": r["payment"], "amount": r["amount"]});
+                let answer: Value = tx
+                    .step("refund", |key| async move {
+                        let sent = reqwest::Client::new()
+                            .post(format!("{api}/v1/refunds"))
+                            .header("Idempotency-Key", key)
+                            .json(&body)
+                            .send()
+                            .await
+                            .map_err(HandlerError::retryable)?;
+                        if !sent.status().is_success() {
+                            return Err(HandlerError::retryable(format!("{}", sent.status())));
+                        }
+                        sent.json().await.map_err(HandlerError::retryable)
+                    })
+                    .await?;
+                let provider_id = answer["id"].as_str().unwrap_or_default().to_owned();
+                {
+                    let mut conn = tx.lock().await?;
+                    sqlx::query(&insert)
+                        .bind(key.clone())
+                        .bind(provider_id)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(HandlerError::retryable)?;
+                }
+                if fail.lock().unwrap().as_deref() == Some(key.as_str()) {
+                    return Err(HandlerError::retryable("rolled back after the step"));
+                }
+                Ok::<_, HandlerError>(answer)
+            }
+        })
+    }};
+}
+
+/// Issue 44, defect 1: key `a` (entity E, order 5) finishes its refund
+/// step and rolls back; order 6 of E commits; the redelivery of `a` is
+/// stale, yet the refund happened at the provider: it must be booked
+/// (its handler runs, its step answers from its record), never closed as
+/// stale without its effect.
+async fn a_stale_redelivery_books_a_step_that_ran(url: &str, mysql: bool, batch: bool) {
+    let store = if mysql {
+        None
+    } else {
+        Some(pg_store(url, &unique("steps_stale")).await)
+    };
+    let my = if mysql {
+        Some(mysql_store(url, &unique("steps_stale")).await)
+    } else {
+        None
+    };
+    let table = unique("stale_refunds");
+    let ddl = format!(
+        "CREATE TABLE {table} (refund VARCHAR(64) PRIMARY KEY, provider_id VARCHAR(64) NOT NULL)"
+    );
+    let provider = ProviderApi::start().await;
+    let fail = Arc::new(std::sync::Mutex::new(Some("a".to_owned())));
+    let fence = onceonly::FenceSpec::new(
+        onceonly::KeySpec::json_field("/entity"),
+        onceonly::OrderSpec::integer("/order"),
+    );
+    let deliveries = |key: &str, order: i64, amount: i64| {
+        Delivery::new(
+            json!({"refund": key, "entity": "E", "order": order, "payment": format!("pi_{key}"), "amount": amount})
+                .to_string(),
+        )
+    };
+    let a = deliveries("a", 5, 100);
+    let b = deliveries("b", 6, 200);
+    macro_rules! run {
+        ($store:expr, $db:ty, $insert:expr) => {{
+            let store = $store;
+            let pool = store.pool().clone();
+            sqlx::query(&ddl).execute(&pool).await.unwrap();
+            let engine = Engine::builder(store.clone())
+                .scope(unique("stale_steps"))
+                .key_expr("json:/refund")
+                .fence(fence.clone())
+                .downstream_secret(SECRET)
+                .retry(RetryPolicy::none())
+                .build()
+                .unwrap();
+            let handler = fenced_refund_handler!($db, provider.url(), $insert, Arc::clone(&fail));
+            let first = engine.process(&handler, &a).await;
+            assert!(
+                matches!(first.outcome, Outcome::Failed(_)),
+                "{:?}",
+                first.outcome
+            );
+            assert_eq!(provider.refunds().len(), 1, "a's refund was issued");
+            *fail.lock().unwrap() = None;
+            let newer = engine.process(&handler, &b).await;
+            assert!(
+                matches!(newer.outcome, Outcome::Processed { .. }),
+                "{:?}",
+                newer.outcome
+            );
+            let again = if batch {
+                engine.process_batch(&handler, std::slice::from_ref(&a)).await.remove(0)
+            } else {
+                engine.process(&handler, &a).await
+            };
+            assert!(
+                matches!(again.outcome, Outcome::Processed { .. }),
+                "the stale redelivery of a key whose step ran must book it: {:?}",
+                again.outcome
+            );
+            let booked: Vec<(String, String)> = sqlx::query_as(&format!(
+                "SELECT refund, provider_id FROM {table} ORDER BY refund"
+            ))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            let refunds = provider.refunds();
+            assert_eq!(refunds.len(), 2, "one refund each at the provider");
+            assert_eq!(provider.requests(), 2, "a's step was not called again");
+            assert_eq!(booked.len(), 2, "both refunds booked: {booked:?}");
+            assert!(
+                booked
+                    .iter()
+                    .all(|(_, id)| refunds.iter().any(|r| r.id == *id)),
+                "{booked:?} vs {refunds:?}"
+            );
+            // Nothing is left for the completer to report.
+            let orphans = Completer::builder(store.clone())
+                .grace(Duration::ZERO)
+                .build()
+                .check_once()
+                .await
+                .unwrap();
+            assert!(
+                orphans.iter().all(|o| o.scope != engine.scope()),
+                "{orphans:?}"
+            );
+            // A later redelivery is a duplicate.
+            let dup = engine.process(&handler, &a).await;
+            assert!(
+                matches!(dup.outcome, Outcome::Duplicate { .. }),
+                "{:?}",
+                dup.outcome
+            );
+        }};
+    }
+    if let Some(store) = store {
+        run!(
+            store,
+            sqlx::Postgres,
+            format!("INSERT INTO {table} (refund, provider_id) VALUES ($1, $2)")
+        );
+    }
+    if let Some(store) = my {
+        run!(
+            store,
+            sqlx::MySql,
+            format!("INSERT INTO {table} (refund, provider_id) VALUES (?, ?)")
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stale_redelivery_books_a_step_that_ran_postgres() {
+    a_stale_redelivery_books_a_step_that_ran(&pg_url(), false, false).await;
+}
+
+#[tokio::test]
+async fn a_stale_redelivery_books_a_step_that_ran_in_a_batch_postgres() {
+    a_stale_redelivery_books_a_step_that_ran(&pg_url(), false, true).await;
+}
+
+#[tokio::test]
+async fn a_stale_redelivery_books_a_step_that_ran_mariadb() {
+    a_stale_redelivery_books_a_step_that_ran(&mysql_url(), true, false).await;
+}

@@ -452,14 +452,18 @@ async fn an_amqp_consumer_works_over_amqps_with_a_client_certificate() {
     // Without the client certificate the broker's TLS endpoint refuses the
     // connection: the replay reports it instead of reading anything.
     let handshakes = proxy.handshakes();
-    let refused = AmqpReplay::builder()
-        .url(&amqps)
-        .tls(AmqpTls::new().ca_pem(ca.ca_pem()))
-        .queue(format!("{queue}.dlq"))
-        .build()
-        .expect("replay")
-        .run()
-        .await;
+    let refused =
+        AmqpReplay::builder()
+            .url(&amqps)
+            .tls(AmqpTls::new().ca_pem(ca.ca_pem()))
+            .queue(format!("{queue}.dlq"))
+            .options(onceonly::ops::replay::ReplayOptions::new().screen(
+                onceonly::ops::replay::Screen::new().retention(Duration::from_secs(86_400)),
+            ))
+            .build()
+            .expect("replay")
+            .run()
+            .await;
     assert!(
         refused.is_err(),
         "connected without a client certificate: {refused:?}"

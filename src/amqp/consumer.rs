@@ -114,6 +114,9 @@ impl<S: SqlStore> AmqpConsumer<S> {
     where
         H: Handler<S::Db> + 'static,
     {
+        if let Some(missing) = crate::broker::preflight::missing_schema(&self.engine).await {
+            return Err(AmqpConsumerError::MissingSchema(missing));
+        }
         let waits = self.waits;
         let env = Arc::new(Env {
             engine: self.engine,

@@ -17,6 +17,10 @@ pub enum AmqpConsumerError {
     /// arguments): retrying cannot help.
     #[error("the broker refused the topology: {0}")]
     Topology(lapin::Error),
+    /// The dedup table does not exist: the consumer did not start (the
+    /// message says how to create it).
+    #[error("{0}")]
+    MissingSchema(String),
     /// A client call failed.
     #[error("AMQP error: {0}")]
     Client(#[from] lapin::Error),

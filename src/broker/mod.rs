@@ -9,6 +9,7 @@
 //! CONTRIBUTING.md lists what a new transport adds.
 
 pub(crate) mod pause;
+pub(crate) mod preflight;
 pub(crate) mod shutdown;
 mod stats;
 pub(crate) mod wait;

@@ -270,6 +270,21 @@ impl<S: SqlStore> Engine<S> {
                 .as_ref()
                 .filter(|c| c.is_stale() && !passes_stale)
                 .map(FenceCheck::stale);
+            // A stale key whose step ran is not closed as stale: one by
+            // one, its handler runs (see `Engine::fenced`).
+            if stale.is_some()
+                && !matches!(
+                    self.has_finished_steps(&inner.scope, item.key.as_str(), times.now_ms)
+                        .await,
+                    Ok(false)
+                )
+            {
+                tracing::debug!(parent: &item.span, "a stale key with finished steps in a batch, processing one by one");
+                if let Some(tx) = tx.take(Tx::<S::Db>::RETURN_TIMEOUT).await {
+                    self.rollback(tx).await;
+                }
+                return None;
+            }
             let outcome = match (claim, stale) {
                 // Recorded as stale with the batch's results.
                 (Claim::Claimed, Some(stale)) => {

@@ -29,6 +29,16 @@
 //! Healthy deliveries pay nothing but an uncontended shared lock of the
 //! gate: no round trip.
 //!
+//! What runs for a delivery before its key is known (the payload decoder,
+//! the key, the fence, the handler's input type) may kill the process too
+//! (a decoder that runs out of memory, a native abort). A suspect's early
+//! stages are therefore counted as well, alone under the exclusive gate,
+//! under a counter named by the digest of its payload (the only name it
+//! has before decoding, [`Engine::count_early`]): started
+//! [`EngineBuilder::max_crashes`] times without the process surviving, it
+//! is parked `crashed` without decoding it again; once those stages
+//! returned, the start is taken back and the claim counts as above.
+//!
 //! [`Delivery::with_suspect`]: crate::Delivery::with_suspect
 //! [`SqlStore::bump_attempts`]: crate::store::SqlStore::bump_attempts
 //! [`SqlStore::undo_attempt`]: crate::store::SqlStore::undo_attempt
@@ -119,7 +129,52 @@ impl<S: SqlStore> Drop for Counted<S> {
     }
 }
 
+/// A suspect's counted early stages (decoding, key, fence, input), alone
+/// under the exclusive gate. [`survived`](EarlyStart::survived) once they
+/// returned; dropped (an early return, a panic), the start is taken back
+/// in the background, since the process survived it.
+pub(super) struct EarlyStart<S: SqlStore> {
+    counted: Counted<S>,
+    _gate: Gate,
+}
+
+impl<S: SqlStore> EarlyStart<S> {
+    /// The early stages returned: the start is taken back and the gate
+    /// let go (the claim counts the handler's start on its own).
+    pub(super) async fn survived(self) {
+        self.counted.undo().await;
+    }
+}
+
 impl<S: SqlStore> Engine<S> {
+    /// Counts the start of a suspect's early stages (see the
+    /// [module](self)): `None` for a delivery that is not a suspect (no
+    /// round trip), the counted start, or the crashes it caused already
+    /// when it is to be parked (its counter deleted, so that a replay of
+    /// its dead letter starts over).
+    pub(super) async fn count_early(
+        &self,
+        delivery: &crate::Delivery,
+    ) -> Result<Option<EarlyStart<S>>, super::Failure> {
+        use sha2::Digest as _;
+        if !delivery.is_suspect() {
+            return Ok(None);
+        }
+        let inner = &*self.inner;
+        let gate = self.exclusive_gate().await;
+        let digest = hex::encode(sha2::Sha256::digest(delivery.payload()));
+        let counter = crate::store::internal_key("early", &digest);
+        let times = ClaimTimes::new(inner.clock.now_ms(), inner.retention);
+        match self.count_start(&inner.scope, &counter, times).await {
+            Ok(Start::Counted(counted)) => Ok(Some(EarlyStart {
+                counted,
+                _gate: gate,
+            })),
+            Ok(Start::Crashed(crashes)) => Err(super::Failure::Crashed { crashes }),
+            Err(e) => Err(super::Failure::Store(e)),
+        }
+    }
+
     /// Waits for a shared hold of the gate.
     pub(super) async fn shared_gate(&self) -> Gate {
         Gate::Shared(Arc::clone(&self.inner.crashes.gate).read_owned().await)

@@ -276,6 +276,12 @@ impl<S: SqlStore> Engine<S> {
     where
         H: Handler<S::Db>,
     {
+        // A suspect's stages before its claim are counted: a payload that
+        // kills the process while it is decoded or keyed is parked too.
+        let mut early = match self.count_early(delivery).await {
+            Ok(early) => early,
+            Err(failure) => return report(None, Outcome::Failed(failure)),
+        };
         let decoded = match self.decoded(delivery).await {
             Ok(decoded) => decoded,
             Err(outcome) => return report(None, outcome),
@@ -318,6 +324,9 @@ impl<S: SqlStore> Engine<S> {
                     return report(Some(key), outcome);
                 }
             };
+            if let Some(early) = early.take() {
+                early.survived().await;
+            }
             let outcome = self
                 .attempt(
                     handler,

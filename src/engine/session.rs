@@ -339,11 +339,40 @@ impl<S: SqlStore> Engine<S> {
     /// # Ok(()) }
     /// ```
     pub async fn claim(&self, delivery: &Delivery) -> Result<Claimed<S>, ClaimError> {
+        // A suspect's stages before its claim are counted (see `crash`).
+        let early = match self.count_early(delivery).await {
+            Ok(early) => early,
+            Err(Failure::Crashed { crashes }) => return Ok(Claimed::Crashed { crashes }),
+            Err(Failure::Store(e)) => return Err(ClaimError::Store(e)),
+            Err(other) => {
+                return Err(ClaimError::Store(StoreError::Corrupt(other.to_string())));
+            }
+        };
         let decoded = super::payload::decode(self.inner.decoder.as_deref(), delivery).await?;
         let delivery = &*decoded;
         let key = self.inner.key.derive(delivery)?;
-        let fence = self.fence_of(delivery)?;
         let fingerprint = self.inner.fingerprint.compute(delivery);
+        // Without an entity or order, a committed key is still a
+        // duplicate (or a conflict, or stale), as in `process` and HTTP;
+        // only a new one is rejected.
+        let fence = match self.fence_of(delivery) {
+            Ok(fence) => fence,
+            Err(e) => {
+                let req = ClaimRequest {
+                    key: key.as_str(),
+                    fingerprint: fingerprint.as_ref(),
+                    source: delivery.source(),
+                    lock_wait: None,
+                };
+                return match self.committed(&self.inner.scope, &req).await? {
+                    Some(claim) => Ok(Claimed::settled(claim, fingerprint)?),
+                    None => Err(ClaimError::BadKey(e)),
+                };
+            }
+        };
+        if let Some(early) = early {
+            early.survived().await;
+        }
         let spec = ClaimSpec::new(&key)
             .fingerprint(fingerprint)
             .source(delivery.source())
@@ -495,6 +524,26 @@ impl<S: SqlStore> Engine<S> {
         if self.inner.fence.as_ref().is_some_and(|f| f.passes_stale()) {
             return Ok(Claimed::New(session));
         }
+        // A key whose step ran has its effect outside: never closed as
+        // stale without it. Its handler runs (its steps answer from their
+        // records; `Tx::fence` says the delivery is stale).
+        match self
+            .has_finished_steps(session.tx.origin().scope(), session.key(), now_ms)
+            .await
+        {
+            Ok(false) => {}
+            Ok(true) => {
+                tracing::warn!(
+                    entity = %stale.entity,
+                    "a stale delivery's key has finished steps: running its handler to book them"
+                );
+                return Ok(Claimed::New(session));
+            }
+            Err(e) => {
+                session.abandon().await;
+                return Err(e);
+            }
+        }
         match session.finish(&stale.recorded()).await {
             Ok(Finished::Committed) => Ok(Claimed::Stale(stale)),
             Ok(Finished::Duplicate { result }) => Ok(Claimed::Duplicate { result }),
@@ -507,6 +556,27 @@ impl<S: SqlStore> Engine<S> {
             Err(other) => Err(StoreError::Corrupt(format!(
                 "recording a stale delivery failed: {other}"
             ))),
+        }
+    }
+
+    /// Whether `key` has a live finished [step](crate::Tx::step) in
+    /// `scope` at `now_ms`: a stale delivery of such a key is not closed
+    /// as stale (its step's effect happened and must be booked). A store
+    /// without steps, or without its steps table, has none.
+    pub(super) async fn has_finished_steps(
+        &self,
+        scope: &str,
+        key: &str,
+        now_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let store = &self.inner.store;
+        if !store.records_steps() {
+            return Ok(false);
+        }
+        match store.steps(scope, key).await {
+            Ok(steps) => Ok(steps.iter().any(|s| s.expires_at_ms > now_ms)),
+            Err(e) if e.is_missing_table() => Ok(false),
+            Err(e) => Err(e),
         }
     }
 

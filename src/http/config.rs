@@ -157,6 +157,20 @@ pub enum HttpBuildError {
     /// it forward.
     #[error("a fenced layer needs every request keyed: do not combine fence with an optional key")]
     FenceWithoutKey,
+    /// A fence on a payment provider's route that reads a field the
+    /// route's payload never holds: the provider's payload keeps its
+    /// signed fields only (Adyen signs no `eventDate`), so every callback
+    /// would be refused. Fence on signed fields, or take the items from a
+    /// service that received them from the provider directly.
+    #[error(
+        "the fence reads {pointer}, which {provider} does not sign and its route's payload does not hold: every callback would be refused"
+    )]
+    FenceFieldUnsigned {
+        /// The provider's name.
+        provider: &'static str,
+        /// The JSON pointer the fence reads.
+        pointer: String,
+    },
     /// Another engine setting is invalid (e.g.
     /// [`max_deadline_misses`](IdempotencyLayerBuilder::max_deadline_misses)
     /// of zero).
@@ -495,7 +509,33 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         if engine.fence_spec().is_some() && matches!(cfg.mode, Mode::Header { required: false }) {
             return Err(HttpBuildError::FenceWithoutKey);
         }
+        #[cfg(feature = "providers")]
+        if let (Some(fence), Some(provider)) = (engine.fence_spec(), cfg.provider.as_ref()) {
+            check_fence_signed(fence, provider)?;
+        }
         Ok(IdempotencyLayer::from_config(Config { engine, http: cfg }))
+    }
+}
+
+/// Refuses a fence that reads a field the provider's route never hands
+/// the handler: a provider whose payload holds its signed fields only
+/// (Adyen) would answer every callback `400` (the field is missing), and
+/// the provider gives up on them. Tried on a payload with every signed
+/// field present.
+#[cfg(feature = "providers")]
+fn check_fence_signed(
+    fence: &crate::FenceSpec,
+    provider: &super::providers::Provider,
+) -> Result<(), HttpBuildError> {
+    let Some(sample) = provider.signed_payload_sample() else {
+        return Ok(());
+    };
+    match fence.derive(&crate::Delivery::new(sample)) {
+        Err(crate::KeyError::MissingField { pointer }) => Err(HttpBuildError::FenceFieldUnsigned {
+            provider: provider.name(),
+            pointer,
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -331,19 +331,8 @@ where
     let handled = match handled {
         Ok(handled) => handled,
         Err(missed) => {
-            session.abandon().await;
             tracing::error!(error = %missed, "handler missed the transaction deadline; rolled back");
-            // Counted like the consumers' misses: a request whose handler
-            // keeps missing it is refused for good (the counter starts
-            // over), not answered "retry later" for ever.
-            if let Some(parked) = cfg.engine.handler_overran(&scope, key.as_str()).await {
-                return answer::failed(cfg, "deadline", "Request parked", &parked.to_string());
-            }
-            return answer::unavailable(
-                cfg,
-                "Idempotency store unavailable",
-                "the request was not processed; retry later with the same key",
-            );
+            return missed_deadline(cfg, session).await;
         }
     };
     match handled {
@@ -438,12 +427,21 @@ async fn finish<S: SqlStore>(
     }
     let (mut head, body) = response.into_parts();
     // Read at most the storable size; a longer (or endless) body is stored
-    // as a marker and streamed on after the commit.
-    let (prefix, rest) = match read_up_to(body, cfg.http.max_stored_body).await {
-        Ok(read) => read,
-        Err(e) => {
+    // as a marker and streamed on after the commit. The transaction is
+    // open meanwhile: the read is bounded by its deadline, like the
+    // handler (a body that trickles holds the key, the fence and a pool
+    // connection).
+    let bound = session.tx().remaining();
+    let read = tokio::time::timeout(bound, read_up_to(body, cfg.http.max_stored_body)).await;
+    let (prefix, rest) = match read {
+        Ok(Ok(read)) => read,
+        Ok(Err(e)) => {
             session.abandon().await;
             return answer::failed(cfg, "response-unreadable", "Response could not be read", &e);
+        }
+        Err(_) => {
+            tracing::error!(deadline = ?bound, "the response body was not read within the transaction deadline; rolled back");
+            return missed_deadline(cfg, session).await;
         }
     };
     let stored = StoredResponse::capture(
@@ -507,6 +505,25 @@ async fn finish<S: SqlStore>(
             Response::from_parts(head, Body::from_stream(stream))
         }
     }
+}
+
+/// Rolls back a request whose handler (or its response body) missed the
+/// transaction deadline and answers it. Counted like the consumers'
+/// misses: a request whose handler keeps missing it is refused for good
+/// (the counter starts over), not answered "retry later" for ever.
+async fn missed_deadline<S: SqlStore>(cfg: &Config<S>, session: Session<S>) -> Response<Body> {
+    let tx = session.tx();
+    let (scope, key) = (tx.origin().scope().to_owned(), tx.origin().key().to_owned());
+    drop(tx);
+    session.abandon().await;
+    if let Some(parked) = cfg.engine.handler_overran(&scope, &key).await {
+        return answer::failed(cfg, "deadline", "Request parked", &parked.to_string());
+    }
+    answer::unavailable(
+        cfg,
+        "Idempotency store unavailable",
+        "the request was not processed; retry later with the same key",
+    )
 }
 
 /// The answer to an optimistic request whose key a concurrent copy

@@ -117,6 +117,9 @@ impl<S: SqlStore> KafkaConsumer<S> {
     where
         H: Handler<S::Db> + 'static,
     {
+        if let Some(missing) = crate::broker::preflight::missing_schema(&self.engine).await {
+            return Err(KafkaConsumerError::MissingSchema(missing));
+        }
         let runtime = Handle::current();
         // Stops the polling thread if this future is dropped, too.
         let shutdown = shutdown.child_token();

@@ -39,6 +39,10 @@ pub enum KafkaConsumerError {
     /// panics are caught and dead-lettered); the consumer stopped.
     #[error("{0}")]
     Worker(String),
+    /// The dedup table does not exist: the consumer did not start (the
+    /// message says how to create it).
+    #[error("{0}")]
+    MissingSchema(String),
     /// The polling thread could not be started or died.
     #[error("the Kafka polling thread failed: {0}")]
     PollThread(String),

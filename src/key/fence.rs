@@ -280,8 +280,15 @@ impl OrderSpec {
     /// - `YYYY-MM-DD HH:MM:SS` or `YYYY-MM-DDTHH:MM:SS` (optional fraction)
     ///   without an offset, read at the spec's [offset](Self::with_offset)
     ///   (default UTC);
-    /// - a JSON number, or a string of one, as Unix seconds (fractions to
-    ///   the millisecond, rounded down), e.g. Stripe's `created`.
+    /// - a JSON string of a number, as Unix seconds (fractions to the
+    ///   millisecond, rounded down);
+    /// - a JSON number since the Unix epoch, in the unit its magnitude
+    ///   says (a number carries none): seconds below 10^11 (Stripe's
+    ///   `created`; fractions to the millisecond), milliseconds below
+    ///   10^14, microseconds below 10^17, nanoseconds above, so Avro's
+    ///   `timestamp-millis`, `-micros` and `-nanos` (the [value
+    ///   tree](crate::schema_registry) keeps the number stored) order like
+    ///   the seconds a JSON producer wrote for the same instant.
     ///
     /// Fractions finer than a millisecond are dropped, so two instants
     /// within one millisecond are equal. String form `timestamp:/created`.
@@ -763,11 +770,20 @@ impl Component {
                 push_i64(out, value);
             }
             Kind::Timestamp => {
-                let text = n.to_string();
-                let millis = match unix_millis(&text) {
-                    Some(millis) => millis.map_err(|reason| bad(pointer, reason))?,
-                    // serde_json writes large or tiny floats with an exponent.
-                    None => float_millis(n.as_f64()).ok_or_else(|| bad(pointer, "out of range"))?,
+                let millis = match epoch_unit(n) {
+                    // Seconds, exactly as written (fractions included).
+                    EpochUnit::Seconds => {
+                        let text = n.to_string();
+                        match unix_millis(&text) {
+                            Some(millis) => millis.map_err(|reason| bad(pointer, reason))?,
+                            // serde_json writes large or tiny floats with an exponent.
+                            None => float_millis(n.as_f64())
+                                .ok_or_else(|| bad(pointer, "out of range"))?,
+                        }
+                    }
+                    finer => finer
+                        .millis(n)
+                        .ok_or_else(|| bad(pointer, "out of range"))?,
                 };
                 push_i64(out, millis);
             }
@@ -814,6 +830,54 @@ fn append_rank(
         i64::try_from(index).map_err(|_| bad(pointer, "rank out of range"))?,
     );
     Ok(())
+}
+
+/// The unit of a numeric timestamp, by its magnitude: a number carries
+/// none, and Avro's `timestamp-millis`, `-micros` and `-nanos` (the value
+/// tree keeps the number stored) are as common as JSON's seconds. Below
+/// 10^11 it is seconds (until the year 5138), below 10^14 milliseconds,
+/// below 10^17 microseconds, nanoseconds above: the same instant in any
+/// unit gives the same order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EpochUnit {
+    Seconds,
+    Millis,
+    Micros,
+    Nanos,
+}
+
+fn epoch_unit(n: &serde_json::Number) -> EpochUnit {
+    let magnitude = n.as_f64().map_or(f64::INFINITY, f64::abs);
+    if magnitude < 1e11 {
+        EpochUnit::Seconds
+    } else if magnitude < 1e14 {
+        EpochUnit::Millis
+    } else if magnitude < 1e17 {
+        EpochUnit::Micros
+    } else {
+        EpochUnit::Nanos
+    }
+}
+
+impl EpochUnit {
+    /// `n`, in this unit, as milliseconds rounded down (`None` out of
+    /// range); not for seconds.
+    fn millis(self, n: &serde_json::Number) -> Option<i64> {
+        let per_milli: i64 = match self {
+            Self::Seconds | Self::Millis => 1,
+            Self::Micros => 1_000,
+            Self::Nanos => 1_000_000,
+        };
+        if let Some(v) = n.as_i64() {
+            return Some(v.div_euclid(per_milli));
+        }
+        if let Some(v) = n.as_u64() {
+            return i64::try_from(v / per_milli.unsigned_abs()).ok();
+        }
+        // A fraction of the unit, or an exponent: through seconds.
+        let per_second = 1_000.0 * per_milli as f64;
+        float_millis(n.as_f64().map(|f| f / per_second))
+    }
 }
 
 /// `text` as decimal Unix seconds (`1714528800`, `-1.5`,
@@ -1175,6 +1239,37 @@ mod tests {
 
     /// 2024-05-01T02:00:00Z.
     const MAY_FIRST: i64 = 1_714_528_800_000;
+
+    /// Issue 44, defect 5: a numeric timestamp in seconds (JSON) and the
+    /// same instant as Avro's `timestamp-millis`, `-micros` and `-nanos`
+    /// give one order (nanos no longer overflow into `bad_key`), and a
+    /// later instant in any unit is later.
+    #[test]
+    fn numeric_timestamps_carry_their_unit_by_magnitude() {
+        let spec = OrderSpec::timestamp("/at");
+        let s = MAY_FIRST / 1000;
+        for at in [
+            s.to_string(),
+            MAY_FIRST.to_string(),
+            (MAY_FIRST * 1_000).to_string(),
+            (MAY_FIRST * 1_000_000).to_string(),
+            format!("{s}.0004"),
+        ] {
+            assert_eq!(
+                order(&spec, &format!(r#"{{"at":{at}}}"#)),
+                ms(MAY_FIRST),
+                "{at}"
+            );
+        }
+        let later_seconds = order(&spec, &format!(r#"{{"at":{}}}"#, s + 1));
+        let millis = order(&spec, &format!(r#"{{"at":{}}}"#, MAY_FIRST + 1));
+        let nanos = order(
+            &spec,
+            &format!(r#"{{"at":{}}}"#, (MAY_FIRST + 2) * 1_000_000),
+        );
+        assert!(millis < later_seconds && nanos < later_seconds && millis < nanos);
+        assert_eq!(order(&spec, r#"{"at":1.7145288e12}"#), ms(MAY_FIRST));
+    }
 
     // ---------------------------------------------------------- encoding
 

@@ -410,6 +410,12 @@ where
         row: &NewRow<'_>,
         channel: &str,
     ) -> Result<(), sqlx::Error> {
+        if !sql.enqueue_lock.is_empty() {
+            sqlx::query(&sql.enqueue_lock)
+                .bind(row.order_key)
+                .execute(&mut *conn)
+                .await?;
+        }
         let mut q = sqlx::query(&sql.enqueue)
             .bind(row.message_id)
             .bind(row.scope)

@@ -20,7 +20,7 @@
 use sqlx::{Database, Executor, IntoArguments, Pool};
 
 #[cfg(feature = "postgres")]
-use super::sql::{DEAD, OutboxSql, PENDING, SENT};
+use super::sql::{DEAD, ORDER_LOCK_CLASS, OutboxSql, PENDING, PG_ENQUEUE_VALUES, SENT};
 #[cfg(feature = "postgres")]
 use crate::store::TableName;
 #[cfg(feature = "postgres")]
@@ -100,13 +100,16 @@ pub(crate) fn sql(table: &TableName) -> OutboxSql {
     sql.ddl.clear();
     sql.ddl.append(&mut ddl);
     // Into the current generation, unless the message id is in the other.
+    // The key's advisory lock first, as in the plain layout (see
+    // `OutboxSql::new`): a key's ids follow its enqueuers' commit order.
     sql.enqueue = format!(
         "WITH ins AS (INSERT INTO {t} (message_id, scope, causation, traceparent, kind, \
          destination, routing_key, message_key, order_key, headers, payload, \
          next_attempt_at_ms, created_at_ms, generation) \
-         SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::text, \
-         $8::bytea, $9::text, $10::text, $11::bytea, $12::bigint, $13::bigint, \
-         (SELECT current FROM {c}) WHERE NOT EXISTS (SELECT 1 FROM {t} AS o \
+         SELECT {PG_ENQUEUE_VALUES}, \
+         (SELECT current FROM {c}) \
+         FROM (SELECT pg_advisory_xact_lock({ORDER_LOCK_CLASS}, hashtext($9::text))) AS ordered \
+         WHERE NOT EXISTS (SELECT 1 FROM {t} AS o \
          WHERE o.message_id = $1::text AND o.generation = (SELECT 1 - current FROM {c})) \
          ON CONFLICT (message_id, generation) DO NOTHING RETURNING id) \
          SELECT pg_notify($14, '') FROM ins"

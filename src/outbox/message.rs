@@ -268,14 +268,18 @@ impl OutboxMessage {
         &self.destination
     }
 
-    /// The ordering key as stored for message `id`: a SHA-256 over the
-    /// destination and the key messages are ordered by. A delayed message
-    /// without an [`order_by`](Self::order_by) key is ordered on its own
-    /// (by its id): it holds back nothing, and nothing holds it back.
-    pub(crate) fn order_key(&self, id: &str) -> String {
+    /// The ordering key as stored for message `id` enqueued at `now_ms`:
+    /// a SHA-256 over the destination and the key messages are ordered by.
+    /// A message delayed past `now_ms` without an
+    /// [`order_by`](Self::order_by) key is ordered on its own (by its id):
+    /// it holds back nothing, and nothing holds it back. One due now (a
+    /// `not_before` in the past, a zero delay) is no delayed message: it
+    /// keeps its place in its key's order.
+    pub(crate) fn order_key(&self, id: &str, now_ms: i64) -> String {
+        let delayed = self.due_ms(now_ms) > now_ms;
         let by: &[u8] = match (&self.order_by, &self.destination) {
             (Some(by), _) => by.as_bytes(),
-            (None, _) if self.not_before.is_some() => id.as_bytes(),
+            (None, _) if delayed => id.as_bytes(),
             (None, Destination::Kafka { .. }) => self.key.as_deref().unwrap_or_default(),
             (None, Destination::Amqp { routing_key, .. }) => routing_key.as_bytes(),
             (None, Destination::Webhook { .. }) => b"",
@@ -381,11 +385,20 @@ mod tests {
         use std::time::{Duration, UNIX_EPOCH};
         let now = OutboxMessage::kafka("t", "k", "{}");
         let later = now.clone().delay(Duration::from_secs(60));
-        assert_eq!(now.order_key("a"), now.order_key("b"));
-        assert_ne!(later.order_key("a"), now.order_key("a"));
-        assert_ne!(later.order_key("a"), later.order_key("b"));
+        let t = 1_000;
+        assert_eq!(now.order_key("a", t), now.order_key("b", t));
+        assert_ne!(later.order_key("a", t), now.order_key("a", t));
+        assert_ne!(later.order_key("a", t), later.order_key("b", t));
         let ordered = later.clone().order_by("k");
-        assert_eq!(ordered.order_key("a"), ordered.order_key("b"));
+        assert_eq!(ordered.order_key("a", t), ordered.order_key("b", t));
+        // Issue 44, defect 8: due now is not delayed: it keeps its key's
+        // order (a time in the past, a zero delay).
+        let zero = now.clone().delay(Duration::ZERO);
+        assert_eq!(zero.order_key("a", t), now.order_key("b", t));
+        let past_key = now
+            .clone()
+            .not_before(UNIX_EPOCH + Duration::from_millis(10));
+        assert_eq!(past_key.order_key("a", t), now.order_key("b", t));
         // Due times: now, later, a time in the past (now), a future time.
         assert_eq!(now.due_ms(1_000), 1_000);
         assert_eq!(later.due_ms(1_000), 61_000);
@@ -403,15 +416,15 @@ mod tests {
         let b = OutboxMessage::kafka("settled", "acct-1", "{\"x\":1}");
         let c = OutboxMessage::kafka("settled", "acct-2", "{}");
         let d = OutboxMessage::kafka("other", "acct-1", "{}");
-        assert_eq!(a.order_key("id"), b.order_key("id"));
-        assert_ne!(a.order_key("id"), c.order_key("id"));
-        assert_ne!(a.order_key("id"), d.order_key("id"));
+        assert_eq!(a.order_key("id", 0), b.order_key("id", 0));
+        assert_ne!(a.order_key("id", 0), c.order_key("id", 0));
+        assert_ne!(a.order_key("id", 0), d.order_key("id", 0));
         let e = OutboxMessage::kafka("settled", "acct-2", "{}").order_by("acct-1");
         assert_eq!(
-            e.order_key("id"),
-            a.order_key("id"),
+            e.order_key("id", 0),
+            a.order_key("id", 0),
             "order_by replaces the key"
         );
-        assert_eq!(a.order_key("id").len(), 64);
+        assert_eq!(a.order_key("id", 0).len(), 64);
     }
 }

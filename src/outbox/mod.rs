@@ -33,7 +33,7 @@ pub use publish::{Outgoing, PublishError, Publisher};
 #[cfg(feature = "webhook")]
 pub use publish::{
     WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER, WEBHOOK_TIMESTAMP_HEADER, WebhookPublisher,
-    WebhookSigning,
+    WebhookSecretError, WebhookSigning,
 };
 pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;
@@ -280,8 +280,8 @@ impl<DB: OutboxBackend> Outbox<DB> {
         }
         let (traceparent, headers) = trace_headers(message, source.traceparent)
             .map_err(|_| EnqueueError::Invalid("the headers do not serialize"))?;
-        let order_key = message.order_key(source.id);
         let now_ms = SystemClock.now_ms();
+        let order_key = message.order_key(source.id, now_ms);
         let row = NewRow {
             message_id: source.id,
             scope: source.scope,

@@ -174,5 +174,5 @@ pub use kafka::KafkaPublisher;
 #[cfg(feature = "webhook")]
 pub use webhook::{
     WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER, WEBHOOK_TIMESTAMP_HEADER, WebhookPublisher,
-    WebhookSigning,
+    WebhookSecretError, WebhookSigning,
 };

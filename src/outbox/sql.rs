@@ -14,6 +14,14 @@ pub(crate) const SENT: i16 = 1;
 /// A row failed permanently, or too often: parked until retried by hand.
 pub(crate) const DEAD: i16 = 2;
 
+/// The first key of the advisory locks PostgreSQL enqueuers take on an
+/// ordering key (the second is the key's hash): `'o' 'o' 'k' '1'`.
+pub(crate) const ORDER_LOCK_CLASS: i32 = 0x6f6f_6b31;
+
+/// The enqueue's 13 values as a PostgreSQL `SELECT` list, typed.
+pub(crate) const PG_ENQUEUE_VALUES: &str = "$1::text, $2::text, $3::text, $4::text, $5::text, \
+    $6::text, $7::text, $8::bytea, $9::text, $10::text, $11::bytea, $12::bigint, $13::bigint";
+
 /// The columns a relay reads.
 pub(crate) const ROW_COLS: &str = "id, message_id, scope, causation, traceparent, kind, destination, \
     routing_key, message_key, headers, payload, attempts";
@@ -24,6 +32,11 @@ pub struct OutboxSql {
     pub table: String,
     pub ddl: Vec<String>,
     pub enqueue: String,
+    /// Run before [`enqueue`](Self::enqueue) in the same transaction with
+    /// the ordering key bound (MySQL; empty elsewhere): locks the key's
+    /// row in the keys table until the enqueuer commits, so that the ids
+    /// of one key's messages follow the order their transactions commit.
+    pub enqueue_lock: String,
     /// The first pending row of each ordering key that is due (`$1` now,
     /// `$2` limit), locked, skipping rows another relay holds; `{kinds}`
     /// is replaced by the relay's kinds (this module's constants).
@@ -137,12 +150,21 @@ impl OutboxSql {
         let insert_cols = "message_id, scope, causation, traceparent, kind, destination, \
              routing_key, message_key, order_key, headers, payload, next_attempt_at_ms, created_at_ms";
         let values = (1..=13).map(p).collect::<Vec<_>>().join(", ");
+        // A key's messages leave in the order their transactions commit:
+        // an enqueuer holds its ordering key until it commits (PostgreSQL:
+        // a transaction-level advisory lock taken before the row's id is
+        // drawn; MySQL: the key's row in `<outbox>_keys`; SQLite: one
+        // writer at a time), so a later id of the key never commits
+        // before an earlier one (the relay sends a key's rows by id).
         let enqueue = match dialect {
             // NOTIFY is transactional: relays wake when the claim commits.
             Dialect::Postgres => format!(
-                "WITH ins AS (INSERT INTO {t} ({insert_cols}) VALUES ({values}) \
+                "WITH ins AS (INSERT INTO {t} ({insert_cols}) SELECT {} \
+                 FROM (SELECT pg_advisory_xact_lock({ORDER_LOCK_CLASS}, hashtext({}))) AS ordered \
                  ON CONFLICT (message_id) DO NOTHING RETURNING id) \
                  SELECT pg_notify({}, '') FROM ins",
+                PG_ENQUEUE_VALUES,
+                p(9),
                 p(14)
             ),
             Dialect::Sqlite => format!(
@@ -152,6 +174,20 @@ impl OutboxSql {
             Dialect::MySql => format!(
                 "INSERT INTO {t} ({insert_cols}) VALUES ({values}) ON DUPLICATE KEY UPDATE id = id"
             ),
+        };
+        let keys = table.suffixed("keys").quoted(q);
+        let enqueue_lock = match dialect {
+            Dialect::MySql => {
+                ddl.push(format!(
+                    "CREATE TABLE IF NOT EXISTS {keys} (\
+                     order_key CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY) \
+                     ENGINE=InnoDB"
+                ));
+                format!(
+                    "INSERT INTO {keys} (order_key) VALUES (?) ON DUPLICATE KEY UPDATE order_key = order_key"
+                )
+            }
+            _ => String::new(),
         };
         let lock = match dialect {
             Dialect::Postgres | Dialect::MySql => " FOR UPDATE SKIP LOCKED",
@@ -245,6 +281,7 @@ impl OutboxSql {
             table: t,
             ddl,
             enqueue,
+            enqueue_lock,
             heads,
             follow_prefix,
             follow_lock,

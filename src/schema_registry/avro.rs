@@ -57,6 +57,11 @@ impl AvroSchema {
                 "the named type {name} contains itself: recursive schemas are not read"
             ));
         }
+        if let Some(items) = weightless_items(&writer, &names, &mut HashSet::new()) {
+            return Err(format!(
+                "an array of {items}, which take no bytes: a few bytes of a record could stand for billions of items, so such schemas are not read"
+            ));
+        }
         Ok(Self {
             writer,
             references,
@@ -111,11 +116,76 @@ impl<'a> Strict<'a> {
 }
 
 impl Read for Strict<'_> {
+    /// A read past the end fails (not `Ok(0)`): apache-avro reads a union
+    /// or a boolean at the end of its input as `null`, so an array whose
+    /// block count promises millions of union items would otherwise fill
+    /// memory with nulls read from nothing.
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if !buf.is_empty() && self.rest.is_empty() {
             self.overran = true;
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the Avro record is truncated",
+            ));
         }
         self.rest.read(buf)
+    }
+}
+
+/// The items of an array in `schema` that take no bytes to write (`null`,
+/// a zero-size `fixed`, a record of such fields), described: an array of
+/// them is as long as its block count says, whatever the payload's size.
+fn weightless_items(
+    schema: &Schema,
+    names: &HashMap<String, Schema>,
+    seen: &mut HashSet<String>,
+) -> Option<String> {
+    let children: Vec<&Schema> = match schema {
+        Schema::Ref { name } => {
+            let full = name.fullname(None);
+            if !seen.insert(full.clone()) {
+                return None;
+            }
+            return names
+                .get(&full)
+                .and_then(|named| weightless_items(named, names, seen));
+        }
+        Schema::Array(a) => {
+            if weightless(&a.items, names, 0) {
+                return Some(format!("{:?}", a.items));
+            }
+            vec![&*a.items]
+        }
+        Schema::Record(r) => r.fields.iter().map(|f| &f.schema).collect(),
+        Schema::Map(m) => vec![&*m.types],
+        Schema::Union(u) => u.variants().iter().collect(),
+        _ => Vec::new(),
+    };
+    children
+        .into_iter()
+        .find_map(|child| weightless_items(child, names, seen))
+}
+
+/// Whether a value of `schema` may be written in zero bytes. `depth`
+/// bounds the references followed (schemas are not recursive by then).
+fn weightless(schema: &Schema, names: &HashMap<String, Schema>, depth: usize) -> bool {
+    if depth > 64 {
+        return false;
+    }
+    match schema {
+        Schema::Null => true,
+        Schema::Fixed(f) => f.size == 0,
+        Schema::Decimal(d) => {
+            matches!(&d.inner, apache_avro::schema::InnerDecimalSchema::Fixed(f) if f.size == 0)
+        }
+        Schema::Record(r) => r
+            .fields
+            .iter()
+            .all(|f| weightless(&f.schema, names, depth + 1)),
+        Schema::Ref { name } => names
+            .get(&name.fullname(None))
+            .is_some_and(|named| weightless(named, names, depth + 1)),
+        _ => false,
     }
 }
 
@@ -194,7 +264,17 @@ fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Resul
         (Avro::String(s) | Avro::Enum(_, s), _) => Value::String(s.clone()),
         (Avro::Bytes(b) | Avro::Fixed(_, b), _) => Value::String(BASE64.encode(b)),
         (Avro::Uuid(u), _) => Value::String(u.to_string()),
-        (Avro::BigDecimal(d), _) => Value::String(d.to_plain_string()),
+        (Avro::BigDecimal(d), _) => {
+            // Its scale is the record's to say: 3·10⁹ would be a string
+            // of 3 GB.
+            let scale = d.fractional_digit_count();
+            if scale.unsigned_abs() > MAX_SCALE as u64 {
+                return Err(format!(
+                    "Avro big-decimal scale {scale} is beyond ±{MAX_SCALE}"
+                ));
+            }
+            Value::String(d.to_plain_string())
+        }
         (Avro::Decimal(d), Schema::Decimal(s)) => {
             if s.scale > MAX_SCALE {
                 return Err(format!(
@@ -362,5 +442,77 @@ mod tests {
                 .contains("left after")
         );
         assert!(schema.decode(b"").unwrap_err().contains("truncated"));
+    }
+
+    /// Issue 44, defect 2: a 15-byte big-decimal whose scale is 3·10⁹
+    /// (or -3·10⁹) is refused instead of written out in gigabytes.
+    #[test]
+    fn a_big_decimal_with_a_huge_scale_is_refused() {
+        let schema = AvroSchema::parse(
+            r#"{"type":"record","name":"R","fields":[
+                {"name":"d","type":{"type":"bytes","logicalType":"big-decimal"}}]}"#,
+            &[],
+        )
+        .unwrap();
+        // Inner bytes: varint length 1, unscaled 7, zigzag varint scale.
+        let with_scale = |scale: i64| {
+            let mut inner = vec![0x02, 0x07];
+            let mut z = ((scale << 1) ^ (scale >> 63)) as u64;
+            loop {
+                let b = (z & 0x7f) as u8;
+                z >>= 7;
+                if z == 0 {
+                    inner.push(b);
+                    break;
+                }
+                inner.push(b | 0x80);
+            }
+            let mut body = vec![(inner.len() as u8) << 1];
+            body.extend(inner);
+            body
+        };
+        assert_eq!(
+            schema.decode(&with_scale(2)).unwrap(),
+            serde_json::json!({"d": "0.07"})
+        );
+        for scale in [3_000_000_000_i64, -3_000_000_000] {
+            let body = with_scale(scale);
+            assert!(body.len() <= 15, "{}", body.len());
+            let e = schema.decode(&body).unwrap_err();
+            assert!(e.contains("scale"), "{scale}: {e}");
+        }
+    }
+
+    /// Issue 44, defect 2: an array of `["null", "string"]` whose block
+    /// count promises 2^40 items, in a few bytes, is refused as
+    /// truncated without reading nulls from nothing; arrays of items that
+    /// take no bytes are refused with their schema.
+    #[test]
+    fn arrays_cannot_promise_more_items_than_their_bytes_hold() {
+        let schema = AvroSchema::parse(
+            r#"{"type":"record","name":"R","fields":[
+                {"name":"xs","type":{"type":"array","items":["null","string"]}}]}"#,
+            &[],
+        )
+        .unwrap();
+        // block count 2^20 (zigzag varint), then nothing.
+        let e = schema.decode(&[0x80, 0x80, 0x80, 0x01]).unwrap_err();
+        assert!(e.contains("truncated"), "{e}");
+        // A real array still reads: [null, "a"].
+        assert_eq!(
+            schema
+                .decode(&[0x04, 0x00, 0x02, 0x02, b'a', 0x00])
+                .unwrap(),
+            serde_json::json!({"xs": [null, "a"]})
+        );
+        for weightless in [
+            r#"{"type":"array","items":"null"}"#,
+            r#"{"type":"array","items":{"type":"fixed","name":"Z","size":0}}"#,
+            r#"{"type":"record","name":"O","fields":[{"name":"a","type":{"type":"array","items":
+                {"type":"record","name":"E","fields":[{"name":"n","type":"null"}]}}}]}"#,
+        ] {
+            let e = AvroSchema::parse(weightless, &[]).unwrap_err();
+            assert!(e.contains("take no bytes"), "{weightless}: {e}");
+        }
     }
 }

@@ -10,14 +10,17 @@
 //! ```
 //!
 //! Both exit 0 once idle for 3 s (the backlog is drained). The Kafka
-//! consumer takes records in batches of `POISON_BATCH` (default 1).
+//! consumer takes records in batches of `POISON_BATCH` (default 1). With
+//! `POISON_STAGE=key` the poison kills the process while its key is
+//! derived, before any claim (a stage that runs before the handler, like a
+//! payload decoder that runs out of memory).
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use onceonly::amqp::AmqpConsumer;
 use onceonly::kafka::KafkaConsumer;
-use onceonly::{Delivery, Handler, HandlerError, Json, RetryPolicy};
+use onceonly::{Delivery, Handler, HandlerError, Json, KeySpec, RetryPolicy};
 use onceonly_integration_tests::example_ledger::postgres::{Ledger, open};
 use onceonly_integration_tests::example_ledger::{Payment, Receipt};
 use sqlx::Postgres;
@@ -50,6 +53,26 @@ impl Handler<Postgres> for Poisoned {
 
 const IDLE: Duration = Duration::from_secs(3);
 
+/// `/out_trade_no`; with `POISON_STAGE=key`, deriving the poison's key
+/// aborts the process.
+fn key_spec(poison: &str) -> KeySpec {
+    if std::env::var("POISON_STAGE").as_deref() != Ok("key") {
+        return KeySpec::json_field("/out_trade_no");
+    }
+    let poison = poison.to_owned();
+    KeySpec::custom(move |delivery: &Delivery| {
+        let json = delivery
+            .json()
+            .map_err(|e| onceonly::KeyError::NotJson(e.to_owned()))?;
+        let no = json["out_trade_no"].as_str().unwrap_or_default().to_owned();
+        if no == poison {
+            eprintln!("poison_worker: aborting while keying the poison message");
+            std::process::abort();
+        }
+        Ok(no)
+    })
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
@@ -77,7 +100,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .brokers(*bootstrap)
                 .group_id(*group)
                 .topic(*topic)
-                .key_expr("json:/out_trade_no")
+                .key(key_spec(poison))
                 .dead_letter_topic(*dlt)
                 .consumer_config("session.timeout.ms", "6000")
                 .retry(retry)

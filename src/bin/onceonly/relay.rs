@@ -126,8 +126,9 @@ fn publishers<DB: OutboxBackend>(
         } else {
             onceonly::outbox::WebhookSigning::Standard
         };
-        builder = builder
-            .publisher(onceonly::outbox::WebhookPublisher::new(secret.as_bytes()).signing(signing));
+        builder = builder.publisher(
+            onceonly::outbox::WebhookPublisher::new(secret.as_bytes())?.signing(signing),
+        );
     }
     let _ = args;
     Ok(builder)

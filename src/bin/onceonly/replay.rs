@@ -22,18 +22,19 @@ With --database-url (or ONCEONLY_DATABASE_URL, DATABASE_URL) each selected
 letter's key is looked up in the dedup table: the summary says, per failure
 group and in total, how many are new work, duplicates (answered, no effect)
 and conflicts. A letter older than the dedup retention of its scope (read
-from the table, or --retention; 7d without either) is refused and stays:
-its record may be gone, so a duplicate could run again. --beyond-retention
-replays it anyway. A letter replayed --max-replays times already goes to
+from the table, or --retention) is refused and stays: its record may be
+gone, so a duplicate could run again. No retention is ever assumed: give
+--retention or --database-url (a letter of a scope the table knows no
+retention of is refused too). --beyond-retention replays it anyway. A letter replayed --max-replays times already goes to
 <queue or topic>.parked instead of cycling.
 
 Examples:
-  onceonly replay amqp --url amqp://guest:guest@localhost:5672/%2f --queue orders.dlq --dry-run
+  onceonly replay amqp --url amqp://guest:guest@localhost:5672/%2f --queue orders.dlq --retention 7d --dry-run
   onceonly replay amqp --queue orders.dlq --database-url postgres://app@db/shop --dry-run
-  onceonly replay amqp --queue orders.dlq --group 3f9c0a1b2c4d
-  onceonly replay amqp --queue orders.dlq --reason handler_error --since 2h --rate 50/s
-  onceonly replay kafka --brokers localhost:9092 --topic payments.dlt --key PAY-1001
-  onceonly replay kafka --topic payments.dlt --limit 100 --consumer-group ops-replay
+  onceonly replay amqp --queue orders.dlq --group 3f9c0a1b2c4d --database-url postgres://app@db/shop
+  onceonly replay amqp --queue orders.dlq --reason handler_error --since 2h --rate 50/s --retention 7d
+  onceonly replay kafka --brokers localhost:9092 --topic payments.dlt --key PAY-1001 --retention 7d
+  onceonly replay kafka --topic payments.dlt --limit 100 --consumer-group ops-replay --retention 7d
 
 Exit status: 0 when every selected dead letter was replayed or parked (or
 would be, with --dry-run); 1 when any could not be or was refused (they stay
@@ -69,9 +70,9 @@ is requeued. The destination is x-onceonly-original-exchange/-routing-key, or
 the first x-death entry for queues fed by RabbitMQ's own dead-lettering.
 
 Examples:
-  onceonly replay amqp --queue orders.dlq --dry-run
-  onceonly replay amqp --queue orders.dlq --reason handler_error --reason decode_error
-  onceonly replay amqp --queue orders.dlq --since 2026-11-29T08:00:00Z --limit 10 --rate 5/s";
+  onceonly replay amqp --queue orders.dlq --dry-run --retention 7d
+  onceonly replay amqp --queue orders.dlq --reason handler_error --reason decode_error --database-url $DB
+  onceonly replay amqp --queue orders.dlq --since 2026-11-29T08:00:00Z --limit 10 --rate 5/s --retention 1d";
 
 #[cfg(feature = "kafka")]
 const KAFKA_HELP: &str = "\
@@ -85,9 +86,9 @@ records after a skipped one are offered again by the next run, where the
 consumer sees duplicates.
 
 Examples:
-  onceonly replay kafka --topic payments.dlt --dry-run
-  onceonly replay kafka --topic payments.dlt --reason handler_error --commit-skipped
-  onceonly replay kafka --topic payments.dlt -X security.protocol=ssl";
+  onceonly replay kafka --topic payments.dlt --dry-run --retention 7d
+  onceonly replay kafka --topic payments.dlt --reason handler_error --commit-skipped --database-url $DB
+  onceonly replay kafka --topic payments.dlt -X security.protocol=ssl --retention 7d";
 
 /// Filters and pacing shared by both sources.
 #[derive(clap::Args, Debug)]
@@ -114,7 +115,7 @@ pub struct Selection {
     #[arg(long)]
     beyond_retention: bool,
     /// The dedup retention of every scope (default: read from the dedup
-    /// table with --database-url, else 7d).
+    /// table with --database-url; one of the two is required).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     retention: Option<Duration>,
     /// Park a letter already replayed this many times in <source>.parked
@@ -278,7 +279,15 @@ async fn screen(s: &Selection) -> Result<Screen, BoxError> {
             let db = crate::db::Db::open(&url, &s.table, false).await?;
             Ok(crate::db::with_store!(db, |store| screen.lookup(store)))
         }
-        Err(crate::db::OpenError::NoUrl) => Ok(screen),
+        // Never assumed: without the table, the operator says it.
+        Err(crate::db::OpenError::NoUrl) if s.retention.is_some() || s.beyond_retention => {
+            Ok(screen)
+        }
+        Err(crate::db::OpenError::NoUrl) => Err(
+            "give --retention (the consumers' dedup retention, e.g. 1d) or --database-url: a \
+             letter older than the retention may be applied again, and no retention is assumed"
+                .into(),
+        ),
         Err(e) => Err(e.into()),
     }
 }
@@ -366,7 +375,7 @@ impl Ui {
                 }
                 Action::Refused => bar.suspend(|| {
                     println!(
-                        "refused {}: older than the dedup retention of its scope",
+                        "refused {}: older than the dedup retention of its scope (or its retention is unknown)",
                         describe()
                     );
                 }),
@@ -438,9 +447,9 @@ impl Ui {
         }
         if r.refused > 0 {
             println!(
-                "refused {} dead letter(s) older than the dedup retention of their scope: their \
-                 records may be gone, so a duplicate could run again (--beyond-retention replays \
-                 them)",
+                "refused {} dead letter(s) older than the dedup retention of their scope (or whose \
+                 scope's retention is unknown: give --retention): their records may be gone, so a \
+                 duplicate could run again (--beyond-retention replays them)",
                 r.refused
             );
         }

@@ -183,6 +183,19 @@ impl Adyen {
     }
 }
 
+/// A payload as [`signed_only`] makes it, every signed field present.
+pub(super) fn signed_sample() -> Vec<u8> {
+    signed_only(&serde_json::json!({
+        "pspReference": "8816178952380553",
+        "originalReference": "8816178952380552",
+        "merchantAccountCode": "Merchant",
+        "merchantReference": "order-1",
+        "eventCode": "AUTHORISATION",
+        "success": "true",
+        "amount": {"value": 1000, "currency": "EUR"},
+    }))
+}
+
 /// The notification with the signed fields of its item only, in Adyen's
 /// own envelope (so the same JSON pointers reach them): what a handler may
 /// trust. The unsigned rest (`additionalData`, `eventDate`, `reason`, ...)

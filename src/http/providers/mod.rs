@@ -111,6 +111,17 @@ impl Provider {
         }
     }
 
+    /// A payload with every field the provider signs, as its route hands
+    /// it to the handler, for providers whose route keeps the signed
+    /// fields only (Adyen); `None` for the others, whose payload is the
+    /// whole verified body. The layer checks a fence against it at build.
+    pub(crate) fn signed_payload_sample(&self) -> Option<Vec<u8>> {
+        match &self.kind {
+            Kind::Adyen(_) => Some(adyen::signed_sample()),
+            _ => None,
+        }
+    }
+
     /// How long the provider keeps redelivering a callback it got no
     /// success answer for (see the [module documentation](self) for the
     /// sources): Alipay 25 h, WeChat Pay 24 h 4 min, Stripe 3 days,

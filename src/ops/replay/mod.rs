@@ -26,11 +26,15 @@
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), onceonly::ops::replay::ReplayError> {
-//! use onceonly::ops::replay::{AmqpReplay, ReplayOptions};
+//! use std::time::Duration;
+//! use onceonly::ops::replay::{AmqpReplay, ReplayOptions, Screen};
+//! // The consumers keep their dedup records 7 days: a letter older than
+//! // that is refused (its record may be gone). No retention is assumed.
+//! let screen = Screen::new().retention(Duration::from_secs(7 * 86_400));
 //! let report = AmqpReplay::builder()
 //!     .url("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!     .queue("orders.dlq")
-//!     .options(ReplayOptions::new().reason("handler_error").limit(100))
+//!     .options(ReplayOptions::new().reason("handler_error").limit(100).screen(screen))
 //!     .build()?
 //!     .run()
 //!     .await?;

@@ -69,7 +69,10 @@ impl ReplayOptions {
 
     /// How matching letters are screened: looked up in the dedup table
     /// (verdicts) and refused when older than their scope's retention.
-    /// Default: no lookup, the default retention (7 days), refused.
+    /// Required: no retention is assumed, so a replay is built only with a
+    /// screen that has a [`retention`](Screen::retention), a
+    /// [`lookup`](Screen::lookup) (the dedup table tells it), or
+    /// [`beyond_retention`](Screen::beyond_retention).
     #[must_use]
     pub fn screen(mut self, screen: Screen) -> Self {
         self.screen = screen;
@@ -139,6 +142,14 @@ impl ReplayOptions {
         if self.publish_timeout == Some(Duration::ZERO) {
             return Err(ReplayError::Config(
                 "publish timeout must not be zero".into(),
+            ));
+        }
+        if !self.screen.knows_retention() {
+            return Err(ReplayError::Config(
+                "the dedup retention is unknown: give the screen the consumers' retention \
+                 (Screen::retention) or their dedup table (Screen::lookup); a letter older than \
+                 it may be applied again, and none is assumed"
+                    .into(),
             ));
         }
         Ok(())

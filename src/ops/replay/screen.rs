@@ -83,8 +83,11 @@ impl<S: AdminStore> DedupLookup for S {
 ///
 /// The retention of a scope is, in order: the one given with
 /// [`retention`](Self::retention); the one its newest record in the dedup
-/// table was written with; the engine's default
-/// ([`DEFAULT_RETENTION`](crate::engine::DEFAULT_RETENTION), 7 days).
+/// table was written with. Nothing else is assumed: a dated letter of a
+/// scope whose retention is unknown (no retention given, and no dedup
+/// table or no live record of the scope in it) is refused like one older
+/// than its retention, since its record may be gone (a consumer kept for
+/// a day would otherwise apply again a letter aged two to seven days).
 #[derive(Clone)]
 pub struct Screen {
     lookup: Option<Arc<dyn DedupLookup>>,
@@ -126,8 +129,11 @@ pub(crate) struct Screening {
 }
 
 impl Screen {
-    /// No dedup table: every verdict is [`Verdict::Unknown`]; letters older
-    /// than the default retention are refused.
+    /// No dedup table and no retention: every verdict is
+    /// [`Verdict::Unknown`], and every dated letter is refused (its
+    /// scope's retention is unknown) unless
+    /// [`beyond_retention`](Self::beyond_retention). Give the
+    /// [`retention`](Self::retention) or a [`lookup`](Self::lookup).
     pub fn new() -> Self {
         Self::default()
     }
@@ -166,6 +172,13 @@ impl Screen {
         crate::sync::lock(&self.known)
     }
 
+    /// Whether the screen can tell a letter's age against its scope's
+    /// retention, or need not: a retention given, a dedup table to read it
+    /// from, or letters beyond it allowed.
+    pub(crate) fn knows_retention(&self) -> bool {
+        self.retention.is_some() || self.lookup.is_some() || self.beyond_retention
+    }
+
     /// Whether a dedup table is looked up.
     pub fn has_lookup(&self) -> bool {
         self.lookup.is_some()
@@ -182,26 +195,28 @@ impl Screen {
         payload: &[u8],
     ) -> Result<Screening, StoreError> {
         let now = self.clock.now_ms();
+        // Never assumed: unknown, a dated letter is refused.
         let retention = match (self.retention, &self.lookup, scope) {
-            (Some(r), _, _) => r,
+            (Some(r), _, _) => Some(r),
             (None, Some(lookup), Some(scope)) => {
                 let known = self.lock().get(scope).copied();
                 match known {
-                    Some(r) => r,
+                    Some(r) => Some(r),
                     None => {
-                        let r = lookup
-                            .retention(scope)
-                            .await?
-                            .unwrap_or(crate::engine::DEFAULT_RETENTION);
-                        self.lock().insert(scope.to_owned(), r);
+                        let r = lookup.retention(scope).await?;
+                        if let Some(r) = r {
+                            self.lock().insert(scope.to_owned(), r);
+                        }
                         r
                     }
                 }
             }
-            _ => crate::engine::DEFAULT_RETENTION,
+            _ => None,
         };
-        let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-        let old = first_seen_ms.is_some_and(|t| now.saturating_sub(t) > retention_ms);
+        let old = first_seen_ms.is_some_and(|t| match retention {
+            Some(r) => now.saturating_sub(t) > i64::try_from(r.as_millis()).unwrap_or(i64::MAX),
+            None => true,
+        });
         let refused = old && !self.beyond_retention;
         let verdict = match (&self.lookup, scope, key) {
             (Some(lookup), Some(scope), Some(key)) => match lookup.record(scope, key).await? {
@@ -292,6 +307,17 @@ mod tests {
         assert!(!check(screen.clone(), None).await.refused, "undated");
         assert!(
             !check(screen.beyond_retention(true), Some(8 * day))
+                .await
+                .refused
+        );
+        // Issue 44, defect 11: no retention and no dedup table: nothing is
+        // assumed, a dated letter is refused (however young), an undated
+        // one is not.
+        let unknown = Screen::new().clock(clock);
+        assert!(check(unknown.clone(), Some(10 * day - 1_000)).await.refused);
+        assert!(!check(unknown.clone(), None).await.refused);
+        assert!(
+            !check(unknown.beyond_retention(true), Some(8 * day))
                 .await
                 .refused
         );

@@ -57,16 +57,20 @@ pub struct WebhookPublisher {
 
 impl WebhookPublisher {
     /// A publisher signing with `secret` as Standard Webhooks, with a 10 s
-    /// timeout.
-    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
+    /// timeout. A `whsec_<base64>` secret (padded or not, as Svix and the
+    /// spec's libraries issue and accept it) is its decoded key; any
+    /// other secret is the key's bytes. An empty secret, or a `whsec_`
+    /// secret that is not base64, is refused: signing with it would fail
+    /// every receiver's check.
+    pub fn new(secret: impl Into<Vec<u8>>) -> Result<Self, WebhookSecretError> {
         Self::with_timeout(secret, Duration::from_secs(10))
     }
 
     /// A publisher signing with `secret` in onceonly's own format
     /// ([`WebhookSigning::Onceonly`]), for receivers set up before
     /// Standard Webhooks became the default.
-    pub fn onceonly_signed(secret: impl Into<Vec<u8>>) -> Self {
-        Self::new(secret).signing(WebhookSigning::Onceonly)
+    pub fn onceonly_signed(secret: impl Into<Vec<u8>>) -> Result<Self, WebhookSecretError> {
+        Ok(Self::new(secret)?.signing(WebhookSigning::Onceonly))
     }
 
     /// The same publisher signing as `signing` says.
@@ -87,8 +91,12 @@ impl WebhookPublisher {
         &self.secret
     }
 
-    /// The same with another request timeout.
-    pub fn with_timeout(secret: impl Into<Vec<u8>>, timeout: Duration) -> Self {
+    /// [`new`](Self::new) with another request timeout.
+    pub fn with_timeout(
+        secret: impl Into<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<Self, WebhookSecretError> {
+        let secret = decode_secret(secret.into())?;
         let client = reqwest::Client::builder()
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
@@ -100,17 +108,11 @@ impl WebhookPublisher {
                 tracing::error!(error = %e, "webhook client setup failed; using the default client");
                 reqwest::Client::default()
             });
-        let secret: Vec<u8> = secret.into();
-        // A `whsec_` secret is the base64 of the key (Standard Webhooks).
-        let secret = secret
-            .strip_prefix(b"whsec_")
-            .and_then(|encoded| BASE64.decode(encoded).ok())
-            .unwrap_or(secret);
-        Self {
+        Ok(Self {
             client,
             secret,
             signing: WebhookSigning::default(),
-        }
+        })
     }
 
     /// The Standard Webhooks signature header value of message `id` with
@@ -144,6 +146,43 @@ impl WebhookPublisher {
             hex::encode(mac.finalize().into_bytes())
         )
     }
+}
+
+/// Why [`WebhookPublisher::new`] refused a secret.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WebhookSecretError {
+    /// The secret (or the key a `whsec_` secret encodes) is empty.
+    #[error("the webhook secret is empty")]
+    Empty,
+    /// A `whsec_` secret whose rest is not base64: Standard Webhooks
+    /// receivers decode it as base64, so no signature made with its text
+    /// would verify.
+    #[error(
+        "a whsec_ secret is the base64 of its key (Standard Webhooks), and this one is not: {0}"
+    )]
+    NotBase64(String),
+}
+
+/// The HMAC key of `secret`: a `whsec_` secret is the base64 of the key
+/// (Standard Webhooks), with or without its padding as the spec's
+/// libraries take it; any other secret is the key's bytes.
+fn decode_secret(secret: Vec<u8>) -> Result<Vec<u8>, WebhookSecretError> {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    const WHSEC: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+    );
+    let key = match secret.strip_prefix(b"whsec_") {
+        Some(encoded) => WHSEC
+            .decode(encoded)
+            .map_err(|e| WebhookSecretError::NotBase64(e.to_string()))?,
+        None => secret,
+    };
+    if key.is_empty() {
+        return Err(WebhookSecretError::Empty);
+    }
+    Ok(key)
 }
 
 #[async_trait]
@@ -229,7 +268,7 @@ mod tests {
     /// the signature they expect.
     #[test]
     fn standard_webhooks_test_vector() {
-        let publisher = WebhookPublisher::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
+        let publisher = WebhookPublisher::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         assert_eq!(
             publisher.sign_standard(
                 "msg_p5jXN8AQM9LWM0D4loKWxJek",
@@ -245,7 +284,7 @@ mod tests {
         // The raw key signs the same.
         let raw = BASE64.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         assert_eq!(
-            WebhookPublisher::new(raw).sign_standard(
+            WebhookPublisher::new(raw).unwrap().sign_standard(
                 "msg_p5jXN8AQM9LWM0D4loKWxJek",
                 1_614_265_330,
                 br#"{"test": 2432232314}"#
@@ -261,9 +300,52 @@ mod tests {
 
     #[test]
     fn the_default_is_standard_and_the_onceonly_format_stays() {
-        assert_eq!(WebhookPublisher::new("k").signing, WebhookSigning::Standard);
-        let onceonly = WebhookPublisher::onceonly_signed("k");
+        assert_eq!(
+            WebhookPublisher::new("k").unwrap().signing,
+            WebhookSigning::Standard
+        );
+        let onceonly = WebhookPublisher::onceonly_signed("k").unwrap();
         assert_eq!(onceonly.signing, WebhookSigning::Onceonly);
         assert!(onceonly.sign(b"{}", 1).starts_with("t=1,v1="));
+    }
+
+    /// Secrets as the Standard Webhooks Python library (`standardwebhooks`
+    /// 1.0) reads them, and the signature it makes with each for one
+    /// message: padded and unpadded `whsec_` secrets are the same key.
+    #[test]
+    fn padded_and_unpadded_whsec_secrets_sign_as_the_spec_libraries_do() {
+        let (id, ts, body) = (
+            "msg_2KWPBgLlAfxdpx2AI54pPJ85f1W",
+            1_674_087_231,
+            br#"{"type":"payment.settled","amount":500}"#,
+        );
+        let expected = "v1,Fom7oFMwmTh6hz6lngWwgrinz/iNUkpvxYNL+C9cdHY=";
+        for secret in [
+            "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+            "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8",
+        ] {
+            let publisher = WebhookPublisher::new(secret).unwrap();
+            assert_eq!(publisher.sign_standard(id, ts, body), expected, "{secret}");
+            assert_eq!(
+                publisher.standard_secret(),
+                "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+            );
+        }
+        // A bare secret is the key's bytes: shared as its `whsec_` form.
+        let raw = WebhookPublisher::new((0u8..32).collect::<Vec<u8>>()).unwrap();
+        assert_eq!(raw.sign_standard(id, ts, body), expected);
+        // What the libraries cannot read is refused, not used as text.
+        assert!(matches!(
+            WebhookPublisher::new("whsec_not base64!"),
+            Err(WebhookSecretError::NotBase64(_))
+        ));
+        assert!(matches!(
+            WebhookPublisher::new("whsec_"),
+            Err(WebhookSecretError::Empty)
+        ));
+        assert!(matches!(
+            WebhookPublisher::new(""),
+            Err(WebhookSecretError::Empty)
+        ));
     }
 }
