@@ -1,5 +1,6 @@
 //! The examples' logs (to stderr) and, built with feature `otel` and run
-//! with `OTEL_EXPORTER_OTLP_ENDPOINT` set (e.g. `http://127.0.0.1:4318`),
+//! with `OTEL_EXPORTER_OTLP_ENDPOINT` (e.g. `http://127.0.0.1:4318`) or
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (e.g. `http://127.0.0.1:4318/v1/traces`) set,
 //! OpenTelemetry traces exported over OTLP/HTTP: each delivery's
 //! `onceonly.delivery` span continues the trace its message or request
 //! carries (W3C `traceparent`, `tracestate`, `baggage`), and relayed
@@ -26,7 +27,11 @@ pub fn init(service: &str) -> Tracing {
         .with(tracing_subscriber::filter::LevelFilter::INFO)
         .with(logs);
     #[cfg(feature = "otel")]
-    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some() {
+    // Either variable the OTLP exporter reads: the general endpoint, or
+    // the traces' own (a traces endpoint alone must not export nothing).
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+        || std::env::var_os("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
+    {
         match otlp(service) {
             Ok(provider) => {
                 use opentelemetry::trace::TracerProvider as _;

@@ -249,6 +249,13 @@ async fn one_trace_from_the_http_request_through_the_outbox_and_kafka_to_the_con
     assert!(http.parent_span_is_remote);
     assert_eq!(http.span_kind, SpanKind::Server);
     assert_eq!(attr(http, "outcome").as_deref(), Some("processed"));
+    // Issue 44, defect 14: the HTTP server span conventions.
+    assert_eq!(attr(http, "http.request.method").as_deref(), Some("POST"));
+    assert_eq!(attr(http, "http.route").as_deref(), Some("/orders"));
+    assert_eq!(
+        attr(http, "http.response.status_code").as_deref(),
+        Some("201")
+    );
     assert_eq!(
         publish.parent_span_id,
         http.span_context.span_id(),

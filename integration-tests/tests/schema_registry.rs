@@ -30,9 +30,11 @@ use serde::Deserialize;
 use serde_json::Value;
 use sqlx::Postgres;
 
+/// A client of `url` that judges an unknown id at once (no grace).
 fn registry_at(url: &str) -> SchemaRegistry {
     SchemaRegistry::builder(url)
         .timeout(Duration::from_secs(2))
+        .unknown_id_grace(Duration::ZERO)
         .build()
         .expect("registry client")
 }
@@ -281,6 +283,7 @@ async fn soft_deleted_references_and_registries_without_the_id() {
     // While the one that may have it is down, "not found" elsewhere waits.
     let fresh = SchemaRegistry::builder(lacking.url())
         .url(registry.url())
+        .unknown_id_grace(Duration::ZERO)
         .build()
         .unwrap();
     registry.set_down(true);
@@ -295,6 +298,44 @@ async fn soft_deleted_references_and_registries_without_the_id() {
         decode(&fresh, refund()).await,
         Err(PayloadError::Malformed(why)) if why.contains("40403")
     ));
+}
+
+/// Issue 44, defect 9: a schema id no registry URL knows yet (a replica
+/// behind the one the producer registered with) is waited for like an
+/// outage during the grace, read once the replica has it, and malformed
+/// (`decode_error`) only once the grace has passed.
+#[tokio::test]
+async fn an_unknown_id_is_waited_for_during_the_grace_then_malformed() {
+    let fixtures = Fixtures::load();
+    let refund = || fixtures.payload("avro_ref_refund");
+    let replica = Registry::start().await;
+    replica.forget(3);
+    let lagging = SchemaRegistry::builder(replica.url())
+        .timeout(Duration::from_secs(2))
+        .unknown_id_grace(Duration::from_millis(800))
+        .build()
+        .unwrap();
+    assert_eq!(
+        unavailable(decode(&lagging, refund()).await),
+        InfraFault::Unreachable,
+        "an unknown id waits during the grace"
+    );
+    assert_eq!(
+        unavailable(decode(&lagging, refund()).await),
+        InfraFault::Unreachable,
+        "asked again, still within the grace"
+    );
+    assert_eq!(replica.fetches_of(3), 2, "the registry is asked each time");
+    // Past the grace, an id still unknown is malformed.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(matches!(
+        decode(&lagging, refund()).await,
+        Err(PayloadError::Malformed(why)) if why.contains("40403")
+    ));
+    // A registry that knows the id is read at once, whatever the grace.
+    let full = Registry::start().await;
+    let fresh = SchemaRegistry::builder(full.url()).build().unwrap();
+    assert!(decode(&fresh, refund()).await.is_ok());
 }
 
 #[tokio::test]
@@ -551,6 +592,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         .payload_decoder(
             SchemaRegistry::builder(registry.url())
                 .timeout(Duration::from_secs(2))
+                .unknown_id_grace(Duration::from_secs(1))
                 .build()
                 .unwrap(),
         )
@@ -626,16 +668,19 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         "each payment booked once, its handler run once"
     );
     // Once back, each schema was fetched once (an unknown id each time
-    // it is seen: once here).
+    // it is seen: again and again during its grace).
     let after: Vec<String> = registry.requests()[outage_requests..].to_vec();
-    for id in [1, 2, 10, 11, 20, 99] {
+    let fetches = |id: u32| {
         let suffix = format!("/schemas/ids/{id}");
-        assert_eq!(
-            after.iter().filter(|p| p.ends_with(&suffix)).count(),
-            1,
-            "{id}: {after:?}"
-        );
+        after.iter().filter(|p| p.ends_with(&suffix)).count()
+    };
+    for id in [1, 2, 10, 11, 20] {
+        assert_eq!(fetches(id), 1, "{id}: {after:?}");
     }
+    assert!(
+        fetches(99) >= 2,
+        "the unknown id is asked again during its grace: {after:?}"
+    );
 }
 
 /// On RabbitMQ, through a registry that wants credentials: Protobuf and
@@ -672,6 +717,7 @@ async fn amqp_books_each_payment_once_and_dead_letters_bad_payloads() {
             .payload_decoder(
                 SchemaRegistry::builder(registry.url())
                     .basic_auth("svc-payments", "s3cret")
+                    .unknown_id_grace(Duration::from_secs(1))
                     .build()
                     .unwrap(),
             )

@@ -447,7 +447,10 @@ async fn a_stale_redelivery_books_a_step_that_ran(url: &str, mysql: bool, batch:
                 newer.outcome
             );
             let again = if batch {
-                engine.process_batch(&handler, std::slice::from_ref(&a)).await.remove(0)
+                engine
+                    .process_batch(&handler, std::slice::from_ref(&a))
+                    .await
+                    .remove(0)
             } else {
                 engine.process(&handler, &a).await
             };

@@ -524,9 +524,11 @@ impl<S: SqlStore> Engine<S> {
         if self.inner.fence.as_ref().is_some_and(|f| f.passes_stale()) {
             return Ok(Claimed::New(session));
         }
-        // A key whose step ran has its effect outside: never closed as
-        // stale without it. Its handler runs (its steps answer from their
-        // records; `Tx::fence` says the delivery is stale).
+        // A key whose step ran (or started: the process may have died
+        // between its call and its record) has its effect outside: never
+        // closed as stale without it. Its handler runs (its steps answer
+        // from their records, or call again with the same downstream key;
+        // `Tx::fence` says the delivery is stale).
         match self
             .has_finished_steps(session.tx.origin().scope(), session.key(), now_ms)
             .await
@@ -559,9 +561,10 @@ impl<S: SqlStore> Engine<S> {
         }
     }
 
-    /// Whether `key` has a live finished [step](crate::Tx::step) in
-    /// `scope` at `now_ms`: a stale delivery of such a key is not closed
-    /// as stale (its step's effect happened and must be booked). A store
+    /// Whether `key` has a live [step](crate::Tx::step) in `scope` at
+    /// `now_ms`, finished or only started (its call may have taken
+    /// effect): a stale delivery of such a key is not closed as stale (its
+    /// step's effect happened, or may have, and must be booked). A store
     /// without steps, or without its steps table, has none.
     pub(super) async fn has_finished_steps(
         &self,

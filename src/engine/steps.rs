@@ -23,7 +23,7 @@ use sqlx::Database;
 
 use crate::clock::Clock;
 use crate::fingerprint::Fingerprint;
-use crate::store::{ClaimTimes, SqlStore, StepRecord, StoreError};
+use crate::store::{ClaimTimes, STARTED_PREFIX, SqlStore, StepRecord, StoreError};
 
 use super::handler::HandlerError;
 
@@ -222,6 +222,21 @@ impl<DB: Database> StepLog<DB> {
         };
         check_payload(&record, step, fingerprint)?;
         Ok(Some(record.result))
+    }
+
+    /// Records that `step` is about to call, committed on its own before
+    /// the call (an empty result under [`STARTED_PREFIX`] and the step's
+    /// name): if the process dies after the call and before its record, a
+    /// delivery of the key still knows a call may have happened.
+    pub(crate) async fn record_start(
+        &self,
+        claim: (&str, &str, i64),
+        step: &str,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<(), StepError> {
+        let name = format!("{STARTED_PREFIX}{step}");
+        self.record(claim, &name, fingerprint, b"").await?;
+        Ok(())
     }
 
     /// Records the step's `result`, committed when this returns; the

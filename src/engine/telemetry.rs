@@ -236,6 +236,9 @@ impl Telemetry {
             messaging.operation.type = system.map(|_| "process"),
             messaging.destination.name = destination,
             messaging.message.id = message_id,
+            http.request.method = Empty,
+            http.route = Empty,
+            http.response.status_code = Empty,
         )
     }
 

@@ -310,9 +310,13 @@ impl<DB: Database> Tx<DB> {
             crate::telemetry::step_replayed(scope);
             return decode_step(&stored);
         }
+        let claim = (scope, key, origin.claimed_at_ms());
+        // The call's start, committed before it: a process that dies
+        // between the call and its record leaves a trace that a later
+        // delivery of the key (a stale one included) and the Completer see.
+        log.record_start(claim, step, fingerprint).await?;
         let value = call(downstream).await?;
         let bytes = serde_json::to_vec(&value).map_err(StepError::Encoding)?;
-        let claim = (scope, key, origin.claimed_at_ms());
         let standing = log.record(claim, step, fingerprint, &bytes).await?;
         crate::telemetry::step_called(scope);
         if standing == bytes {

@@ -173,9 +173,17 @@ where
     let span = cfg.engine.telemetry().span_of(Some(&source), None);
     #[cfg(feature = "otel")]
     crate::otel::adopt_http(&span, req.headers());
-    handle_in_span(cfg, inner, req, source)
-        .instrument(span)
-        .await
+    // The HTTP server span conventions: method, route template (axum's
+    // matched path, when the layer sits on a route), status.
+    span.record("http.request.method", req.method().as_str());
+    if let Some(route) = req.extensions().get::<axum::extract::MatchedPath>() {
+        span.record("http.route", route.as_str());
+    }
+    let response = handle_in_span(cfg, inner, req, source)
+        .instrument(span.clone())
+        .await;
+    span.record("http.response.status_code", response.status().as_u16());
+    response
 }
 
 async fn handle_in_span<S, I>(

@@ -619,6 +619,31 @@ impl RelayHandle {
     }
 }
 
+/// A webhook URL's host (without brackets for IPv6) and port (the
+/// scheme's default when it names none).
+#[cfg(feature = "otel")]
+fn host_and_port(url: &str) -> (Option<String>, Option<u16>) {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let authority = authority.rsplit('@').next().unwrap_or_default();
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(v6) => match v6.split_once(']') {
+            Some((host, rest)) => (host, rest.strip_prefix(':')),
+            None => (v6, None),
+        },
+        None => match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        },
+    };
+    let port = port.and_then(|p| p.parse().ok()).or(match scheme {
+        "https" => Some(443),
+        "http" => Some(80),
+        _ => None,
+    });
+    ((!host.is_empty()).then(|| host.to_owned()), port)
+}
+
 /// The span of one relayed message's publish (feature `otel`), with the
 /// OpenTelemetry messaging conventions.
 #[cfg(feature = "otel")]
@@ -630,7 +655,12 @@ fn publish_span(row: &OutboxRow) -> tracing::Span {
     };
     // A webhook is an HTTP call to a third party: a client span, named by
     // its host only (a webhook URL's path or query can be a credential).
-    let host = system.is_none().then(|| destination_label(row));
+    // `server.address` is the host alone, `server.port` the port (the
+    // HTTP client conventions).
+    let (host, port) = match system {
+        None => host_and_port(&row.destination),
+        Some(_) => (None, None),
+    };
     tracing::info_span!(
         "onceonly.publish",
         otel.kind = if system.is_some() { "producer" } else { "client" },
@@ -639,7 +669,35 @@ fn publish_span(row: &OutboxRow) -> tracing::Span {
         messaging.operation.type = system.map(|_| "send"),
         messaging.destination.name = system.map(|_| row.destination.as_str()),
         server.address = host.as_deref(),
+        server.port = port,
         messaging.message.id = %row.message_id,
         outcome = tracing::field::Empty,
     )
+}
+
+#[cfg(all(test, feature = "otel"))]
+mod tests {
+    use super::host_and_port;
+
+    /// Issue 44, defect 14: `server.address` is the host alone, the port
+    /// goes to `server.port`.
+    #[test]
+    fn webhook_spans_name_the_host_and_the_port_apart() {
+        assert_eq!(
+            host_and_port("https://hooks.example.com:8443/a?token=x"),
+            (Some("hooks.example.com".to_owned()), Some(8443))
+        );
+        assert_eq!(
+            host_and_port("http://127.0.0.1/notify"),
+            (Some("127.0.0.1".to_owned()), Some(80))
+        );
+        assert_eq!(
+            host_and_port("https://user:pw@[::1]:9000/x"),
+            (Some("::1".to_owned()), Some(9000))
+        );
+        assert_eq!(
+            host_and_port("https://example.com"),
+            (Some("example.com".to_owned()), Some(443))
+        );
+    }
 }

@@ -11,7 +11,7 @@ mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use reqwest::Url;
@@ -29,6 +29,9 @@ use protobuf::ProtoSchema;
 /// never one being fetched or read (schemas are immutable, so a forgotten
 /// one is fetched again).
 const MAX_CACHED: usize = 10_000;
+
+/// The default [`SchemaRegistryBuilder::unknown_id_grace`]: 60 s.
+pub const DEFAULT_UNKNOWN_ID_GRACE: Duration = Duration::from_secs(60);
 
 /// A [`PayloadDecoder`] for payloads in the Confluent wire format: it reads
 /// the schema id, fetches that schema from the registry once (and keeps it:
@@ -62,6 +65,11 @@ struct Inner {
     /// Read payloads without the magic byte as JSON.
     plain_json: bool,
     cache: Mutex<HashMap<u32, Arc<OnceCell<Arc<Parsed>>>>>,
+    /// How long an id every registry URL calls unknown is waited for.
+    unknown_id_grace: Duration,
+    /// When each id was first found unknown (forgotten once found, or
+    /// past the grace), at most [`MAX_CACHED`] of them.
+    unknown_since: Mutex<HashMap<u32, Instant>>,
 }
 
 /// A schema ready to read payloads, or why its id cannot be used.
@@ -85,6 +93,7 @@ impl SchemaRegistry {
             basic_auth: None,
             plain_json: false,
             timeout: client::DEFAULT_TIMEOUT,
+            unknown_id_grace: DEFAULT_UNKNOWN_ID_GRACE,
             #[cfg(feature = "tls")]
             ca_pems: Vec::new(),
             #[cfg(feature = "tls")]
@@ -106,10 +115,11 @@ impl SchemaRegistry {
         let fetched = cell
             .get_or_try_init(|| async {
                 match self.inner.client.schema(id).await {
-                    Ok((answer, references)) => Ok(Arc::new(parse(id, &answer, &references))),
-                    Err(Fetch::NotFound(why)) => {
-                        Err(PayloadError::Malformed(format!("schema id {id}: {why}")))
+                    Ok((answer, references)) => {
+                        lock(&self.inner.unknown_since).remove(&id);
+                        Ok(Arc::new(parse(id, &answer, &references)))
                     }
+                    Err(Fetch::NotFound(why)) => Err(self.unknown(id, &why)),
                     Err(Fetch::Unavailable(fault, why)) => {
                         tracing::warn!(schema_id = id, %why, "schema registry unavailable");
                         Err(PayloadError::Unavailable {
@@ -127,6 +137,28 @@ impl SchemaRegistry {
                 Err(e)
             }
         }
+    }
+
+    /// What an id the registry does not know is: waited for (as an
+    /// outage) during the grace since it was first found unknown, since a
+    /// registry replica may lag behind the one a producer registered the
+    /// schema with; malformed after it.
+    fn unknown(&self, id: u32, why: &str) -> PayloadError {
+        let now = Instant::now();
+        let mut since = lock(&self.inner.unknown_since);
+        if since.len() >= MAX_CACHED && !since.contains_key(&id) {
+            let grace = self.inner.unknown_id_grace;
+            since.retain(|_, first| now.duration_since(*first) <= grace);
+        }
+        let first = *since.entry(id).or_insert(now);
+        if now.duration_since(first) < self.inner.unknown_id_grace {
+            tracing::warn!(schema_id = id, %why, "schema id unknown to the registry; waiting in case a replica lags");
+            return PayloadError::Unavailable {
+                fault: crate::store::InfraFault::Unreachable,
+                source: format!("schema registry: schema id {id} not found yet: {why}").into(),
+            };
+        }
+        PayloadError::Malformed(format!("schema id {id}: {why}"))
     }
 
     /// Drops `id`'s cache entry unless a schema arrived in it meanwhile.
@@ -229,6 +261,7 @@ pub struct SchemaRegistryBuilder {
     basic_auth: Option<(String, String)>,
     plain_json: bool,
     timeout: Duration,
+    unknown_id_grace: Duration,
     #[cfg(feature = "tls")]
     ca_pems: Vec<Vec<u8>>,
     #[cfg(feature = "tls")]
@@ -267,6 +300,17 @@ impl SchemaRegistryBuilder {
     /// down.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// How long a schema id that every registry URL calls unknown is
+    /// waited for, like an outage, before its payloads are malformed
+    /// (`decode_error`) (default [`DEFAULT_UNKNOWN_ID_GRACE`]): a registry
+    /// replica may not have the schema a producer just registered with
+    /// another. Counted from the first time the id was found unknown; zero
+    /// dead-letters at once.
+    pub fn unknown_id_grace(mut self, grace: Duration) -> Self {
+        self.unknown_id_grace = grace;
         self
     }
 
@@ -346,6 +390,8 @@ impl SchemaRegistryBuilder {
                 },
                 plain_json: self.plain_json,
                 cache: Mutex::new(HashMap::new()),
+                unknown_id_grace: self.unknown_id_grace,
+                unknown_since: Mutex::new(HashMap::new()),
             }),
         })
     }

@@ -119,9 +119,26 @@ impl<DB: Backend> SqlBase<DB> {
 
     /// Begins a claim transaction: taking a connection (bounded by the
     /// pool's acquire timeout) and `BEGIN`, bounded by both deadlines.
+    ///
+    /// Cancellation-safe: sqlx's `begin` dropped after its `BEGIN` ran but
+    /// before it made the transaction returns the connection to the pool
+    /// with the transaction open (SQLite: holding the write lock every
+    /// other claim then waits for; PostgreSQL: the next claim on that
+    /// connection inside it). A delivery's future is dropped anywhere (an
+    /// HTTP client that disconnects, a deadline, a shutdown), so `BEGIN`
+    /// runs in a task of its own: the transaction it makes always exists,
+    /// and is rolled back when dropped.
     pub async fn begin(&self) -> Result<Transaction<'static, DB>, StoreError> {
         let bound = self.deadlines.acquire_timeout() + self.statement();
-        within(bound, "begin", self.pool.begin_with(self.begin.clone())).await
+        let (pool, statement) = (self.pool.clone(), self.begin.clone());
+        let task = tokio::spawn(async move { pool.begin_with(statement).await });
+        let joined = async {
+            match task.await {
+                Ok(begun) => begun.map_err(StoreError::from),
+                Err(e) => Err(StoreError::Corrupt(format!("the BEGIN task failed: {e}"))),
+            }
+        };
+        within(bound, "begin", joined).await
     }
 }
 

@@ -51,6 +51,7 @@ pub use dialect::{Dialect, Layout};
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
 };
+pub(crate) use side::STARTED_PREFIX;
 pub use side::{FenceRecord, OrphanedStep, StepRecord};
 pub use table::TableName;
 pub use tier::{CacheTier, CachedRecord, Completed};

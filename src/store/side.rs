@@ -23,6 +23,16 @@ use super::rows::StoreRow;
 use super::{Dialect, StoreError, TableName};
 use crate::fingerprint::Fingerprint;
 
+/// What the record of a step's start is named: `\u{1}started:<step>` (no
+/// step name holds a control character, so none is ever one). A step
+/// records its start, committed on its own, before its call.
+pub(crate) const STARTED_PREFIX: &str = "\u{1}started:";
+
+/// The step a started-step record is of, if `name` is one.
+pub(crate) fn started_step(name: &str) -> Option<&str> {
+    name.strip_prefix(STARTED_PREFIX)
+}
+
 /// The statements on the fence table. Orders are byte strings compared
 /// byte-wise (bytea, VARBINARY, BLOB: memcmp in every backend).
 #[derive(Debug, Default)]
@@ -485,6 +495,32 @@ where
         }
         let rows = query.bind(i64::from(limit)).fetch_all(&self.pool);
         let rows = within(self.pool_bound(), "orphaned steps", rows).await?;
-        rows.iter().map(StoreRow::orphaned_step).collect()
+        let found: Vec<OrphanedStep> = rows
+            .iter()
+            .map(StoreRow::orphaned_step)
+            .collect::<Result<_, _>>()?;
+        // A step that started and finished is reported once, finished; one
+        // that only started is reported as such (its call's outcome is
+        // unknown).
+        let finished: std::collections::HashSet<(String, String, String)> = found
+            .iter()
+            .filter(|o| started_step(&o.step).is_none())
+            .map(|o| (o.scope.clone(), o.key.clone(), o.step.clone()))
+            .collect();
+        Ok(found
+            .into_iter()
+            .filter_map(|mut o| match started_step(&o.step) {
+                None => Some(o),
+                Some(step) => {
+                    let step = step.to_owned();
+                    let done = (o.scope.clone(), o.key.clone(), step.clone());
+                    if finished.contains(&done) {
+                        return None;
+                    }
+                    o.step = format!("{step} (started; its outcome is unknown)");
+                    Some(o)
+                }
+            })
+            .collect())
     }
 }
