@@ -163,6 +163,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // OTEL_EXPORTER_OTLP_ENDPOINT set.
     let _tracing = tracing_setup::init("payment_webhook");
     let args = Args::parse();
+    refuse_idle_flags(&args)?;
     args.metrics.install()?;
     #[cfg(feature = "providers")]
     if let Some(provider) = provider_of(&args)? {
@@ -221,6 +222,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         (app, relay)
     };
     serve(&args, app, relay).await
+}
+
+/// Flags this run would ignore are refused, never silently dropped.
+fn refuse_idle_flags(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let postgres = args.database_url.starts_with("postgres");
+    #[cfg(feature = "providers")]
+    let provider = args.provider.is_some();
+    #[cfg(not(feature = "providers"))]
+    let provider = false;
+    if args.refund_api.is_some() && !postgres {
+        return Err("--refund-api needs --database-url postgres://… (its steps are recorded beside the claim; SQLite has one writer)".into());
+    }
+    if args.refund_api.is_some() && provider {
+        return Err(
+            "--refund-api serves the orders app's refund route: not with --provider".into(),
+        );
+    }
+    #[cfg(feature = "providers")]
+    if args.fence {
+        let Some(name) = args.provider.as_deref() else {
+            return Err("--fence fences a provider's callbacks: give --provider".into());
+        };
+        if preset_fence(name).is_none() {
+            return Err(
+                format!("--fence: {name} has no fence preset (Adyen signs no event time)").into(),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Serves `app` until Ctrl-C, then stops the relay.

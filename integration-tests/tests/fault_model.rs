@@ -172,10 +172,13 @@ async fn kafka_consumer_waits_out_a_read_only_failover() {
     );
 }
 
-/// A consumer started before anyone ran `migrate`: every message waits
-/// (nothing is dead-lettered with `store_error`) until the table exists.
+/// A consumer started before anyone ran `migrate` stops at once, saying
+/// how to create the table (issue 44: it used to wait for ever); a dedup
+/// table that disappears while the consumer runs is waited out: every
+/// message waits (nothing is dead-lettered with `store_error`) until the
+/// table is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_missing_dedup_table_waits_for_migrate() {
+async fn a_missing_dedup_table_stops_a_first_start_and_is_waited_for_later() {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let db = OwnDb::create("fo_missing").await;
     let store = PgStore::connect(&db.url).await.unwrap();
@@ -185,16 +188,39 @@ async fn a_missing_dedup_table_waits_for_migrate() {
     let queue = unique("missing");
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
+    let consumer = || {
+        AmqpConsumer::builder(store.clone())
+            .url(url())
+            .queue(&queue)
+            .key_expr("json:/out_trade_no")
+            .exit_when_idle(Duration::from_secs(8))
+            .build()
+            .unwrap()
+    };
+    let first = tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer().run_until(ledger::postgres::Ledger, CancellationToken::new()),
+    )
+    .await
+    .expect("a first start without the table stops at once");
+    match first {
+        Err(onceonly::amqp::AmqpConsumerError::MissingSchema(why)) => {
+            assert!(why.contains("onceonly migrate"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    store.migrate().await.unwrap();
+    let run =
+        tokio::spawn(consumer().run_until(ledger::postgres::Ledger, CancellationToken::new()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The table disappears while the consumer runs, then messages come.
+    sqlx::query(&format!("DROP TABLE {}", store.table()))
+        .execute(&pool)
+        .await
+        .unwrap();
     let stream = crash_stream("MT", 200);
     publish_stream(&channel, &queue, &stream).await;
-    let consumer = AmqpConsumer::builder(store.clone())
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .exit_when_idle(Duration::from_secs(3))
-        .build()
-        .unwrap();
-    let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(rows(&pool).await, 0, "nothing can commit without the table");
     assert_eq!(depth(&channel, &format!("{queue}.dlq")).await, 0);

@@ -1294,3 +1294,42 @@ async fn an_adyen_route_refuses_a_fence_on_a_field_adyen_does_not_sign() {
         .build()
         .expect("a fence on signed fields builds");
 }
+
+/// Issue 44, defect 15: flags the example would ignore are refused with
+/// the reason, never silently dropped (`--refund-api` on SQLite served no
+/// route; `--fence` without `--provider` fenced nothing).
+#[tokio::test]
+async fn the_example_refuses_flags_it_would_ignore() {
+    let bin = onceonly_integration_tests::child::example_binary("payment_webhook");
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}?mode=rwc", dir.path().join("w.db").display());
+    for (args, says) in [
+        (
+            vec![
+                "--database-url",
+                db.as_str(),
+                "--refund-api",
+                "http://127.0.0.1:1",
+            ],
+            "--refund-api needs",
+        ),
+        (
+            vec!["--database-url", db.as_str(), "--fence"],
+            "give --provider",
+        ),
+    ] {
+        let out = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            tokio::process::Command::new(&bin)
+                .args(&args)
+                .args(["--listen", "127.0.0.1:0"])
+                .output(),
+        )
+        .await
+        .expect("the example exits at once")
+        .expect("run the example");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} must be refused: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

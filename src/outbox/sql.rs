@@ -301,9 +301,18 @@ mod tests {
     fn statements_bind_every_value() {
         for dialect in [Dialect::Postgres, Dialect::MySql, Dialect::Sqlite] {
             let sql = OutboxSql::new(dialect, &TableName::new("box").expect("name"));
+            // PostgreSQL binds the ordering key ($9) twice: the row's and
+            // the key's advisory lock.
             let marks = sql.enqueue.matches('?').count() + sql.enqueue.matches('$').count();
-            let expected = if dialect == Dialect::Postgres { 14 } else { 13 };
+            let expected = if dialect == Dialect::Postgres { 15 } else { 13 };
             assert_eq!(marks, expected, "{dialect:?}: {}", sql.enqueue);
+            let lock_marks = sql.enqueue_lock.matches('?').count();
+            let lock_expected = usize::from(dialect == Dialect::MySql);
+            assert_eq!(
+                lock_marks, lock_expected,
+                "{dialect:?}: {}",
+                sql.enqueue_lock
+            );
         }
     }
 }

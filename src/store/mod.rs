@@ -462,7 +462,9 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
         times: ClaimTimes,
     ) -> Result<StepRecord, StoreError>;
 
-    /// Every step of `key` in `scope`, oldest first (expired or not).
+    /// Every step of `key` in `scope`, oldest first (expired or not); a
+    /// step whose call started and never recorded its result as
+    /// `<step> (started; its outcome is unknown)`, with an empty result.
     async fn steps(&self, scope: &str, key: &str) -> Result<Vec<StepRecord>, StoreError>;
 
     /// At most `limit` live steps that finished before `created_before_ms`

@@ -33,6 +33,11 @@ pub(crate) fn started_step(name: &str) -> Option<&str> {
     name.strip_prefix(STARTED_PREFIX)
 }
 
+/// How a step that started and never finished is shown.
+fn started_label(step: &str) -> String {
+    format!("{step} (started; its outcome is unknown)")
+}
+
 /// The statements on the fence table. Orders are byte strings compared
 /// byte-wise (bytea, VARBINARY, BLOB: memcmp in every backend).
 #[derive(Debug, Default)]
@@ -468,14 +473,35 @@ where
             .ok_or_else(|| StoreError::Corrupt("a recorded step did not read back".into()))
     }
 
-    /// Every step of `key` in `scope`, oldest first (expired or not).
+    /// Every step of `key` in `scope`, oldest first (expired or not): a
+    /// step that only started (its call's outcome unknown) as
+    /// `<step> (started; its outcome is unknown)` with an empty result.
     pub async fn steps(&self, scope: &str, key: &str) -> Result<Vec<StepRecord>, StoreError> {
         let rows = sqlx::query(&self.sql.steps.list)
             .bind(scope)
             .bind(key)
             .fetch_all(&self.pool);
         let rows = within(self.pool_bound(), "steps read", rows).await?;
-        rows.iter().map(StoreRow::step_record).collect()
+        let found: Vec<StepRecord> = rows
+            .iter()
+            .map(StoreRow::step_record)
+            .collect::<Result<_, _>>()?;
+        let finished: std::collections::HashSet<String> = found
+            .iter()
+            .filter(|s| started_step(&s.step).is_none())
+            .map(|s| s.step.clone())
+            .collect();
+        Ok(found
+            .into_iter()
+            .filter_map(|mut s| match started_step(&s.step) {
+                None => Some(s),
+                Some(step) if finished.contains(step) => None,
+                Some(step) => {
+                    s.step = started_label(step);
+                    Some(s)
+                }
+            })
+            .collect())
     }
 
     /// At most `limit` live steps finished before `created_before_ms`
@@ -517,7 +543,7 @@ where
                     if finished.contains(&done) {
                         return None;
                     }
-                    o.step = format!("{step} (started; its outcome is unknown)");
+                    o.step = started_label(&step);
                     Some(o)
                 }
             })

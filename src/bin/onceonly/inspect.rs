@@ -86,12 +86,7 @@ pub async fn run(args: InspectArgs) -> CliResult<ExitCode> {
         (Some(scope), Some(key)) => with_store!(&db, |store| store.steps(scope, key).await?),
         _ => Vec::new(),
     };
-    // The records of a step's start (named with a control character) are
-    // the engine's own: a finished step is shown by its result.
-    let steps: Vec<_> = steps
-        .into_iter()
-        .filter(|s| !s.step.starts_with('\u{1}'))
-        .collect();
+
     let now = now_ms();
     for (i, r) in records.iter().enumerate() {
         if args.json {

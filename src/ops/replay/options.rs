@@ -259,7 +259,20 @@ mod tests {
                 Err(ReplayError::Config(_))
             ));
         }
-        assert!(ReplayOptions::new().rate(0.5).validate().is_ok());
+        let known = Screen::new().retention(std::time::Duration::from_secs(86_400));
+        assert!(
+            ReplayOptions::new()
+                .rate(0.5)
+                .screen(known)
+                .validate()
+                .is_ok()
+        );
+        // No retention is assumed: a screen that cannot tell a letter's
+        // age against it is refused.
+        assert!(matches!(
+            ReplayOptions::new().validate(),
+            Err(ReplayError::Config(why)) if why.contains("retention")
+        ));
         assert!(ReplayOptions::new().limit(0).limit_reached(0));
     }
 }
