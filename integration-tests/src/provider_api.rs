@@ -372,6 +372,32 @@ async fn refund(
     }
 }
 
+/// A handler's step calling the refund API at `api` (a [`ProviderApi`]'s
+/// [`url`](ProviderApi::url)) with downstream key `key`: its answer when
+/// it is a success, a retryable failure otherwise (a 409 or 500 has a JSON
+/// body too, and taken for the step's result it would book a refund that
+/// never happened).
+pub async fn refund_step(
+    api: String,
+    key: String,
+    body: Value,
+) -> Result<Value, onceonly::HandlerError> {
+    let sent = reqwest::Client::new()
+        .post(format!("{api}/v1/refunds"))
+        .header("Idempotency-Key", key)
+        .json(&body)
+        .send()
+        .await
+        .map_err(onceonly::HandlerError::retryable)?;
+    if !sent.status().is_success() {
+        return Err(onceonly::HandlerError::retryable(format!(
+            "{}",
+            sent.status()
+        )));
+    }
+    sent.json().await.map_err(onceonly::HandlerError::retryable)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

@@ -312,7 +312,7 @@ async fn an_unknown_id_is_waited_for_during_the_grace_then_malformed() {
     replica.forget(3);
     let lagging = SchemaRegistry::builder(replica.url())
         .timeout(Duration::from_secs(2))
-        .unknown_id_grace(Duration::from_millis(800))
+        .unknown_id_grace(Duration::from_secs(3))
         .build()
         .unwrap();
     assert_eq!(
@@ -327,7 +327,7 @@ async fn an_unknown_id_is_waited_for_during_the_grace_then_malformed() {
     );
     assert_eq!(replica.fetches_of(3), 2, "the registry is asked each time");
     // Past the grace, an id still unknown is malformed.
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
     assert!(matches!(
         decode(&lagging, refund()).await,
         Err(PayloadError::Malformed(why)) if why.contains("40403")

@@ -37,7 +37,7 @@ use onceonly::{
     Delivery, Engine, FenceSpec, HandlerError, Json, KeySpec, OrderSpec, Outcome, RetryPolicy,
     SqlStore, Tx, handler_fn,
 };
-use onceonly_integration_tests::provider_api::ProviderApi;
+use onceonly_integration_tests::provider_api::{ProviderApi, refund_step};
 use onceonly_integration_tests::{
     mysql_store, mysql_url, pg_generations_store, pg_store, pg_url, sqlite_store, unique,
 };
@@ -235,21 +235,7 @@ where
                         .insert(tx.downstream_key("refund")?, key.clone());
                     let api = world.api.url();
                     let body = json!({"payment": key, "amount": p["amount"]});
-                    let answer: Value = tx
-                        .step("refund", |dk| async move {
-                            let sent = reqwest::Client::new()
-                                .post(format!("{api}/v1/refunds"))
-                                .header("Idempotency-Key", dk)
-                                .json(&body)
-                                .send()
-                                .await
-                                .map_err(HandlerError::retryable)?;
-                            if !sent.status().is_success() {
-                                return Err(HandlerError::retryable(sent.status().to_string()));
-                            }
-                            sent.json().await.map_err(HandlerError::retryable)
-                        })
-                        .await?;
+                    let answer: Value = tx.step("refund", |dk| refund_step(api, dk, body)).await?;
                     answer["id"].as_str().unwrap_or_default().to_owned()
                 } else {
                     format!("local-{key}")

@@ -14,7 +14,7 @@ use onceonly::{
     Delivery, Engine, HandlerError, Json, Outcome, RetryPolicy, SqlStore, StepError, Tx, handler_fn,
 };
 use onceonly_integration_tests::cli::onceonly;
-use onceonly_integration_tests::provider_api::ProviderApi;
+use onceonly_integration_tests::provider_api::{ProviderApi, refund_step};
 use onceonly_integration_tests::{mysql_store, mysql_url, pg_store, pg_url, sqlite_store, unique};
 use serde_json::{Value, json};
 use sqlx::Database as _;
@@ -33,21 +33,7 @@ fn refund_handler<DB: sqlx::Database>(
         async move {
             keys.lock().unwrap().push(tx.downstream_key("refund")?);
             let body = json!({"payment": r["payment"], "amount": r["amount"]});
-            let answer: Value = tx
-                .step("refund", |key| async move {
-                    let sent = reqwest::Client::new()
-                        .post(format!("{api}/v1/refunds"))
-                        .header("Idempotency-Key", key)
-                        .json(&body)
-                        .send()
-                        .await
-                        .map_err(HandlerError::retryable)?;
-                    if !sent.status().is_success() {
-                        return Err(HandlerError::retryable(format!("{}", sent.status())));
-                    }
-                    sent.json().await.map_err(HandlerError::retryable)
-                })
-                .await?;
+            let answer: Value = tx.step("refund", |key| refund_step(api, key, body)).await?;
             if fail_after
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                 .is_ok()
@@ -351,19 +337,7 @@ macro_rules! fenced_refund_handler {
                 let key = r["refund"].as_str().unwrap_or_default().to_owned();
                 let body = json!({"payment": r["payment"], "amount": r["amount"]});
                 let answer: Value = tx
-                    .step("refund", |key| async move {
-                        let sent = reqwest::Client::new()
-                            .post(format!("{api}/v1/refunds"))
-                            .header("Idempotency-Key", key)
-                            .json(&body)
-                            .send()
-                            .await
-                            .map_err(HandlerError::retryable)?;
-                        if !sent.status().is_success() {
-                            return Err(HandlerError::retryable(format!("{}", sent.status())));
-                        }
-                        sent.json().await.map_err(HandlerError::retryable)
-                    })
+                    .step("refund", |key| refund_step(api, key, body))
                     .await?;
                 let provider_id = answer["id"].as_str().unwrap_or_default().to_owned();
                 {
