@@ -21,6 +21,7 @@ pub struct Delivery {
     suspect: bool,
     json: OnceLock<Result<serde_json::Value, String>>,
     decoded: bool,
+    fingerprinted: Option<serde_json::Value>,
 }
 
 impl Delivery {
@@ -96,7 +97,30 @@ impl Delivery {
     pub fn with_decoded(mut self, tree: serde_json::Value) -> Self {
         self.json = OnceLock::from(Ok(tree));
         self.decoded = true;
+        self.fingerprinted = None;
         self
+    }
+
+    /// Sets the tree the payload fingerprint reads, for a decoded record
+    /// (see [`Delivery::with_decoded`]) whose schema stands for values left
+    /// out: the value tree without the members at their schema's default
+    /// (an Avro field's `default`), so that a record re-encoded under a
+    /// newer schema version that fills a default in is a duplicate of the
+    /// record written before the field existed. Key specs, fences and
+    /// inputs still read the full value tree.
+    #[must_use]
+    pub fn with_fingerprinted(mut self, tree: serde_json::Value) -> Self {
+        self.fingerprinted = Some(tree);
+        self
+    }
+
+    /// The tree the payload fingerprint reads: the one set by
+    /// [`Delivery::with_fingerprinted`], or else [`Delivery::json`].
+    pub(crate) fn fingerprinted(&self) -> Result<&serde_json::Value, &str> {
+        match &self.fingerprinted {
+            Some(tree) => Ok(tree),
+            None => self.json(),
+        }
     }
 
     /// Whether the payload's value tree was set by a decoder (see

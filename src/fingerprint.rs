@@ -19,7 +19,11 @@
 //! integers beyond ±2^53 are their exact decimal strings. A field a newer
 //! schema version adds, unset, and the defaults proto3 does not write (but
 //! an enum's, read as its first name) do not change it; two 64-bit ids
-//! one apart do. A zero and a missing value fingerprint alike.
+//! one apart do. A zero and a missing value fingerprint alike. A decoder
+//! may also leave out members at their schema's default (the
+//! [Schema Registry](crate::schema_registry) does for Avro field
+//! defaults, see [`Delivery::with_fingerprinted`]): a field added with a
+//! default, filled in by a re-encode, does not change it either.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -84,11 +88,11 @@ impl FingerprintSpec {
         match self {
             Self::Disabled => None,
             Self::Raw => Some(raw(delivery.payload())),
-            Self::Auto => Some(match delivery.json() {
+            Self::Auto => Some(match delivery.fingerprinted() {
                 Ok(value) => digest(b"onceonly-json\0", &canonical_tree(delivery, value)),
                 Err(_) => raw(delivery.payload()),
             }),
-            Self::Fields(pointers) => Some(match delivery.json() {
+            Self::Fields(pointers) => Some(match delivery.fingerprinted() {
                 Ok(value) => {
                     let null = serde_json::Value::Null;
                     let picked: Vec<Cow<'_, serde_json::Value>> = pointers
@@ -110,8 +114,10 @@ pub fn canonical_bytes<T: serde::Serialize>(value: &T) -> Vec<u8> {
     serde_json_canonicalizer::to_vec(value).unwrap_or_default()
 }
 
-/// The canonical bytes of `delivery`'s value tree `value`: RFC 8785, of
-/// the decoded form for a record a decoder read (see the module docs).
+/// The canonical bytes of `delivery`'s value tree `value` (its
+/// [fingerprinted](Delivery::with_fingerprinted) tree when it has one):
+/// RFC 8785, of the decoded form for a record a decoder read (see the
+/// module docs).
 pub(crate) fn canonical_tree(delivery: &Delivery, value: &serde_json::Value) -> Vec<u8> {
     canonical_bytes(&form(delivery, value))
 }

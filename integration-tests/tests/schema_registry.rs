@@ -105,8 +105,9 @@ async fn a_re_encode_under_a_new_schema_is_the_same_key_and_fingerprint() {
         let key = key.clone();
         async move {
             let raw = Delivery::new(payload);
-            let tree = decoder.decode(&raw).await.unwrap().unwrap();
-            let decoded = raw.clone().with_decoded(tree);
+            // What the engine reads: the tree, and the tree the
+            // fingerprint reads (Avro defaults left out).
+            let decoded = decoder.decode_delivery(&raw).await.unwrap().unwrap();
             (
                 key.derive(&decoded).unwrap().into_string(),
                 FingerprintSpec::Auto.compute(&decoded).unwrap(),
@@ -116,6 +117,9 @@ async fn a_re_encode_under_a_new_schema_is_the_same_key_and_fingerprint() {
     };
     for (v1, v2, changed) in [
         ("avro_v1_paid", "avro_v2_paid", "avro_v2_memo"),
+        // Fields added with defaults, filled in by the re-encode.
+        ("avro_v1_paid", "avro_v3_paid", "avro_v3_channel"),
+        ("avro_v2_paid", "avro_v3_paid", "avro_v3_channel"),
         ("proto_v1_payment", "proto_v2_payment", "proto_v2_memo"),
     ] {
         let (k1, f1, raw1) = seen(v1).await;
@@ -569,7 +573,9 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         "avro_v2_paid",     // duplicate of avro_v1_paid
         "proto_v2_payment", // duplicate of proto_v1_payment
         "bad_unknown_id",
-        "avro_v2_memo", // the same key with another value: conflict
+        "avro_v2_memo",    // the same key with another value: conflict
+        "avro_v3_paid",    // defaults filled in by a re-encode: duplicate
+        "avro_v3_channel", // a field added, not at its default: conflict
         "avro_v1_other",
         "bad_plain_json",
         "json_schema",
@@ -619,7 +625,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
 
     let outage_requests = registry.requests().len();
     registry.set_down(false);
-    let letters = read_all(&dlt, 1, 4, Duration::from_secs(30));
+    let letters = read_all(&dlt, 1, 5, Duration::from_secs(30));
     let deadline = Instant::now() + Duration::from_secs(30);
     while committed(&group, &topic, 1).get(&0) != ends.get(&0) {
         assert!(
@@ -642,6 +648,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         reasons,
         [
             ("avro_v2_memo", "fingerprint_mismatch"),
+            ("avro_v3_channel", "fingerprint_mismatch"),
             ("bad_magic", "decode_error"),
             ("bad_plain_json", "decode_error"),
             ("bad_unknown_id", "decode_error"),
@@ -674,7 +681,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         let suffix = format!("/schemas/ids/{id}");
         after.iter().filter(|p| p.ends_with(&suffix)).count()
     };
-    for id in [1, 2, 10, 11, 20] {
+    for id in [1, 2, 5, 10, 11, 20] {
         assert_eq!(fetches(id), 1, "{id}: {after:?}");
     }
     assert!(

@@ -12,7 +12,7 @@
 //!
 //! | Decoder answer | Outcome | Decision |
 //! |---|---|---|
-//! | `Ok(Some(tree))` | processed as if the payload were `tree` in JSON; fingerprinted in the [decoded form](crate::fingerprint) | per the rest of the table in [`decide`](super::decide) |
+//! | `Ok(Some(tree))` | processed as if the payload were `tree` in JSON; fingerprinted in the [decoded form](crate::fingerprint) (of the [fingerprinted tree](Delivery::with_fingerprinted), if the decoder sets one) | per the rest of the table in [`decide`](super::decide) |
 //! | `Ok(None)` | processed as if there were no decoder: the payload is parsed as JSON, fingerprinted as JSON | per the rest of the table |
 //! | [`PayloadError::Malformed`] | [`Rejected`](super::Outcome::Rejected) (`decode_error`) | dead letter, never retried |
 //! | [`PayloadError::Unavailable`] | [`Failed`](super::Outcome::Failed) with [`Failure::Decoder`](super::Failure::Decoder) | wait in place, never an attempt |
@@ -36,6 +36,20 @@ pub trait PayloadDecoder: Send + Sync + 'static {
     /// plain JSON payload on a topic moving to Avro): exactly as without a
     /// decoder, keys, fingerprints and inputs then parse it as JSON.
     async fn decode(&self, delivery: &Delivery) -> Result<Option<serde_json::Value>, PayloadError>;
+
+    /// `delivery` with its value tree set ([`Delivery::with_decoded`]), or
+    /// `None` as for [`decode`](Self::decode): what the engine calls.
+    /// Provided; a decoder whose schemas stand for values left out
+    /// overrides it to set the tree the fingerprint reads as well
+    /// ([`Delivery::with_fingerprinted`]), as the
+    /// [Schema Registry](crate::schema_registry) does for Avro field
+    /// defaults.
+    async fn decode_delivery(&self, delivery: &Delivery) -> Result<Option<Delivery>, PayloadError> {
+        Ok(self
+            .decode(delivery)
+            .await?
+            .map(|tree| delivery.clone().with_decoded(tree)))
+    }
 }
 
 /// Why a [`PayloadDecoder`] gave no value tree.
@@ -69,8 +83,8 @@ pub(super) async fn decode<'d>(
     let Some(decoder) = decoder.filter(|_| !delivery.is_decoded()) else {
         return Ok(Cow::Borrowed(delivery));
     };
-    Ok(match decoder.decode(delivery).await? {
-        Some(tree) => Cow::Owned(delivery.clone().with_decoded(tree)),
+    Ok(match decoder.decode_delivery(delivery).await? {
+        Some(decoded) => Cow::Owned(decoded),
         None => Cow::Borrowed(delivery),
     })
 }

@@ -300,7 +300,7 @@ fn scalar_at(json: &serde_json::Value, pointer: &str) -> Result<String, KeyError
 
 fn fingerprint_key(delivery: &Delivery) -> String {
     let mut h = Sha256::new();
-    let body = match delivery.json() {
+    let body = match delivery.fingerprinted() {
         Ok(v) => crate::fingerprint::canonical_tree(delivery, v),
         Err(_) => delivery.payload().to_vec(),
     };

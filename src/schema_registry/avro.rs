@@ -12,9 +12,12 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Map, Number, Value};
 
+use super::Record;
+use super::defaults;
+
 /// The largest decimal scale read: beyond it a record is refused rather
 /// than a string of that many digits built.
-const MAX_SCALE: usize = 1_000;
+pub(super) const MAX_SCALE: usize = 1_000;
 
 /// A writer schema with the named schemas its references bring, ready
 /// to read records.
@@ -24,6 +27,20 @@ pub(crate) struct AvroSchema {
     references: Vec<Schema>,
     /// Named types by full name, to follow `Ref`s while building the tree.
     names: HashMap<String, Schema>,
+    /// Whether a field somewhere has a default that is not a zero value:
+    /// then a record's fingerprint reads a second tree, without the
+    /// members at their default.
+    fills_defaults: bool,
+}
+
+/// Which tree [`tree`] builds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// Every member: what keys, fences and inputs read.
+    Full,
+    /// Without the record fields at their schema's default: what the
+    /// fingerprint reads.
+    Fingerprinted,
 }
 
 impl AvroSchema {
@@ -62,15 +79,18 @@ impl AvroSchema {
                 "an array of {items}, which take no bytes: a few bytes of a record could stand for billions of items, so such schemas are not read"
             ));
         }
+        let fills_defaults = defaults::fills_defaults(&writer, &names);
         Ok(Self {
             writer,
             references,
             names,
+            fills_defaults,
         })
     }
 
-    /// The value tree of one datum.
-    pub(crate) fn decode(&self, body: &[u8]) -> Result<Value, String> {
+    /// The value tree of one datum, and the tree its fingerprint reads
+    /// when the schema has defaults.
+    pub(crate) fn decode(&self, body: &[u8]) -> Result<Record, String> {
         let resolved = ResolvedSchema::new_with_schemata(
             self.references.iter().chain([&self.writer]).collect(),
         )
@@ -95,7 +115,20 @@ impl AvroSchema {
                 input.rest.len()
             ));
         }
-        tree(&value, &self.writer, &self.names)
+        let fingerprinted = if self.fills_defaults {
+            Some(tree(
+                &value,
+                &self.writer,
+                &self.names,
+                Form::Fingerprinted,
+            )?)
+        } else {
+            None
+        };
+        Ok(Record {
+            tree: tree(&value, &self.writer, &self.names, Form::Full)?,
+            fingerprinted,
+        })
     }
 }
 
@@ -232,7 +265,12 @@ fn recursive(
 }
 
 /// The value tree of `value`, read under `schema`.
-fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Result<Value, String> {
+fn tree(
+    value: &Avro,
+    schema: &Schema,
+    names: &HashMap<String, Schema>,
+    form: Form,
+) -> Result<Value, String> {
     let schema = match schema {
         Schema::Ref { name } => names
             .get(&name.fullname(None))
@@ -298,24 +336,31 @@ fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Resul
                 .ok()
                 .and_then(|i| u.variants().get(i))
                 .ok_or_else(|| format!("Avro union branch {index} is not in the schema"))?;
-            tree(inner, branch, names)?
+            tree(inner, branch, names, form)?
         }
         (Avro::Array(items), Schema::Array(a)) => Value::Array(
             items
                 .iter()
-                .map(|item| tree(item, &a.items, names))
+                .map(|item| tree(item, &a.items, names, form))
                 .collect::<Result<_, _>>()?,
         ),
         (Avro::Map(entries), Schema::Map(m)) => Value::Object(
             entries
                 .iter()
-                .map(|(k, v)| Ok((k.clone(), tree(v, &m.types, names)?)))
+                .map(|(k, v)| Ok((k.clone(), tree(v, &m.types, names, form)?)))
                 .collect::<Result<Map<_, _>, String>>()?,
         ),
         (Avro::Record(fields), Schema::Record(r)) => {
             let mut object = Map::new();
             for ((name, value), field) in fields.iter().zip(&r.fields) {
-                object.insert(name.clone(), tree(value, &field.schema, names)?);
+                if let (Form::Fingerprinted, Some(default)) = (form, &field.default) {
+                    let full = tree(value, &field.schema, names, Form::Full)?;
+                    if defaults::default_tree(default, &field.schema, names).as_ref() == Some(&full)
+                    {
+                        continue;
+                    }
+                }
+                object.insert(name.clone(), tree(value, &field.schema, names, form)?);
             }
             Value::Object(object)
         }
@@ -329,7 +374,7 @@ fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Resul
 
 /// A JSON number, or the string Protobuf's JSON mapping also uses for a
 /// float JSON cannot carry.
-fn float(f: f64) -> Value {
+pub(super) fn float(f: f64) -> Value {
     match Number::from_f64(f) {
         Some(n) => Value::Number(n),
         None if f.is_nan() => Value::String("NaN".to_owned()),
@@ -340,7 +385,7 @@ fn float(f: f64) -> Value {
 
 /// `unscaled` (a decimal integer, maybe negative) with `scale` digits after
 /// the point: `with_scale("-5", 2)` is `"-0.05"`.
-fn with_scale(unscaled: &str, scale: usize) -> String {
+pub(super) fn with_scale(unscaled: &str, scale: usize) -> String {
     if scale == 0 {
         return unscaled.to_owned();
     }
@@ -399,7 +444,7 @@ mod tests {
         body.push(0x7b); // 1.23
         body.extend([0xff; 8]); // -0.01
         assert_eq!(
-            schema.decode(&body).unwrap(),
+            schema.decode(&body).unwrap().tree,
             serde_json::json!({"a": "1.23", "b": "-0.01"})
         );
     }
@@ -416,7 +461,7 @@ mod tests {
         .unwrap();
         // id "ab", memo null, ok true
         assert_eq!(
-            schema.decode(b"\x04ab\x00\x01").unwrap(),
+            schema.decode(b"\x04ab\x00\x01").unwrap().tree,
             serde_json::json!({"id": "ab", "memo": null, "ok": true})
         );
         for cut in [&b"\x04ab\x00"[..], b"\x04ab", b"\x04a"] {
@@ -434,7 +479,10 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert_eq!(schema.decode(b"\x02").unwrap(), serde_json::json!({"a": 1}));
+        assert_eq!(
+            schema.decode(b"\x02").unwrap().tree,
+            serde_json::json!({"a": 1})
+        );
         assert!(
             schema
                 .decode(b"\x02\x02")
@@ -472,7 +520,7 @@ mod tests {
             body
         };
         assert_eq!(
-            schema.decode(&with_scale(2)).unwrap(),
+            schema.decode(&with_scale(2)).unwrap().tree,
             serde_json::json!({"d": "0.07"})
         );
         for scale in [3_000_000_000_i64, -3_000_000_000] {
@@ -502,7 +550,8 @@ mod tests {
         assert_eq!(
             schema
                 .decode(&[0x04, 0x00, 0x02, 0x02, b'a', 0x00])
-                .unwrap(),
+                .unwrap()
+                .tree,
             serde_json::json!({"xs": [null, "a"]})
         );
         for weightless in [

@@ -6,6 +6,7 @@
 mod avro;
 mod builtin;
 mod client;
+mod defaults;
 mod protobuf;
 mod wire;
 
@@ -207,9 +208,11 @@ fn parse(id: u32, answer: &client::Answer, references: &[(String, String)]) -> P
     })
 }
 
-#[async_trait]
-impl PayloadDecoder for SchemaRegistry {
-    async fn decode(&self, delivery: &Delivery) -> Result<Option<serde_json::Value>, PayloadError> {
+impl SchemaRegistry {
+    /// The value tree of `delivery`'s record and, for an Avro record whose
+    /// schema has defaults, the tree its fingerprint reads; `None` for a
+    /// payload read as it is.
+    async fn read(&self, delivery: &Delivery) -> Result<Option<Record>, PayloadError> {
         let payload = delivery.payload();
         if self.inner.plain_json && payload.first() != Some(&0) {
             // Read as it is: parsed and fingerprinted as JSON, exactly as
@@ -218,16 +221,53 @@ impl PayloadDecoder for SchemaRegistry {
         }
         let (id, body) = wire::split(payload).map_err(PayloadError::Malformed)?;
         let schema = self.schema(id).await?;
-        let tree = match &*schema {
+        let record = match &*schema {
             Parsed::Avro(avro) => avro.decode(body),
             Parsed::Protobuf(proto) => wire::message_indexes(body)
-                .and_then(|(indexes, message)| proto.decode(&indexes, message)),
+                .and_then(|(indexes, message)| proto.decode(&indexes, message))
+                .map(Record::plain),
             Parsed::Json => serde_json::from_slice(body)
+                .map(Record::plain)
                 .map_err(|e| format!("the payload is not the JSON its schema says: {e}")),
             Parsed::Unusable(why) => Err(format!("schema id {id} cannot be used: {why}")),
         };
-        tree.map(Some)
+        record
+            .map(Some)
             .map_err(|why| PayloadError::Malformed(format!("schema id {id}: {why}")))
+    }
+}
+
+/// A record's value tree, and the tree its fingerprint reads when that is
+/// another (members at their schema's default left out).
+#[derive(Debug)]
+pub(crate) struct Record {
+    pub(crate) tree: serde_json::Value,
+    pub(crate) fingerprinted: Option<serde_json::Value>,
+}
+
+impl Record {
+    fn plain(tree: serde_json::Value) -> Self {
+        Self {
+            tree,
+            fingerprinted: None,
+        }
+    }
+}
+
+#[async_trait]
+impl PayloadDecoder for SchemaRegistry {
+    async fn decode(&self, delivery: &Delivery) -> Result<Option<serde_json::Value>, PayloadError> {
+        Ok(self.read(delivery).await?.map(|record| record.tree))
+    }
+
+    async fn decode_delivery(&self, delivery: &Delivery) -> Result<Option<Delivery>, PayloadError> {
+        Ok(self.read(delivery).await?.map(|record| {
+            let decoded = delivery.clone().with_decoded(record.tree);
+            match record.fingerprinted {
+                Some(tree) => decoded.with_fingerprinted(tree),
+                None => decoded,
+            }
+        }))
     }
 }
 
