@@ -132,6 +132,13 @@ fn form<'v>(delivery: &Delivery, value: &'v serde_json::Value) -> Cow<'v, serde_
     }
 }
 
+/// Whether the decoded form leaves `value` out: a zero value, or a
+/// container of nothing but zero values.
+#[cfg_attr(not(feature = "schema-registry"), allow(dead_code))]
+pub(crate) fn leaves_out(value: &serde_json::Value) -> bool {
+    decoded_form(value).is_none()
+}
+
 /// The decoded form of a value: `None` for a zero value, objects without
 /// their zero members, integers beyond ±2^53 as exact strings.
 fn decoded_form(value: &serde_json::Value) -> Option<serde_json::Value> {

@@ -120,6 +120,8 @@ async fn a_re_encode_under_a_new_schema_is_the_same_key_and_fingerprint() {
         // Fields added with defaults, filled in by the re-encode.
         ("avro_v1_paid", "avro_v3_paid", "avro_v3_channel"),
         ("avro_v2_paid", "avro_v3_paid", "avro_v3_channel"),
+        // Zero values where the defaults are not: not the defaults.
+        ("avro_v1_paid", "avro_v3_paid", "avro_v3_zeroed"),
         ("proto_v1_payment", "proto_v2_payment", "proto_v2_memo"),
     ] {
         let (k1, f1, raw1) = seen(v1).await;
@@ -576,6 +578,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         "avro_v2_memo",    // the same key with another value: conflict
         "avro_v3_paid",    // defaults filled in by a re-encode: duplicate
         "avro_v3_channel", // a field added, not at its default: conflict
+        "avro_v3_zeroed",  // zero values where the defaults are not: conflict
         "avro_v1_other",
         "bad_plain_json",
         "json_schema",
@@ -625,7 +628,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
 
     let outage_requests = registry.requests().len();
     registry.set_down(false);
-    let letters = read_all(&dlt, 1, 5, Duration::from_secs(30));
+    let letters = read_all(&dlt, 1, 6, Duration::from_secs(30));
     let deadline = Instant::now() + Duration::from_secs(30);
     while committed(&group, &topic, 1).get(&0) != ends.get(&0) {
         assert!(
@@ -649,6 +652,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         [
             ("avro_v2_memo", "fingerprint_mismatch"),
             ("avro_v3_channel", "fingerprint_mismatch"),
+            ("avro_v3_zeroed", "fingerprint_mismatch"),
             ("bad_magic", "decode_error"),
             ("bad_plain_json", "decode_error"),
             ("bad_unknown_id", "decode_error"),

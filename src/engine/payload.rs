@@ -38,7 +38,9 @@ pub trait PayloadDecoder: Send + Sync + 'static {
     async fn decode(&self, delivery: &Delivery) -> Result<Option<serde_json::Value>, PayloadError>;
 
     /// `delivery` with its value tree set ([`Delivery::with_decoded`]), or
-    /// `None` as for [`decode`](Self::decode): what the engine calls.
+    /// `None` as for [`decode`](Self::decode): what the engine calls, so
+    /// a delivery decoded by hand should come from here too (its
+    /// fingerprint then reads what the consumers' does).
     /// Provided; a decoder whose schemas stand for values left out
     /// overrides it to set the tree the fingerprint reads as well
     /// ([`Delivery::with_fingerprinted`]), as the

@@ -13,7 +13,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Map, Number, Value};
 
 use super::Record;
-use super::defaults;
+use super::defaults::{self, Defaults};
 
 /// The largest decimal scale read: beyond it a record is refused rather
 /// than a string of that many digits built.
@@ -27,20 +27,11 @@ pub(crate) struct AvroSchema {
     references: Vec<Schema>,
     /// Named types by full name, to follow `Ref`s while building the tree.
     names: HashMap<String, Schema>,
-    /// Whether a field somewhere has a default that is not a zero value:
-    /// then a record's fingerprint reads a second tree, without the
-    /// members at their default.
-    fills_defaults: bool,
-}
-
-/// Which tree [`tree`] builds.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Form {
-    /// Every member: what keys, fences and inputs read.
-    Full,
-    /// Without the record fields at their schema's default: what the
-    /// fingerprint reads.
-    Fingerprinted,
+    /// The record fields whose default the fingerprint does not leave
+    /// out anyway, with the default in the tree's form, converted once:
+    /// when there are any, a record's fingerprint reads a second tree,
+    /// without the members at their default.
+    defaults: Defaults,
 }
 
 impl AvroSchema {
@@ -79,12 +70,12 @@ impl AvroSchema {
                 "an array of {items}, which take no bytes: a few bytes of a record could stand for billions of items, so such schemas are not read"
             ));
         }
-        let fills_defaults = defaults::fills_defaults(&writer, &names);
+        let defaults = defaults::of(&writer, &names);
         Ok(Self {
             writer,
             references,
             names,
-            fills_defaults,
+            defaults,
         })
     }
 
@@ -115,18 +106,11 @@ impl AvroSchema {
                 input.rest.len()
             ));
         }
-        let fingerprinted = if self.fills_defaults {
-            Some(tree(
-                &value,
-                &self.writer,
-                &self.names,
-                Form::Fingerprinted,
-            )?)
-        } else {
-            None
-        };
+        let tree = tree(&value, &self.writer, &self.names)?;
+        let fingerprinted = (!self.defaults.is_empty())
+            .then(|| strip(&value, &tree, &self.writer, &self.names, &self.defaults));
         Ok(Record {
-            tree: tree(&value, &self.writer, &self.names, Form::Full)?,
+            tree,
             fingerprinted,
         })
     }
@@ -265,12 +249,7 @@ fn recursive(
 }
 
 /// The value tree of `value`, read under `schema`.
-fn tree(
-    value: &Avro,
-    schema: &Schema,
-    names: &HashMap<String, Schema>,
-    form: Form,
-) -> Result<Value, String> {
+fn tree(value: &Avro, schema: &Schema, names: &HashMap<String, Schema>) -> Result<Value, String> {
     let schema = match schema {
         Schema::Ref { name } => names
             .get(&name.fullname(None))
@@ -336,31 +315,24 @@ fn tree(
                 .ok()
                 .and_then(|i| u.variants().get(i))
                 .ok_or_else(|| format!("Avro union branch {index} is not in the schema"))?;
-            tree(inner, branch, names, form)?
+            tree(inner, branch, names)?
         }
         (Avro::Array(items), Schema::Array(a)) => Value::Array(
             items
                 .iter()
-                .map(|item| tree(item, &a.items, names, form))
+                .map(|item| tree(item, &a.items, names))
                 .collect::<Result<_, _>>()?,
         ),
         (Avro::Map(entries), Schema::Map(m)) => Value::Object(
             entries
                 .iter()
-                .map(|(k, v)| Ok((k.clone(), tree(v, &m.types, names, form)?)))
+                .map(|(k, v)| Ok((k.clone(), tree(v, &m.types, names)?)))
                 .collect::<Result<Map<_, _>, String>>()?,
         ),
         (Avro::Record(fields), Schema::Record(r)) => {
             let mut object = Map::new();
             for ((name, value), field) in fields.iter().zip(&r.fields) {
-                if let (Form::Fingerprinted, Some(default)) = (form, &field.default) {
-                    let full = tree(value, &field.schema, names, Form::Full)?;
-                    if defaults::default_tree(default, &field.schema, names).as_ref() == Some(&full)
-                    {
-                        continue;
-                    }
-                }
-                object.insert(name.clone(), tree(value, &field.schema, names, form)?);
+                object.insert(name.clone(), tree(value, &field.schema, names)?);
             }
             Value::Object(object)
         }
@@ -370,6 +342,78 @@ fn tree(
             ));
         }
     })
+}
+
+/// The tree the fingerprint reads of `value`, whose value tree is `full`
+/// (built by [`tree`] under `schema`): without the record fields at their
+/// schema's default, and with a field whose default is not a zero value
+/// but whose value is one kept as [`defaults::explicit`] (the fingerprint
+/// leaves zero values out, and "at the default" and "set to zero" must
+/// differ). A walk of the tree already built: each default is compared
+/// once, never a subtree built again.
+fn strip(
+    value: &Avro,
+    full: &Value,
+    schema: &Schema,
+    names: &HashMap<String, Schema>,
+    defaults: &Defaults,
+) -> Value {
+    let schema = match schema {
+        Schema::Ref { name } => match names.get(&name.fullname(None)) {
+            Some(named) => named,
+            None => return full.clone(),
+        },
+        other => other,
+    };
+    match (value, schema, full) {
+        (Avro::Union(index, inner), Schema::Union(u), _) => {
+            match usize::try_from(*index)
+                .ok()
+                .and_then(|i| u.variants().get(i))
+            {
+                Some(branch) => strip(inner, full, branch, names, defaults),
+                None => full.clone(),
+            }
+        }
+        (Avro::Array(items), Schema::Array(a), Value::Array(built)) => Value::Array(
+            items
+                .iter()
+                .zip(built)
+                .map(|(item, full)| strip(item, full, &a.items, names, defaults))
+                .collect(),
+        ),
+        (Avro::Map(entries), Schema::Map(m), Value::Object(built)) => Value::Object(
+            entries
+                .iter()
+                .filter_map(|(k, v)| {
+                    let full = built.get(k)?;
+                    Some((k.clone(), strip(v, full, &m.types, names, defaults)))
+                })
+                .collect(),
+        ),
+        (Avro::Record(fields), Schema::Record(r), Value::Object(built)) => {
+            let fields_defaults = defaults.get(&r.name.fullname(None));
+            let mut object = Map::new();
+            for ((name, value), field) in fields.iter().zip(&r.fields) {
+                let Some(full) = built.get(name) else {
+                    continue;
+                };
+                let default = fields_defaults.and_then(|d| d.get(&field.name));
+                if default == Some(full) {
+                    continue;
+                }
+                let stripped = strip(value, full, &field.schema, names, defaults);
+                let kept = if default.is_some() && crate::fingerprint::leaves_out(&stripped) {
+                    defaults::explicit(full)
+                } else {
+                    stripped
+                };
+                object.insert(name.clone(), kept);
+            }
+            Value::Object(object)
+        }
+        _ => full.clone(),
+    }
 }
 
 /// A JSON number, or the string Protobuf's JSON mapping also uses for a

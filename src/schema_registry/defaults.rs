@@ -18,40 +18,70 @@ use super::avro::{MAX_SCALE, float, with_scale};
 /// not recursive (the decoder refuses those), so this is only a bound.
 const MAX_DEPTH: usize = 64;
 
-/// Whether a record anywhere in `schema` has a field whose default is not
-/// a zero value: without one the fingerprint's own rule (zero values left
-/// out) already covers every default, and no second tree is built.
-pub(super) fn fills_defaults(schema: &Schema, names: &HashMap<String, Schema>) -> bool {
-    fills(schema, names, &mut HashSet::new())
+/// The defaults the fingerprint has to know, by record (full name) and
+/// field name, in the tree's form.
+pub(crate) type Defaults = HashMap<String, HashMap<String, Value>>;
+
+/// The record fields anywhere in `schema` whose default, in the tree's
+/// form, is not one the fingerprint leaves out anyway (a zero value):
+/// without any, no second tree is built.
+pub(super) fn of(schema: &Schema, names: &HashMap<String, Schema>) -> Defaults {
+    let mut found = Defaults::new();
+    collect(schema, names, &mut HashSet::new(), &mut found);
+    found
 }
 
-fn fills(schema: &Schema, names: &HashMap<String, Schema>, seen: &mut HashSet<String>) -> bool {
+fn collect(
+    schema: &Schema,
+    names: &HashMap<String, Schema>,
+    seen: &mut HashSet<String>,
+    found: &mut Defaults,
+) {
     match schema {
         Schema::Ref { name } => {
-            let full = name.fullname(None);
-            seen.insert(full.clone()) && names.get(&full).is_some_and(|s| fills(s, names, seen))
+            if let Some(named) = names.get(&name.fullname(None)) {
+                collect(named, names, seen, found);
+            }
         }
-        Schema::Record(r) => r
-            .fields
-            .iter()
-            .any(|f| f.default.as_ref().is_some_and(|d| !zero(d)) || fills(&f.schema, names, seen)),
-        Schema::Array(a) => fills(&a.items, names, seen),
-        Schema::Map(m) => fills(&m.types, names, seen),
-        Schema::Union(u) => u.variants().iter().any(|v| fills(v, names, seen)),
-        _ => false,
+        Schema::Record(r) => {
+            let record = r.name.fullname(None);
+            if !seen.insert(record.clone()) {
+                return;
+            }
+            for field in &r.fields {
+                if let Some(default) = field
+                    .default
+                    .as_ref()
+                    .and_then(|d| default_tree(d, &field.schema, names))
+                    .filter(|d| !crate::fingerprint::leaves_out(d))
+                {
+                    found
+                        .entry(record.clone())
+                        .or_default()
+                        .insert(field.name.clone(), default);
+                }
+                collect(&field.schema, names, seen, found);
+            }
+        }
+        Schema::Array(a) => collect(&a.items, names, seen, found),
+        Schema::Map(m) => collect(&m.types, names, seen, found),
+        Schema::Union(u) => {
+            for variant in u.variants() {
+                collect(variant, names, seen, found);
+            }
+        }
+        _ => {}
     }
 }
 
-/// A JSON default the fingerprint leaves out anyway.
-fn zero(default: &Value) -> bool {
-    match default {
-        Value::Null | Value::Bool(false) => true,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.is_empty(),
-        Value::Bool(true) => false,
-    }
+/// How the fingerprint reads a field whose default is not a zero value
+/// but whose value is one (`false` where the default is `true`, `0` where
+/// it is `1`): not left out as a zero value is, since it is not the
+/// default, but as a string no value tree holds (it starts with NUL)
+/// carrying the value's canonical JSON.
+pub(super) fn explicit(value: &Value) -> Value {
+    let canonical = crate::fingerprint::canonical_bytes(value);
+    Value::String(format!("\u{0}set {}", String::from_utf8_lossy(&canonical)))
 }
 
 /// The value tree a field of `schema` whose record left it out reads as:
@@ -97,9 +127,11 @@ fn tree(
         #[allow(clippy::cast_possible_truncation)]
         Schema::Float => default.as_f64().map(|f| float(f64::from(f as f32))),
         Schema::Double => default.as_f64().map(float),
-        Schema::String | Schema::Enum(_) | Schema::Uuid(UuidSchema::String) => {
-            default.as_str().map(|s| Value::String(s.to_owned()))
-        }
+        Schema::String | Schema::Enum(_) => default.as_str().map(|s| Value::String(s.to_owned())),
+        // The decoder writes a uuid in lower case.
+        Schema::Uuid(UuidSchema::String) => default
+            .as_str()
+            .map(|s| Value::String(s.to_ascii_lowercase())),
         Schema::Bytes | Schema::Fixed(_) => Some(Value::String(BASE64.encode(latin1(default)?))),
         Schema::Decimal(d) if d.scale <= MAX_SCALE => {
             let unscaled = num_bigint::BigInt::from_signed_bytes_be(&latin1(default)?);
@@ -187,13 +219,21 @@ mod tests {
     }
 
     #[test]
-    fn only_schemas_with_a_non_zero_default_fill_one() {
-        let fills = |text: &str| fills_defaults(&Schema::parse_str(text).unwrap(), &HashMap::new());
-        assert!(!fills(
-            r#"{"type":"record","name":"P","fields":[{"name":"memo","type":["null","string"],"default":null},{"name":"n","type":"int","default":0}]}"#
-        ));
-        assert!(fills(
-            r#"{"type":"record","name":"P","fields":[{"name":"b","type":{"type":"record","name":"B","fields":[{"name":"channel","type":"string","default":"web"}]}}]}"#
-        ));
+    fn only_defaults_that_are_not_zero_values_are_kept() {
+        let of_text = |text: &str| super::of(&Schema::parse_str(text).unwrap(), &HashMap::new());
+        assert!(
+            of_text(
+                r#"{"type":"record","name":"P","fields":[{"name":"memo","type":["null","string"],"default":null},{"name":"n","type":"int","default":0}]}"#
+            )
+            .is_empty()
+        );
+        let nested = of_text(
+            r#"{"type":"record","name":"P","namespace":"x","fields":[
+                {"name":"b","type":{"type":"record","name":"B","fields":[{"name":"channel","type":"string","default":"web"}]}},
+                {"name":"fee","type":{"type":"bytes","logicalType":"decimal","precision":4,"scale":2},"default":""}]}"#,
+        );
+        assert_eq!(nested["x.B"].get("channel"), Some(&json!("web")));
+        // An empty decimal default reads as "0.00", which is not left out.
+        assert_eq!(nested["x.P"].get("fee"), Some(&json!("0.00")));
     }
 }
