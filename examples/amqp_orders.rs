@@ -103,17 +103,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         declare_exchange(&args.amqp_url, exchange).await?;
     }
 
-    let mut builder = AmqpConsumer::builder(store)
-        .url(&args.amqp_url)
-        .queue(&args.queue)
-        .key_expr("json:/out_trade_no")
-        .prefetch(args.prefetch)
-        .concurrency(args.concurrency)
-        .retry(
-            RetryPolicy::default()
-                .max_attempts(3)
-                .initial_delay(Duration::from_millis(200)),
-        );
+    let mut builder = AmqpConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(3)
+                    .initial_delay(Duration::from_millis(200)),
+            ),
+    )
+    .url(&args.amqp_url)
+    .queue(&args.queue)
+    .prefetch(args.prefetch)
+    .concurrency(args.concurrency);
     if let Some(secs) = args.exit_when_idle {
         builder = builder.exit_when_idle(Duration::from_secs(secs));
     }

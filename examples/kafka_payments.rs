@@ -116,19 +116,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         outbox.migrate(&pool).await?;
     }
 
-    let mut builder = KafkaConsumer::builder(store)
-        .brokers(&args.brokers)
-        .group_id(&args.group)
-        .topic(&args.topic)
-        .key_expr("json:/out_trade_no")
-        .dead_letter_topic(&args.dead_letter_topic)
-        .batch_size(args.batch_size)
-        .key_concurrency(args.key_concurrency)
-        .retry(
-            RetryPolicy::default()
-                .max_attempts(3)
-                .initial_delay(Duration::from_millis(50)),
-        );
+    let mut builder = KafkaConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(3)
+                    .initial_delay(Duration::from_millis(50)),
+            ),
+    )
+    .brokers(&args.brokers)
+    .group_id(&args.group)
+    .topic(&args.topic)
+    .dead_letter_topic(&args.dead_letter_topic)
+    .batch_size(args.batch_size)
+    .key_concurrency(args.key_concurrency);
     builder = if args.group_protocol == "consumer" {
         builder.group_protocol(GroupProtocol::Consumer)
     } else {

@@ -196,7 +196,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 store.clone(),
                 args.secret.clone(),
                 notify,
-                |b| b.optimistic(optimistic),
+                |e| webhook_app::orders_layer(e.optimistic(optimistic)),
             )?;
             if let Some(url) = &args.refund_api {
                 let api = webhook_app::RefundApi {
@@ -216,8 +216,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         webhook_app::sqlite::migrate(&store).await?;
         let (notify, relay) = notify(&args, onceonly::SqlStore::pool(&store)).await?;
         let optimistic = args.optimistic;
-        let app = webhook_app::sqlite::router_notifying(store, args.secret.clone(), notify, |b| {
-            b.optimistic(optimistic)
+        let app = webhook_app::sqlite::router_notifying(store, args.secret.clone(), notify, |e| {
+            webhook_app::orders_layer(e.optimistic(optimistic))
         })?;
         (app, relay)
     };

@@ -15,16 +15,14 @@
 //! - [`KeyRedaction::per_process`]: the same with a random secret drawn
 //!   once per process. Lines of one process correlate; nobody, the operator
 //!   included, can compute the form of a given key, and the forms differ
-//!   between processes and restarts. This is what
-//!   [`EngineBuilder::hash_keys_in_traces(true)`](crate::EngineBuilder::hash_keys_in_traces)
-//!   uses.
+//!   between processes and restarts.
 //!
 //! # Where it applies
 //!
 //! - The `key` field of the `onceonly.delivery` span (see
 //!   [`telemetry`](crate::telemetry)):
 //!   [`EngineBuilder::key_redaction`](crate::EngineBuilder::key_redaction),
-//!   and the same setting on the Kafka, AMQP and HTTP builders. Every event
+//!   on the engine builder every transport builder takes. Every event
 //!   onceonly logs about a delivery (including the cache tier's) is emitted
 //!   inside that span, so a log line and its span show the same form.
 //! - The log lines of the standalone Redis claims, which run outside any

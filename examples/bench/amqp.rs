@@ -311,19 +311,21 @@ pub async fn consume(
 ) -> Res<()> {
     if dedup {
         let store = super::variant::pg_store(db_url, false).await?;
-        let consumer = AmqpConsumer::builder(store)
-            .optimistic(super::variant::optimistic())
-            .url(url)
-            .queue(queue)
-            .key_expr("json:/out_trade_no")
-            .fingerprint(FingerprintSpec::Fields(vec![
-                "/account".into(),
-                "/amount".into(),
-            ]))
-            .retry(RetryPolicy::default().max_attempts(1))
-            .prefetch(prefetch)
-            .concurrency(concurrency)
-            .build()?;
+        let consumer = AmqpConsumer::builder(
+            onceonly::Engine::builder(store)
+                .optimistic(super::variant::optimistic())
+                .key_expr("json:/out_trade_no")
+                .fingerprint(FingerprintSpec::Fields(vec![
+                    "/account".into(),
+                    "/amount".into(),
+                ]))
+                .retry(RetryPolicy::default().max_attempts(1)),
+        )
+        .url(url)
+        .queue(queue)
+        .prefetch(prefetch)
+        .concurrency(concurrency)
+        .build()?;
         println!("ready");
         consumer.run_until(BenchLedger, stop).await?;
         return Ok(());

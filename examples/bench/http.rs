@@ -369,20 +369,22 @@ pub async fn serve(
             let optimistic = server == Server::OnceonlyPgOptimistic || super::variant::optimistic();
             let store = super::variant::pg_store(db_url, false).await?;
             store.migrate().await?;
-            let mut layer =
-                IdempotencyLayer::idempotency_key(store, "orders").optimistic(optimistic);
+            let mut engine = onceonly::Engine::builder(store).optimistic(optimistic);
             if let Some(fence) = super::variant::fence() {
-                layer = layer.fence(fence);
+                engine = engine.fence(fence);
             }
-            Router::new().route("/orders", post(onceonly_pg).layer(layer.build()?))
+            let layer = IdempotencyLayer::idempotency_key(engine, "orders").build()?;
+            Router::new().route("/orders", post(onceonly_pg).layer(layer))
         }
         Server::OnceonlyRedis => {
             let sql = super::variant::pg_store(db_url, false).await?;
             sql.migrate().await?;
             let store = CachedStore::connect(sql, redis_url)?.with_prefix(redis_prefix);
-            let layer = IdempotencyLayer::idempotency_key(store, "orders")
-                .optimistic(super::variant::optimistic())
-                .build()?;
+            let layer = IdempotencyLayer::idempotency_key(
+                onceonly::Engine::builder(store).optimistic(super::variant::optimistic()),
+                "orders",
+            )
+            .build()?;
             Router::new().route("/orders", post(onceonly_pg).layer(layer))
         }
         Server::BaselineSqlite | Server::OnceonlySqlite => {
@@ -394,9 +396,11 @@ pub async fn serve(
                     .route("/orders", post(baseline_sqlite))
                     .with_state(store.pool().clone())
             } else {
-                let layer = IdempotencyLayer::idempotency_key(store, "orders")
-                    .optimistic(super::variant::optimistic())
-                    .build()?;
+                let layer = IdempotencyLayer::idempotency_key(
+                    onceonly::Engine::builder(store).optimistic(super::variant::optimistic()),
+                    "orders",
+                )
+                .build()?;
                 Router::new().route("/orders", post(onceonly_sqlite).layer(layer))
             }
         }

@@ -454,7 +454,15 @@ pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
     let (brokers, topic, group, db_url) = (&brokers[..], &topic[..], &group[..], &db_url[..]);
     if dedup {
         let store = super::variant::pg_store(db_url, false).await?;
-        let mut builder = KafkaConsumer::builder(store).optimistic(super::variant::optimistic());
+        let engine = onceonly::Engine::builder(store)
+            .optimistic(super::variant::optimistic())
+            .key_expr("json:/out_trade_no")
+            .fingerprint(FingerprintSpec::Fields(vec![
+                "/account".into(),
+                "/amount".into(),
+            ]))
+            .retry(RetryPolicy::default().max_attempts(1));
+        let mut builder = KafkaConsumer::builder(engine);
         if let Some(n) = max_in_flight {
             builder = builder.max_in_flight(n);
         }
@@ -462,12 +470,6 @@ pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
             .brokers(brokers)
             .group_id(group)
             .topic(topic)
-            .key_expr("json:/out_trade_no")
-            .fingerprint(FingerprintSpec::Fields(vec![
-                "/account".into(),
-                "/amount".into(),
-            ]))
-            .retry(RetryPolicy::default().max_attempts(1))
             .batch_size(batch)
             .consumer_config("auto.offset.reset", "earliest")
             .consumer_config("fetch.wait.max.ms", FETCH_WAIT_MS)

@@ -214,6 +214,14 @@ fn yuan_to_fen(yuan: &str) -> Option<i64> {
         .checked_add(frac)
 }
 
+/// The `POST /orders` layer (`Idempotency-Key`) of [`router`]'s app, from
+/// the engine builder the caller configured (`|e| orders_layer(e.optimistic(true))`).
+pub fn orders_layer<S: onceonly::SqlStore>(
+    engine: onceonly::EngineBuilder<S>,
+) -> onceonly::http::IdempotencyLayerBuilder<S> {
+    onceonly::http::IdempotencyLayer::idempotency_key(engine, "orders")
+}
+
 /// Generates `router(store, secret, orders_layer_config)` and
 /// `router_notifying(store, secret, notify, orders_layer_config)` for one
 /// backend.
@@ -301,12 +309,12 @@ macro_rules! webhook_app {
             ) -> Result<Router, HttpBuildError> {
                 let name = provider.name();
                 let callback = move |tx: Tx<$db>, body: Bytes| provider_callback(tx, name, body);
-                let mut callbacks =
-                    IdempotencyLayer::provider(store.clone(), "payment-callbacks", provider);
+                let mut engine = onceonly::Engine::builder(store.clone());
                 if let Some(fence) = fence {
-                    callbacks = callbacks.fence(fence);
+                    engine = engine.fence(fence);
                 }
-                let callbacks = callbacks.build()?;
+                let callbacks =
+                    IdempotencyLayer::provider(engine, "payment-callbacks", provider).build()?;
                 let orders = IdempotencyLayer::idempotency_key(store, "orders").build()?;
                 Ok(Router::new()
                     .route("/webhooks/payments", post(callback).layer(callbacks))
@@ -394,8 +402,7 @@ macro_rules! webhook_app {
                 api: RefundApi,
                 secret: &str,
             ) -> Result<Router, HttpBuildError> {
-                let refunds = IdempotencyLayer::idempotency_key(store, "refunds")
-                    .downstream_secret(secret.as_bytes())
+                let refunds = IdempotencyLayer::idempotency_key(onceonly::Engine::builder(store).downstream_secret(secret.as_bytes()), "refunds")
                     .build()?;
                 let route = move |tx: Tx<$db>, headers: HeaderMap, body: Json<NewRefund>| {
                     refund(tx, api.clone(), headers, body)
@@ -409,7 +416,7 @@ macro_rules! webhook_app {
             pub fn router(
                 store: $store,
                 secret: Option<String>,
-                orders: impl FnOnce(IdempotencyLayerBuilder<$store>) -> IdempotencyLayerBuilder<$store>,
+                orders: impl FnOnce(onceonly::EngineBuilder<$store>) -> IdempotencyLayerBuilder<$store>,
             ) -> Result<Router, HttpBuildError> {
                 router_notifying(store, secret, None, orders)
             }
@@ -420,14 +427,17 @@ macro_rules! webhook_app {
                 store: $store,
                 secret: Option<String>,
                 notify: Option<Notify<$db>>,
-                orders: impl FnOnce(IdempotencyLayerBuilder<$store>) -> IdempotencyLayerBuilder<$store>,
+                orders: impl FnOnce(onceonly::EngineBuilder<$store>) -> IdempotencyLayerBuilder<$store>,
             ) -> Result<Router, HttpBuildError> {
                 let notify = notify.map(Arc::new);
                 let callback = move |tx: Tx<$db>, headers: HeaderMap, body: Bytes| {
                     payment(tx, headers, body, notify.clone())
                 };
                 let mut callbacks = IdempotencyLayer::payment_callback(
-                    store.clone(),
+                    onceonly::Engine::builder(store.clone()).fingerprint(FingerprintSpec::Fields(vec![
+                        "/account".into(),
+                        "/amount".into(),
+                    ])),
                     "payment-callbacks",
                     "json:/out_trade_no",
                     Ack::plain_success(),
@@ -435,14 +445,10 @@ macro_rules! webhook_app {
                 // A repeated notification may differ in fields such as
                 // `notify_time`, never in who is paid how much: those are
                 // fingerprinted, and a tampered one gets 422.
-                callbacks = callbacks.fingerprint(FingerprintSpec::Fields(vec![
-                    "/account".into(),
-                    "/amount".into(),
-                ]));
                 if let Some(secret) = secret {
                     callbacks = callbacks.signature(SignatureCheck::new(secret)?);
                 }
-                let orders = orders(IdempotencyLayer::idempotency_key(store, "orders")).build()?;
+                let orders = orders(onceonly::Engine::builder(store)).build()?;
                 Ok(Router::new()
                     .route("/webhooks/payments", post(callback).layer(callbacks.build()?))
                     .route("/orders", post(order).layer(orders)))

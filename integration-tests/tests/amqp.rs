@@ -42,16 +42,26 @@ async fn setup(name: &str) -> Setup {
 }
 
 fn consumer(s: &Setup) -> AmqpConsumerBuilder<PgStore> {
-    AmqpConsumer::builder(s.store.clone())
-        .url(url())
-        .queue(&s.queue)
-        .key_expr("json:/out_trade_no")
-        .retry(
-            RetryPolicy::default()
-                .max_attempts(3)
-                .initial_delay(Duration::from_millis(300)),
-        )
-        .exit_when_idle(Duration::from_secs(3))
+    consumer_with(s, |e| e)
+}
+
+/// [`consumer`] with more engine settings (applied after its own).
+fn consumer_with(
+    s: &Setup,
+    engine: impl FnOnce(onceonly::EngineBuilder<PgStore>) -> onceonly::EngineBuilder<PgStore>,
+) -> AmqpConsumerBuilder<PgStore> {
+    AmqpConsumer::builder(engine(
+        onceonly::Engine::builder(s.store.clone())
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(3)
+                    .initial_delay(Duration::from_millis(300)),
+            ),
+    ))
+    .url(url())
+    .queue(&s.queue)
+    .exit_when_idle(Duration::from_secs(3))
 }
 
 async fn drain(builder: AmqpConsumerBuilder<PgStore>, handler: Arc<Ledger>) -> AmqpStats {
@@ -130,14 +140,15 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     // machine: the consumer waits well past that before it calls the queue
     // idle (3 s, seen stopping before the last retry came back).
     let run = tokio::spawn(drain(
-        consumer(&s)
-            .concurrency(1)
-            .retry(
+        consumer_with(&s, |e| {
+            e.retry(
                 RetryPolicy::default()
                     .max_attempts(3)
                     .initial_delay(Duration::from_millis(1_000)),
             )
-            .exit_when_idle(Duration::from_secs(8)),
+        })
+        .concurrency(1)
+        .exit_when_idle(Duration::from_secs(8)),
         Arc::clone(&handler),
     ));
     let mut flaky = Msg::new(pay("P-2", 20).account("flaky"));
@@ -504,13 +515,13 @@ async fn a_first_start_without_the_dedup_table_stops_with_the_command_that_creat
         .expect("postgres")
         .with_table("never_migrated")
         .expect("table");
-    let run = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .build()
-        .expect("consumer")
-        .run_until(Arc::new(Ledger::default()), CancellationToken::new());
+    let run =
+        AmqpConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
+            .url(url())
+            .queue(&queue)
+            .build()
+            .expect("consumer")
+            .run_until(Arc::new(Ledger::default()), CancellationToken::new());
     let ended = tokio::time::timeout(Duration::from_secs(60), run)
         .await
         .expect("the consumer must not wait for a table that was never created");

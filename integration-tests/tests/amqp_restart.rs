@@ -56,16 +56,18 @@ async fn broker_restart_mid_stream_drains_with_an_exact_ledger() {
     drop(channel);
     drop(conn);
 
-    let consumer = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .prefetch(16)
-        .retry(RetryPolicy::default().max_attempts(3))
-        .reconnect_backoff(Duration::from_millis(200), Duration::from_secs(2))
-        .exit_when_idle(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let consumer = AmqpConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .retry(RetryPolicy::default().max_attempts(3)),
+    )
+    .url(url())
+    .queue(&queue)
+    .prefetch(16)
+    .reconnect_backoff(Duration::from_millis(200), Duration::from_secs(2))
+    .exit_when_idle(Duration::from_secs(5))
+    .build()
+    .unwrap();
     let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
 
     let deadline = Instant::now() + Duration::from_secs(60);

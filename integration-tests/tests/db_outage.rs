@@ -40,14 +40,16 @@ async fn a_database_outage_is_waited_out_never_dead_lettered() {
     let stream = crash_stream("D", 4_800);
     publish_stream(&channel, &queue, &stream).await;
 
-    let consumer = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .retry(RetryPolicy::default().max_attempts(2))
-        .exit_when_idle(Duration::from_secs(4))
-        .build()
-        .unwrap();
+    let consumer = AmqpConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .retry(RetryPolicy::default().max_attempts(2)),
+    )
+    .url(url())
+    .queue(&queue)
+    .exit_when_idle(Duration::from_secs(4))
+    .build()
+    .unwrap();
     let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
     let deadline = Instant::now() + Duration::from_secs(60);
     while rows(&pool).await < 200 {

@@ -178,22 +178,24 @@ mod kafka_copies {
             fixed: AtomicBool::new(false),
         });
         let consume = || {
-            KafkaConsumer::builder(store.clone())
-                .brokers(brokers())
-                .group_id(&group)
-                .topic(&topic)
-                .retry_topic(&retry)
-                .key_expr(&format!("header:{MESSAGE_ID_HEADER}"))
-                .retry(
-                    onceonly::RetryPolicy::default()
-                        .max_attempts(2)
-                        .initial_delay(Duration::from_millis(300))
-                        .without_jitter(),
-                )
-                .exit_when_idle(Duration::from_secs(4))
-                .build()
-                .expect("consumer")
-                .run_until(Arc::clone(&handler), CancellationToken::new())
+            KafkaConsumer::builder(
+                onceonly::Engine::builder(store.clone())
+                    .key_expr(&format!("header:{MESSAGE_ID_HEADER}"))
+                    .retry(
+                        onceonly::RetryPolicy::default()
+                            .max_attempts(2)
+                            .initial_delay(Duration::from_millis(300))
+                            .without_jitter(),
+                    ),
+            )
+            .brokers(brokers())
+            .group_id(&group)
+            .topic(&topic)
+            .retry_topic(&retry)
+            .exit_when_idle(Duration::from_secs(4))
+            .build()
+            .expect("consumer")
+            .run_until(Arc::clone(&handler), CancellationToken::new())
         };
         tokio::time::timeout(Duration::from_secs(90), consume())
             .await
@@ -721,20 +723,22 @@ mod commit_faults {
             serde_json::json!({ "no": "SWALLOW", "seat": "x" }).to_string(),
         ));
         publish(&channel, &queue, &messages).await;
-        let run = AmqpConsumer::builder(store.clone())
-            .url(url())
-            .queue(&queue)
-            .key_expr("json:/no")
-            .retry(
-                onceonly::RetryPolicy::default()
-                    .max_attempts(3)
-                    .initial_delay(Duration::from_millis(100))
-                    .without_jitter(),
-            )
-            .exit_when_idle(Duration::from_secs(3))
-            .build()
-            .expect("consumer")
-            .run_until(booking(), CancellationToken::new());
+        let run = AmqpConsumer::builder(
+            onceonly::Engine::builder(store.clone())
+                .key_expr("json:/no")
+                .retry(
+                    onceonly::RetryPolicy::default()
+                        .max_attempts(3)
+                        .initial_delay(Duration::from_millis(100))
+                        .without_jitter(),
+                ),
+        )
+        .url(url())
+        .queue(&queue)
+        .exit_when_idle(Duration::from_secs(3))
+        .build()
+        .expect("consumer")
+        .run_until(booking(), CancellationToken::new());
         let stats = tokio::time::timeout(Duration::from_secs(60), run)
             .await
             .expect("the consumer waited on a message fault instead of dead-lettering it")

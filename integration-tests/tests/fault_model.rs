@@ -74,14 +74,16 @@ async fn amqp_consumer_waits_out_a_read_only_failover() {
     let stream = crash_stream("RA", 1_200);
     publish_stream(&channel, &queue, &stream).await;
 
-    let consumer = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .retry(RetryPolicy::default().max_attempts(2))
-        .exit_when_idle(Duration::from_secs(4))
-        .build()
-        .unwrap();
+    let consumer = AmqpConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .retry(RetryPolicy::default().max_attempts(2)),
+    )
+    .url(url())
+    .queue(&queue)
+    .exit_when_idle(Duration::from_secs(4))
+    .build()
+    .unwrap();
     let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
     wait_for_rows(&pool, 100, "before the failover").await;
     db.fail_over_read_only().await;
@@ -135,15 +137,17 @@ async fn kafka_consumer_waits_out_a_read_only_failover() {
     let ends = produce(&topic, &records).await;
 
     let group = unique("ro_group");
-    let consumer = KafkaConsumer::builder(store)
-        .brokers(onceonly_integration_tests::kafka::brokers())
-        .group_id(&group)
-        .topic(&topic)
-        .key_expr("json:/out_trade_no")
-        .retry(RetryPolicy::default().max_attempts(2))
-        .exit_when_idle(Duration::from_secs(4))
-        .build()
-        .unwrap();
+    let consumer = KafkaConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .retry(RetryPolicy::default().max_attempts(2)),
+    )
+    .brokers(onceonly_integration_tests::kafka::brokers())
+    .group_id(&group)
+    .topic(&topic)
+    .exit_when_idle(Duration::from_secs(4))
+    .build()
+    .unwrap();
     let run = tokio::spawn(consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()));
     wait_for_rows(&pool, 100, "before the failover").await;
     db.fail_over_read_only().await;
@@ -189,13 +193,14 @@ async fn a_missing_dedup_table_stops_a_first_start_and_is_waited_for_later() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let consumer = || {
-        AmqpConsumer::builder(store.clone())
-            .url(url())
-            .queue(&queue)
-            .key_expr("json:/out_trade_no")
-            .exit_when_idle(Duration::from_secs(8))
-            .build()
-            .unwrap()
+        AmqpConsumer::builder(
+            onceonly::Engine::builder(store.clone()).key_expr("json:/out_trade_no"),
+        )
+        .url(url())
+        .queue(&queue)
+        .exit_when_idle(Duration::from_secs(8))
+        .build()
+        .unwrap()
     };
     let first = tokio::time::timeout(
         Duration::from_secs(30),
@@ -303,13 +308,13 @@ async fn amqp_consumer_waits_out_a_read_only_mariadb() {
     declare_queue(&channel, &queue).await;
     let stream = crash_stream("RM", 800);
     publish_stream(&channel, &queue, &stream).await;
-    let consumer = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .exit_when_idle(Duration::from_secs(4))
-        .build()
-        .unwrap();
+    let consumer =
+        AmqpConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
+            .url(url())
+            .queue(&queue)
+            .exit_when_idle(Duration::from_secs(4))
+            .build()
+            .unwrap();
     let run = tokio::spawn(consumer.run_until(MyCharges, CancellationToken::new()));
     let count = |root: MySqlPool| {
         let name = name.clone();
@@ -393,20 +398,20 @@ async fn a_panicking_key_function_does_not_stall_the_queue() {
             None => panic!("key function bug: no out_trade_no"),
         }
     });
-    let consumer = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key(key)
-        .prefetch(2)
-        .concurrency(2)
-        .retry(
+    let consumer = AmqpConsumer::builder(
+        onceonly::Engine::builder(store).key(key).retry(
             RetryPolicy::default()
                 .max_attempts(2)
                 .initial_delay(Duration::from_millis(50)),
-        )
-        .exit_when_idle(Duration::from_secs(3))
-        .build()
-        .unwrap();
+        ),
+    )
+    .url(url())
+    .queue(&queue)
+    .prefetch(2)
+    .concurrency(2)
+    .exit_when_idle(Duration::from_secs(3))
+    .build()
+    .unwrap();
     let stats = tokio::time::timeout(
         Duration::from_secs(60),
         consumer.run_until(Arc::new(ledger::postgres::Ledger), CancellationToken::new()),

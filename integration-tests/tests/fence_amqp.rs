@@ -53,19 +53,21 @@ async fn a_replayed_dead_letter_older_than_the_fence_is_stale_and_acked() {
     let drain = |handler| {
         let (store, queue) = (store.clone(), queue.clone());
         async move {
-            let run = AmqpConsumer::builder(store)
-                .url(url())
-                .queue(&queue)
-                .key_expr("json:/event")
-                .fence(FenceSpec::new(
-                    KeySpec::json_field("/order"),
-                    OrderSpec::integer("/version"),
-                ))
-                .concurrency(1)
-                .exit_when_idle(Duration::from_secs(1))
-                .build()
-                .expect("consumer")
-                .run_until(handler, CancellationToken::new());
+            let run = AmqpConsumer::builder(
+                onceonly::Engine::builder(store)
+                    .key_expr("json:/event")
+                    .fence(FenceSpec::new(
+                        KeySpec::json_field("/order"),
+                        OrderSpec::integer("/version"),
+                    )),
+            )
+            .url(url())
+            .queue(&queue)
+            .concurrency(1)
+            .exit_when_idle(Duration::from_secs(1))
+            .build()
+            .expect("consumer")
+            .run_until(handler, CancellationToken::new());
             let stats: AmqpStats = tokio::time::timeout(Duration::from_secs(60), run)
                 .await
                 .expect("consumer did not drain within 60 s")

@@ -72,20 +72,22 @@ async fn shuffled_versions_end_at_the_newest_and_the_older_ones_are_stale() {
         },
     ));
     let group = unique("group");
-    let run = KafkaConsumer::builder(store.clone())
-        .brokers(onceonly_integration_tests::kafka::brokers())
-        .group_id(&group)
-        .topic(&topic)
-        .key_expr("json:/event")
-        .fence(FenceSpec::new(
-            KeySpec::json_field("/order"),
-            OrderSpec::integer("/version"),
-        ))
-        .consumer_config("session.timeout.ms", "6000")
-        .exit_when_idle(Duration::from_secs(3))
-        .build()
-        .expect("consumer")
-        .run_until(handler, CancellationToken::new());
+    let run = KafkaConsumer::builder(
+        onceonly::Engine::builder(store.clone())
+            .key_expr("json:/event")
+            .fence(FenceSpec::new(
+                KeySpec::json_field("/order"),
+                OrderSpec::integer("/version"),
+            )),
+    )
+    .brokers(onceonly_integration_tests::kafka::brokers())
+    .group_id(&group)
+    .topic(&topic)
+    .consumer_config("session.timeout.ms", "6000")
+    .exit_when_idle(Duration::from_secs(3))
+    .build()
+    .expect("consumer")
+    .run_until(handler, CancellationToken::new());
     let stats = tokio::time::timeout(Duration::from_secs(120), run)
         .await
         .expect("consumer did not drain within 120 s")

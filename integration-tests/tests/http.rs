@@ -76,9 +76,10 @@ macro_rules! http_suite {
             }
 
             async fn app(store: &$store, secret: Option<String>) -> String {
-                let app = webhook_app::$app::router(store.clone(), secret, |b| b)
-                    .unwrap()
-                    .layer(middleware::from_fn(tenant));
+                let app =
+                    webhook_app::$app::router(store.clone(), secret, webhook_app::orders_layer)
+                        .unwrap()
+                        .layer(middleware::from_fn(tenant));
                 serve(app).await
             }
 
@@ -147,8 +148,8 @@ macro_rules! http_suite {
                 assert_eq!(count(&store, "orders").await, 1);
 
                 // UUID keys required: a non-UUID is refused before anything runs.
-                let uuid_only = webhook_app::$app::router(store.clone(), None, |b| {
-                    b.key(KeySpec::uuid_header("Idempotency-Key"))
+                let uuid_only = webhook_app::$app::router(store.clone(), None, |e| {
+                    webhook_app::orders_layer(e.key(KeySpec::uuid_header("Idempotency-Key")))
                 })
                 .unwrap();
                 let base = serve(uuid_only).await;
@@ -283,9 +284,11 @@ macro_rules! http_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn optimistic_requests_replay_conflict_and_commit_once() {
                 let store = store().await;
-                let app = webhook_app::$app::router(store.clone(), None, |b| b.optimistic(true))
-                    .unwrap()
-                    .layer(middleware::from_fn(tenant));
+                let app = webhook_app::$app::router(store.clone(), None, |e| {
+                    webhook_app::orders_layer(e.optimistic(true))
+                })
+                .unwrap()
+                .layer(middleware::from_fn(tenant));
                 let base = serve(app).await;
                 let c = Client::new();
                 let orders_before = count(&store, "orders").await;
@@ -366,13 +369,15 @@ macro_rules! http_suite {
                         (StatusCode::CREATED, "made").into_response()
                     }
                 };
-                let layer = IdempotencyLayer::idempotency_key(store.clone(), "slow-opt")
-                    .optimistic(true)
-                    .in_flight(InFlight::WaitThenReplay {
-                        bound: Duration::from_secs(5),
-                    })
-                    .build()
-                    .unwrap();
+                let layer = IdempotencyLayer::idempotency_key(
+                    onceonly::Engine::builder(store.clone()).optimistic(true),
+                    "slow-opt",
+                )
+                .in_flight(InFlight::WaitThenReplay {
+                    bound: Duration::from_secs(5),
+                })
+                .build()
+                .unwrap();
                 let slow_base = serve(Router::new().route("/slow", post(slow).layer(layer))).await;
                 let send = || {
                     c.post(format!("{slow_base}/slow"))
@@ -699,9 +704,10 @@ macro_rules! http_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn body_limits_and_store_outages() {
                 let store = store().await;
-                let limited =
-                    webhook_app::$app::router(store.clone(), None, |b| b.max_request_body(64))
-                        .unwrap();
+                let limited = webhook_app::$app::router(store.clone(), None, |e| {
+                    webhook_app::orders_layer(e).max_request_body(64)
+                })
+                .unwrap();
                 let base = serve(limited).await;
                 let c = Client::new();
                 let big = format!(r#"{{"account":"{}","amount":1}}"#, "x".repeat(200));
@@ -711,8 +717,11 @@ macro_rules! http_suite {
 
                 // The store is unreachable: fail closed with 503.
                 let down: $store = $down_store.await;
-                let base =
-                    serve(webhook_app::$app::router(down.clone(), None, |b| b).unwrap()).await;
+                let base = serve(
+                    webhook_app::$app::router(down.clone(), None, webhook_app::orders_layer)
+                        .unwrap(),
+                )
+                .await;
                 let r =
                     post_order(&c, &base, Some("k-down"), r#"{"account":"f","amount":1}"#).await;
                 assert_eq!(r.status(), 503);
@@ -840,11 +849,13 @@ async fn a_fenced_route_answers_older_requests_stale_and_never_fences_on_a_refus
         KeySpec::json_field("/order"),
         onceonly::OrderSpec::integer("/version"),
     );
-    let layer = IdempotencyLayer::idempotency_key(store.clone(), "statuses")
-        .store_client_errors(true)
-        .fence(fence)
-        .build()
-        .unwrap();
+    let layer = IdempotencyLayer::idempotency_key(
+        onceonly::Engine::builder(store.clone()).fence(fence),
+        "statuses",
+    )
+    .store_client_errors(true)
+    .build()
+    .unwrap();
     let base = serve(Router::new().route("/orders/status", post(set_status).layer(layer))).await;
     let c = Client::new();
     let send = |key: &'static str, version: i64, status: &'static str| {

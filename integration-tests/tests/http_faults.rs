@@ -114,7 +114,9 @@ async fn ambiguous_keys_are_refused() {
     let store =
         onceonly_integration_tests::sqlite_store(&dir.path().join("amb.db"), "onceonly_keys").await;
     webhook_app::sqlite::migrate(&store).await.unwrap();
-    let base = serve(webhook_app::sqlite::router(store.clone(), None, |b| b).unwrap()).await;
+    let base =
+        serve(webhook_app::sqlite::router(store.clone(), None, webhook_app::orders_layer).unwrap())
+            .await;
     let c = Client::new();
 
     // Two Idempotency-Key headers: which one is the key?

@@ -47,18 +47,20 @@ async fn setup(name: &str, partitions: i32) -> Setup {
 }
 
 fn consumer(s: &Setup) -> onceonly::kafka::KafkaConsumerBuilder<PgStore> {
-    KafkaConsumer::builder(s.store.clone())
-        .brokers(onceonly_integration_tests::kafka::brokers())
-        .group_id(&s.group)
-        .topic(&s.topic)
-        .key_expr("json:/out_trade_no")
-        .retry(
-            RetryPolicy::default()
-                .max_attempts(3)
-                .initial_delay(Duration::from_millis(20)),
-        )
-        .consumer_config("session.timeout.ms", "6000")
-        .exit_when_idle(Duration::from_secs(3))
+    KafkaConsumer::builder(
+        onceonly::Engine::builder(s.store.clone())
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(3)
+                    .initial_delay(Duration::from_millis(20)),
+            ),
+    )
+    .brokers(onceonly_integration_tests::kafka::brokers())
+    .group_id(&s.group)
+    .topic(&s.topic)
+    .consumer_config("session.timeout.ms", "6000")
+    .exit_when_idle(Duration::from_secs(3))
 }
 
 /// Runs the consumer until it is drained and idle, with a hard limit.
@@ -387,14 +389,14 @@ async fn a_first_start_without_the_dedup_table_stops_with_the_command_that_creat
         .expect("postgres")
         .with_table("never_migrated")
         .expect("table");
-    let run = KafkaConsumer::builder(store)
-        .brokers(onceonly_integration_tests::kafka::brokers())
-        .group_id(unique("group"))
-        .topic(&topic)
-        .key_expr("json:/out_trade_no")
-        .build()
-        .expect("consumer")
-        .run_until(Arc::new(Ledger::default()), CancellationToken::new());
+    let run =
+        KafkaConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
+            .brokers(onceonly_integration_tests::kafka::brokers())
+            .group_id(unique("group"))
+            .topic(&topic)
+            .build()
+            .expect("consumer")
+            .run_until(Arc::new(Ledger::default()), CancellationToken::new());
     let ended = tokio::time::timeout(Duration::from_secs(60), run)
         .await
         .expect("the consumer must not wait for a table that was never created");

@@ -60,13 +60,14 @@ async fn setup(name: &str, brokers: i32, distinct: usize) -> Setup {
 impl Setup {
     /// A member of the group, before its protocol's settings.
     fn any_member(&self) -> KafkaConsumerBuilder<PgStore> {
-        KafkaConsumer::builder(self.store.clone())
-            .brokers(self.kafka.bootstrap())
-            .group_id(&self.group)
-            .topic(&self.topic)
-            .dead_letter_topic(&self.dlt)
-            .key_expr("json:/out_trade_no")
-            .exit_when_idle(Duration::from_secs(4))
+        KafkaConsumer::builder(
+            onceonly::Engine::builder(self.store.clone()).key_expr("json:/out_trade_no"),
+        )
+        .brokers(self.kafka.bootstrap())
+        .group_id(&self.group)
+        .topic(&self.topic)
+        .dead_letter_topic(&self.dlt)
+        .exit_when_idle(Duration::from_secs(4))
     }
 
     /// A member of the classic protocol, with short group timings.

@@ -79,22 +79,24 @@ async fn a_retryable_failure_waits_in_the_retry_topic_while_the_partition_moves_
 
     let group = unique("kretry_group");
     let handler = Arc::new(Flaky::default());
-    let run = KafkaConsumer::builder(store.clone())
-        .brokers(brokers())
-        .group_id(&group)
-        .topic(&topic)
-        .retry_topic(&retry)
-        .key_expr("json:/out_trade_no")
-        .retry(
-            RetryPolicy::default()
-                .max_attempts(3)
-                .initial_delay(Duration::from_millis(800))
-                .without_jitter(),
-        )
-        .exit_when_idle(Duration::from_secs(4))
-        .build()
-        .unwrap()
-        .run_until(Arc::clone(&handler), CancellationToken::new());
+    let run = KafkaConsumer::builder(
+        onceonly::Engine::builder(store.clone())
+            .key_expr("json:/out_trade_no")
+            .retry(
+                RetryPolicy::default()
+                    .max_attempts(3)
+                    .initial_delay(Duration::from_millis(800))
+                    .without_jitter(),
+            ),
+    )
+    .brokers(brokers())
+    .group_id(&group)
+    .topic(&topic)
+    .retry_topic(&retry)
+    .exit_when_idle(Duration::from_secs(4))
+    .build()
+    .unwrap()
+    .run_until(Arc::clone(&handler), CancellationToken::new());
     tokio::time::timeout(Duration::from_secs(90), run)
         .await
         .expect("consumer did not drain")

@@ -94,13 +94,14 @@ async fn setup(name: &str) -> Setup {
 }
 
 fn member(s: &Setup) -> KafkaConsumerBuilder<PgStore> {
-    KafkaConsumer::builder(s.store.clone())
-        .brokers(onceonly_integration_tests::kafka::brokers())
-        .group_id(&s.group)
-        .topic(&s.topic)
-        .key_expr("json:/out_trade_no")
-        .drain_timeout(DRAIN)
-        .consumer_config("session.timeout.ms", "6000")
+    KafkaConsumer::builder(
+        onceonly::Engine::builder(s.store.clone()).key_expr("json:/out_trade_no"),
+    )
+    .brokers(onceonly_integration_tests::kafka::brokers())
+    .group_id(&s.group)
+    .topic(&s.topic)
+    .drain_timeout(DRAIN)
+    .consumer_config("session.timeout.ms", "6000")
 }
 
 async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {

@@ -416,18 +416,20 @@ async fn amqp_consumer_counts_outcomes_retries_and_dead_letters() {
     let (_conn, channel) = connect().await;
     declare_queue(&channel, &queue).await;
     let consumer = || {
-        AmqpConsumer::builder(store.clone())
-            .url(url())
-            .queue(&queue)
-            .key_expr("json:/out_trade_no")
-            .retry(
-                RetryPolicy::default()
-                    .max_attempts(2)
-                    .initial_delay(Duration::from_millis(100)),
-            )
-            .exit_when_idle(Duration::from_secs(2))
-            .build()
-            .unwrap()
+        AmqpConsumer::builder(
+            onceonly::Engine::builder(store.clone())
+                .key_expr("json:/out_trade_no")
+                .retry(
+                    RetryPolicy::default()
+                        .max_attempts(2)
+                        .initial_delay(Duration::from_millis(100)),
+                ),
+        )
+        .url(url())
+        .queue(&queue)
+        .exit_when_idle(Duration::from_secs(2))
+        .build()
+        .unwrap()
     };
     let drain = |consumer: AmqpConsumer<onceonly::PgStore>| async move {
         tokio::time::timeout(
@@ -519,15 +521,15 @@ async fn kafka_consumer_lag_gauge_reaches_zero_once_everything_is_committed() {
     let store = pg_store(&url_pg, "onceonly_keys").await;
     ledger::postgres::create_tables(store.pool()).await.unwrap();
 
-    let consumer = KafkaConsumer::builder(store)
-        .brokers(onceonly_integration_tests::kafka::brokers())
-        .group_id(&group)
-        .topic(&topic)
-        .key_expr("json:/out_trade_no")
-        .commit_interval(Duration::from_millis(100))
-        .statistics_interval(Duration::from_millis(200))
-        .build()
-        .unwrap();
+    let consumer =
+        KafkaConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
+            .brokers(onceonly_integration_tests::kafka::brokers())
+            .group_id(&group)
+            .topic(&topic)
+            .commit_interval(Duration::from_millis(100))
+            .statistics_interval(Duration::from_millis(200))
+            .build()
+            .unwrap();
     let handler = Arc::new(Ledger::default());
     let stop = CancellationToken::new();
     let run = tokio::spawn(consumer.run_until(Arc::clone(&handler), stop.clone()));
@@ -734,7 +736,11 @@ async fn delivery_span_wraps_the_handler_and_hashes_keys_when_asked() {
         Engine::builder(store.clone())
             .scope(scope.as_str())
             .key_expr("json:/out_trade_no")
-            .hash_keys_in_traces(hash)
+            .key_redaction(if hash {
+                onceonly::KeyRedaction::per_process().unwrap()
+            } else {
+                onceonly::KeyRedaction::plain()
+            })
             .build()
             .unwrap()
     };

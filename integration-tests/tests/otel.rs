@@ -217,17 +217,18 @@ async fn one_trace_from_the_http_request_through_the_outbox_and_kafka_to_the_con
             Ok::<_, HandlerError>(())
         },
     );
-    let stats = KafkaConsumer::builder(store.clone())
-        .brokers(brokers())
-        .group_id(unique("otel_shipping"))
-        .topic(&topic)
-        .key_expr("header:x-onceonly-message-id")
-        .exit_when_idle(Duration::from_secs(2))
-        .build()
-        .expect("consumer")
-        .run_until(shipping, CancellationToken::new())
-        .await
-        .expect("consumer");
+    let stats = KafkaConsumer::builder(
+        onceonly::Engine::builder(store.clone()).key_expr("header:x-onceonly-message-id"),
+    )
+    .brokers(brokers())
+    .group_id(unique("otel_shipping"))
+    .topic(&topic)
+    .exit_when_idle(Duration::from_secs(2))
+    .build()
+    .expect("consumer")
+    .run_until(shipping, CancellationToken::new())
+    .await
+    .expect("consumer");
     assert_eq!(stats.processed, 1);
 
     let spans = spans_of(trace, 3);
@@ -338,11 +339,10 @@ async fn dead_letters_continue_the_trace_of_the_delivery_that_failed() {
         &[Record::new("k", r#"{"id":"k-1"}"#).header("traceparent", &traceparent)],
     )
     .await;
-    KafkaConsumer::builder(store.clone())
+    KafkaConsumer::builder(onceonly::Engine::builder(store.clone()).key_expr("json:/id"))
         .brokers(brokers())
         .group_id(unique("otel_dl"))
         .topic(&topic)
-        .key_expr("json:/id")
         .exit_when_idle(Duration::from_secs(2))
         .build()
         .expect("consumer")
@@ -377,10 +377,9 @@ async fn dead_letters_continue_the_trace_of_the_delivery_that_failed() {
         }],
     )
     .await;
-    onceonly::amqp::AmqpConsumer::builder(store)
+    onceonly::amqp::AmqpConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/id"))
         .url(amqp::url())
         .queue(&queue)
-        .key_expr("json:/id")
         .exit_when_idle(Duration::from_secs(2))
         .build()
         .expect("consumer")

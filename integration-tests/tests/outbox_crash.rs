@@ -307,15 +307,16 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
     .execute(&pool)
     .await
     .expect("create applied");
-    let consumer = KafkaConsumer::builder(store)
-        .brokers(kafka.bootstrap())
-        .group_id(unique("ocrash_downstream"))
-        .topic(&run.settled)
-        .key_expr(&format!("header:{MESSAGE_ID_HEADER}"))
-        .dead_letter_topic(&run.dlt)
-        .exit_when_idle(Duration::from_secs(3))
-        .build()
-        .expect("downstream consumer");
+    let consumer = KafkaConsumer::builder(
+        onceonly::Engine::builder(store).key_expr(&format!("header:{MESSAGE_ID_HEADER}")),
+    )
+    .brokers(kafka.bootstrap())
+    .group_id(unique("ocrash_downstream"))
+    .topic(&run.settled)
+    .dead_letter_topic(&run.dlt)
+    .exit_when_idle(Duration::from_secs(3))
+    .build()
+    .expect("downstream consumer");
     let apply = handler_fn(|tx: Tx<Postgres>, Json(s): Json<Settled>| async move {
         let mut conn = tx.lock().await?;
         sqlx::query("INSERT INTO applied (out_trade_no, amount) VALUES ($1, $2)")

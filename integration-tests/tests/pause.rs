@@ -264,12 +264,14 @@ async fn kafka_scenario(
     let mut ends = produce(&topic, &records(0..BEFORE)).await;
 
     let group = unique("pause_group");
-    let mut builder = KafkaConsumer::builder(store.clone())
-        .brokers(brokers())
-        .group_id(&group)
-        .topic(&topic)
-        .key_expr("json:/payment")
-        .retry(retry());
+    let mut builder = KafkaConsumer::builder(
+        onceonly::Engine::builder(store.clone())
+            .key_expr("json:/payment")
+            .retry(retry()),
+    )
+    .brokers(brokers())
+    .group_id(&group)
+    .topic(&topic);
     if pause_on_failure {
         builder = builder.pause_on_failure(pause());
     }
@@ -350,16 +352,18 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
 
     let stop = CancellationToken::new();
     let run = tokio::spawn(
-        AmqpConsumer::builder(store.clone())
-            .url(amqp::url())
-            .queue(&queue)
-            .key_expr("json:/payment")
-            .retry(retry())
-            .concurrency(AMQP_CONCURRENCY)
-            .pause_on_failure(pause())
-            .build()
-            .expect("consumer")
-            .run_until(Refunding::of(&api), stop.clone()),
+        AmqpConsumer::builder(
+            onceonly::Engine::builder(store.clone())
+                .key_expr("json:/payment")
+                .retry(retry()),
+        )
+        .url(amqp::url())
+        .queue(&queue)
+        .concurrency(AMQP_CONCURRENCY)
+        .pause_on_failure(pause())
+        .build()
+        .expect("consumer")
+        .run_until(Refunding::of(&api), stop.clone()),
     );
     wait_booked(store.pool(), BEFORE, Duration::from_secs(30)).await;
     api.set_down(true);
@@ -391,29 +395,33 @@ async fn amqp_pauses_while_the_payment_api_is_down_and_dead_letters_nothing() {
 #[tokio::test]
 async fn a_policy_that_would_pause_after_the_retries_ran_out_is_refused() {
     let (store, _api) = setup("pause_refused").await;
-    let kafka = KafkaConsumer::builder(store.clone())
-        .brokers(brokers())
-        .group_id("g")
-        .topic("t")
-        .key_expr("json:/payment")
-        .retry(RetryPolicy::default().max_attempts(3))
-        .pause_on_failure(PausePolicy::new())
-        .build()
-        .err()
-        .expect("refused");
+    let kafka = KafkaConsumer::builder(
+        onceonly::Engine::builder(store.clone())
+            .key_expr("json:/payment")
+            .retry(RetryPolicy::default().max_attempts(3)),
+    )
+    .brokers(brokers())
+    .group_id("g")
+    .topic("t")
+    .pause_on_failure(PausePolicy::new())
+    .build()
+    .err()
+    .expect("refused");
     assert!(
         kafka.to_string().contains("pauses after 5 failed attempts"),
         "{kafka}"
     );
-    let amqp = AmqpConsumer::builder(store)
-        .url(amqp::url())
-        .queue("q")
-        .key_expr("json:/payment")
-        .retry(RetryPolicy::none())
-        .pause_on_failure(PausePolicy::new().window(4).min_attempts(2))
-        .build()
-        .err()
-        .expect("refused");
+    let amqp = AmqpConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/payment")
+            .retry(RetryPolicy::none()),
+    )
+    .url(amqp::url())
+    .queue("q")
+    .pause_on_failure(PausePolicy::new().window(4).min_attempts(2))
+    .build()
+    .err()
+    .expect("refused");
     assert!(
         amqp.to_string().contains("dead-letters a delivery after 1"),
         "{amqp}"

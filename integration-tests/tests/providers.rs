@@ -1164,11 +1164,10 @@ async fn alipay_a_replay_after_the_purge_is_refused_by_its_signed_time() {
         onceonly_integration_tests::sqlite_store(&dir.path().join("k.db"), "onceonly_keys").await;
     let clock = onceonly::ManualClock::starting_now();
     let layer = IdempotencyLayer::provider(
-        store.clone(),
+        onceonly::Engine::builder(store.clone()).clock(clock.clone()),
         "alipay",
         Alipay::new(&public_pem(&key)).unwrap(),
     )
-    .clock(clock.clone())
     .build()
     .unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -1269,9 +1268,12 @@ async fn an_adyen_route_refuses_a_fence_on_a_field_adyen_does_not_sign() {
     let store =
         onceonly_integration_tests::sqlite_store(&dir.path().join("k.db"), "onceonly_keys").await;
     let hmac = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056";
-    let refused = IdempotencyLayer::provider(store.clone(), "adyen", Adyen::new(hmac).unwrap())
-        .fence(FenceSpec::adyen())
-        .build();
+    let refused = IdempotencyLayer::provider(
+        onceonly::Engine::builder(store.clone()).fence(FenceSpec::adyen()),
+        "adyen",
+        Adyen::new(hmac).unwrap(),
+    )
+    .build();
     match refused {
         Err(HttpBuildError::FenceFieldUnsigned { provider, pointer }) => {
             assert_eq!(provider, "adyen");
@@ -1289,10 +1291,13 @@ async fn an_adyen_route_refuses_a_fence_on_a_field_adyen_does_not_sign() {
             ["AUTHORISATION", "CAPTURE", "REFUND"],
         ),
     );
-    IdempotencyLayer::provider(store, "adyen", Adyen::new(hmac).unwrap())
-        .fence(signed)
-        .build()
-        .expect("a fence on signed fields builds");
+    IdempotencyLayer::provider(
+        onceonly::Engine::builder(store).fence(signed),
+        "adyen",
+        Adyen::new(hmac).unwrap(),
+    )
+    .build()
+    .expect("a fence on signed fields builds");
 }
 
 /// Issue 44, defect 15: flags the example would ignore are refused with

@@ -291,10 +291,9 @@ async fn two_tier_works_under_the_amqp_consumer() {
     let run = |store: CachedStore<PgStore>| {
         let queue = queue.clone();
         async move {
-            AmqpConsumer::builder(store)
+            AmqpConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
                 .url(onceonly_integration_tests::amqp::url())
                 .queue(&queue)
-                .key_expr("json:/out_trade_no")
                 .exit_when_idle(Duration::from_secs(2))
                 .build()
                 .unwrap()

@@ -55,15 +55,16 @@ async fn drain<H>(s: &Setup, handler: Arc<H>) -> AmqpStats
 where
     H: onceonly::Handler<sqlx::Postgres> + 'static,
 {
-    let run = AmqpConsumer::builder(s.store.clone())
-        .url(url())
-        .queue(&s.queue)
-        .key_expr("json:/out_trade_no")
-        .concurrency(1)
-        .exit_when_idle(Duration::from_secs(1))
-        .build()
-        .expect("consumer")
-        .run_until(handler, CancellationToken::new());
+    let run = AmqpConsumer::builder(
+        onceonly::Engine::builder(s.store.clone()).key_expr("json:/out_trade_no"),
+    )
+    .url(url())
+    .queue(&s.queue)
+    .concurrency(1)
+    .exit_when_idle(Duration::from_secs(1))
+    .build()
+    .expect("consumer")
+    .run_until(handler, CancellationToken::new());
     tokio::time::timeout(Duration::from_secs(60), run)
         .await
         .expect("consumer did not drain within 60 s")
@@ -204,14 +205,15 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
     // The consumer stops once idle, so every ack and dead letter is done
     // when its stats come back.
     let consumer = tokio::spawn(
-        AmqpConsumer::builder(s.store.clone())
-            .url(url())
-            .queue(&s.queue)
-            .key_expr("json:/out_trade_no")
-            .exit_when_idle(Duration::from_secs(3))
-            .build()
-            .expect("consumer")
-            .run_until(Arc::clone(&handler), CancellationToken::new()),
+        AmqpConsumer::builder(
+            onceonly::Engine::builder(s.store.clone()).key_expr("json:/out_trade_no"),
+        )
+        .url(url())
+        .queue(&s.queue)
+        .exit_when_idle(Duration::from_secs(3))
+        .build()
+        .expect("consumer")
+        .run_until(Arc::clone(&handler), CancellationToken::new()),
     );
     let run = replay(&s, &[]).await;
     assert!(run.success, "{run:?}");

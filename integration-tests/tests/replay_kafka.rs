@@ -56,19 +56,20 @@ async fn drain<H>(s: &Setup, handler: Arc<H>)
 where
     H: onceonly::Handler<sqlx::Postgres> + 'static,
 {
-    let run = KafkaConsumer::builder(s.store.clone())
-        .brokers(brokers())
-        .group_id(&s.group)
-        .topic(&s.topic)
-        .key_expr("json:/out_trade_no")
-        .consumer_config("session.timeout.ms", "6000")
-        // One record per batch on the dead-letter topic (tansu, see
-        // integration-tests/src/kafka.rs).
-        .producer_config("batch.num.messages", "1")
-        .exit_when_idle(Duration::from_secs(2))
-        .build()
-        .expect("consumer")
-        .run_until(handler, CancellationToken::new());
+    let run = KafkaConsumer::builder(
+        onceonly::Engine::builder(s.store.clone()).key_expr("json:/out_trade_no"),
+    )
+    .brokers(brokers())
+    .group_id(&s.group)
+    .topic(&s.topic)
+    .consumer_config("session.timeout.ms", "6000")
+    // One record per batch on the dead-letter topic (tansu, see
+    // integration-tests/src/kafka.rs).
+    .producer_config("batch.num.messages", "1")
+    .exit_when_idle(Duration::from_secs(2))
+    .build()
+    .expect("consumer")
+    .run_until(handler, CancellationToken::new());
     tokio::time::timeout(Duration::from_secs(60), run)
         .await
         .expect("consumer did not drain within 60 s")

@@ -593,20 +593,22 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
 
     let group = unique("registry_group");
     let stop = CancellationToken::new();
-    let consumer = KafkaConsumer::builder(store.clone())
-        .brokers(brokers())
-        .group_id(&group)
-        .topic(&topic)
-        .key_expr("json:/out_trade_no")
-        .payload_decoder(
-            SchemaRegistry::builder(registry.url())
-                .timeout(Duration::from_secs(2))
-                .unknown_id_grace(Duration::from_secs(1))
-                .build()
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
+    let consumer = KafkaConsumer::builder(
+        onceonly::Engine::builder(store.clone())
+            .key_expr("json:/out_trade_no")
+            .payload_decoder(
+                SchemaRegistry::builder(registry.url())
+                    .timeout(Duration::from_secs(2))
+                    .unknown_id_grace(Duration::from_secs(1))
+                    .build()
+                    .unwrap(),
+            ),
+    )
+    .brokers(brokers())
+    .group_id(&group)
+    .topic(&topic)
+    .build()
+    .unwrap();
     let run = tokio::spawn(consumer.run_until(book(), stop.clone()));
 
     // The registry is down: nothing is booked, dead-lettered or committed.
@@ -721,20 +723,22 @@ async fn amqp_books_each_payment_once_and_dead_letters_bad_payloads() {
 
     let stop = CancellationToken::new();
     let run = tokio::spawn(
-        AmqpConsumer::builder(store.clone())
-            .url(amqp::url())
-            .queue(&queue)
-            .key_expr("json:/out_trade_no")
-            .payload_decoder(
-                SchemaRegistry::builder(registry.url())
-                    .basic_auth("svc-payments", "s3cret")
-                    .unknown_id_grace(Duration::from_secs(1))
-                    .build()
-                    .unwrap(),
-            )
-            .build()
-            .expect("consumer")
-            .run_until(book(), stop.clone()),
+        AmqpConsumer::builder(
+            onceonly::Engine::builder(store.clone())
+                .key_expr("json:/out_trade_no")
+                .payload_decoder(
+                    SchemaRegistry::builder(registry.url())
+                        .basic_auth("svc-payments", "s3cret")
+                        .unknown_id_grace(Duration::from_secs(1))
+                        .build()
+                        .unwrap(),
+                ),
+        )
+        .url(amqp::url())
+        .queue(&queue)
+        .build()
+        .expect("consumer")
+        .run_until(book(), stop.clone()),
     );
     // The consumer declares the dead-letter queue as it starts.
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -180,14 +180,14 @@ async fn outlive(silence: Duration) {
     }
     publish(&channel, &queue, &messages).await;
 
-    let consumer = AmqpConsumer::builder(store)
-        .url(url())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .prefetch(32)
-        .concurrency(8)
-        .build()
-        .expect("consumer");
+    let consumer =
+        AmqpConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
+            .url(url())
+            .queue(&queue)
+            .prefetch(32)
+            .concurrency(8)
+            .build()
+            .expect("consumer");
     let stop = CancellationToken::new();
     let handler = Book {
         table: table.clone(),

@@ -429,14 +429,15 @@ async fn an_amqp_consumer_works_over_amqps_with_a_client_certificate() {
     let stream = crash_stream("S", 200);
     publish_stream(&channel, &queue, &stream).await;
 
-    let consumer = AmqpConsumer::builder(store.clone())
-        .url(&amqps)
-        .tls(tls.clone())
-        .queue(&queue)
-        .key_expr("json:/out_trade_no")
-        .exit_when_idle(Duration::from_secs(2))
-        .build()
-        .expect("consumer");
+    let consumer = AmqpConsumer::builder(
+        onceonly::Engine::builder(store.clone()).key_expr("json:/out_trade_no"),
+    )
+    .url(&amqps)
+    .tls(tls.clone())
+    .queue(&queue)
+    .exit_when_idle(Duration::from_secs(2))
+    .build()
+    .expect("consumer");
     let stats = tokio::time::timeout(
         Duration::from_secs(60),
         consumer.run_until(ledger::postgres::Ledger, CancellationToken::new()),

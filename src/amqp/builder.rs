@@ -5,15 +5,16 @@ use std::time::Duration;
 use super::consumer::{AmqpConsumer, Settings};
 use super::topology::{DeadLetterTarget, QueueKind, Topology};
 use super::{AmqpConsumerError, AmqpTls};
-use crate::engine::{Engine, EngineBuilder, RetryPolicy};
+use crate::engine::EngineBuilder;
 use crate::store::SqlStore;
 
 /// Builds an [`AmqpConsumer`]. Required: [`url`](Self::url),
-/// [`queue`](Self::queue) and a key ([`key`](Self::key) or
-/// [`key_expr`](Self::key_expr)).
+/// [`queue`](Self::queue), and a key in the engine builder it was given
+/// ([`EngineBuilder::key_expr`]). Engine settings (key, fingerprint,
+/// retention, retry policy, fences, scope, ...) live in that
+/// [`EngineBuilder`] only.
 pub struct AmqpConsumerBuilder<S> {
     engine: EngineBuilder<S>,
-    scope: Option<String>,
     url: Option<String>,
     tls: AmqpTls,
     queue: Option<String>,
@@ -29,10 +30,9 @@ pub struct AmqpConsumerBuilder<S> {
 }
 
 impl<S: SqlStore> AmqpConsumerBuilder<S> {
-    pub(super) fn new(store: S) -> Self {
+    pub(super) fn new(engine: EngineBuilder<S>) -> Self {
         Self {
-            engine: Engine::builder(store),
-            scope: None,
+            engine,
             url: None,
             tls: AmqpTls::new(),
             queue: None,
@@ -47,8 +47,6 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
             pause: None,
         }
     }
-
-    crate::engine::forward_engine_settings!();
 
     /// Broker URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`.
     #[must_use]
@@ -89,24 +87,6 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     #[must_use]
     pub fn delivery_limit(mut self, limit: i64) -> Self {
         self.delivery_limit = Some(limit);
-        self
-    }
-
-    /// The dedup scope; defaults to the queue name.
-    #[must_use]
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        self.scope = Some(scope.into());
-        self
-    }
-
-    /// Retries of retryable handler failures. Each retry is a delayed
-    /// message: attempt `n` failing sends the message to the retry queue
-    /// `<queue>.retry.<ms>ms` whose TTL is the policy's `n`-th delay
-    /// (without jitter); on expiry it returns to the work queue with
-    /// `x-onceonly-attempts: n`. The queue never waits on a retry.
-    #[must_use]
-    pub fn retry(mut self, retry: RetryPolicy) -> Self {
-        self.engine = self.engine.retry(retry);
         self
     }
 
@@ -203,10 +183,9 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
                 "prefetch and concurrency must be at least 1".into(),
             ));
         }
-        let scope = self.scope.unwrap_or_else(|| queue.clone());
         let engine = self
             .engine
-            .scope(scope)
+            .or_scope(|| queue.clone())
             .transport(crate::telemetry::TRANSPORT_AMQP)
             .build()?;
         if let Some(pause) = &self.pause {
@@ -246,27 +225,34 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
+    use crate::engine::{Engine, RetryPolicy};
     use crate::store::sqlite::SqliteStore;
 
-    fn builder(store: SqliteStore) -> AmqpConsumerBuilder<SqliteStore> {
-        AmqpConsumer::builder(store)
-            .url("amqp://127.0.0.1:5672/%2f")
-            .queue("orders")
-            .key_expr("json:/id")
-    }
-
+    /// The engine builder is the one home of the retry policy, and the
+    /// queue is the scope unless the engine builder names one.
     #[tokio::test]
-    async fn retry_policy_set_either_way_is_the_one_used() {
+    async fn the_engine_builder_holds_the_retry_policy_and_the_scope() {
         let pool = sqlx::SqlitePool::connect_lazy("sqlite::memory:").expect("pool");
         let store = SqliteStore::new(pool);
         let policy = RetryPolicy::none();
         assert_ne!(policy, RetryPolicy::default());
-        let configured = builder(store.clone())
-            .configure_engine(|e| e.retry(policy))
-            .build()
-            .expect("build");
-        assert_eq!(configured.engine().retry_policy(), &policy);
-        let direct = builder(store).retry(policy).build().expect("build");
-        assert_eq!(direct.engine().retry_policy(), &policy);
+        let consumer = AmqpConsumer::builder(
+            Engine::builder(store.clone())
+                .key_expr("json:/id")
+                .retry(policy),
+        )
+        .url("amqp://127.0.0.1:5672/%2f")
+        .queue("orders")
+        .build()
+        .expect("build");
+        assert_eq!(consumer.engine().retry_policy(), &policy);
+        assert_eq!(consumer.engine().scope(), "orders");
+        let named =
+            AmqpConsumer::builder(Engine::builder(store).key_expr("json:/id").scope("ledger"))
+                .url("amqp://127.0.0.1:5672/%2f")
+                .queue("orders")
+                .build()
+                .expect("build");
+        assert_eq!(named.engine().scope(), "ledger");
     }
 }

@@ -61,9 +61,14 @@ enum End {
 }
 
 impl<S: SqlStore> AmqpConsumer<S> {
-    /// Starts configuring a consumer whose claims go to `store`.
-    pub fn builder(store: S) -> AmqpConsumerBuilder<S> {
-        AmqpConsumerBuilder::new(store)
+    /// Starts configuring a consumer. `engine` holds every engine
+    /// setting (key, fingerprint, retention, retry policy, fences, ...):
+    /// pass `Engine::builder(store).key_expr("json:/order_id")`, or a store
+    /// alone for the defaults. Its scope defaults to the queue name; its
+    /// [retry policy](crate::EngineBuilder::retry) becomes delayed retry
+    /// queues.
+    pub fn builder(engine: impl Into<crate::EngineBuilder<S>>) -> AmqpConsumerBuilder<S> {
+        AmqpConsumerBuilder::new(engine.into())
     }
 
     pub(super) fn new(engine: Engine<S>, topology: Topology, settings: Settings) -> Self {

@@ -8,7 +8,7 @@ use super::{Engine, Inner, RetryPolicy};
 use crate::clock::{Clock, SystemClock};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::{FenceSpec, KeySpec, KeySpecError};
-use crate::redact::{KeyRedaction, KeyRedactionError};
+use crate::redact::KeyRedaction;
 use crate::store::{SqlStore, StoreError, validate_scope};
 
 /// The default retention of dedup records: 7 days (Kafka's default log
@@ -41,10 +41,6 @@ pub enum BuildError {
     /// The retention is zero.
     #[error("retention must be longer than zero")]
     ZeroRetention,
-    /// The key redaction could not be set up (see
-    /// [`EngineBuilder::hash_keys_in_traces`]).
-    #[error(transparent)]
-    KeyRedaction(#[from] KeyRedactionError),
     /// [`EngineBuilder::max_crashes`] is zero.
     #[error("max_crashes must be at least 1")]
     ZeroMaxCrashes,
@@ -80,13 +76,13 @@ pub struct EngineBuilder<S> {
     store: S,
     scope: Option<String>,
     key: Option<Result<KeySpec, KeySpecError>>,
-    fingerprint: FingerprintSpec,
-    retention: Duration,
+    fingerprint: Option<FingerprintSpec>,
+    retention: Option<Duration>,
     retry: RetryPolicy,
     transient_retries: u32,
     clock: Arc<dyn Clock>,
     transport: &'static str,
-    redaction: Result<KeyRedaction, KeyRedactionError>,
+    redaction: KeyRedaction,
     max_crashes: u32,
     max_deadline_misses: u32,
     optimistic: bool,
@@ -102,13 +98,13 @@ impl<S: SqlStore> EngineBuilder<S> {
             store,
             scope: None,
             key: None,
-            fingerprint: FingerprintSpec::default(),
-            retention: DEFAULT_RETENTION,
+            fingerprint: None,
+            retention: None,
             retry: RetryPolicy::default(),
             transient_retries: 3,
             clock: Arc::new(SystemClock),
             transport: crate::telemetry::TRANSPORT_ENGINE,
-            redaction: Ok(KeyRedaction::plain()),
+            redaction: KeyRedaction::plain(),
             max_crashes: super::DEFAULT_MAX_CRASHES,
             max_deadline_misses: super::DEFAULT_MAX_DEADLINE_MISSES,
             optimistic: false,
@@ -198,7 +194,7 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// What the payload fingerprint covers (default: canonical JSON or raw bytes).
     #[must_use]
     pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-        self.fingerprint = spec;
+        self.fingerprint = Some(spec);
         self
     }
 
@@ -207,7 +203,7 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// expired is processed again.
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.retention = Some(retention);
         self
     }
 
@@ -347,25 +343,56 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// compute for a known key. See [`redact`](crate::redact).
     #[must_use]
     pub fn key_redaction(mut self, redaction: KeyRedaction) -> Self {
-        self.redaction = Ok(redaction);
+        self.redaction = redaction;
         self
     }
 
-    /// Shorthand: `true` shows keys under the process's random secret
-    /// ([`KeyRedaction::per_process`]: correlated within this process
-    /// only, and no one can compute the form of a given key), `false` as
-    /// they are (the default). Prefer [`key_redaction`](Self::key_redaction)
-    /// with [`KeyRedaction::hmac`] to correlate across processes and find
-    /// a known key's lines. If the operating system's random source fails,
-    /// [`build`](Self::build) fails with [`BuildError::KeyRedaction`].
-    #[must_use]
-    pub fn hash_keys_in_traces(mut self, hash: bool) -> Self {
-        self.redaction = if hash {
-            KeyRedaction::per_process()
-        } else {
-            Ok(KeyRedaction::plain())
-        };
+    /// The scope, unless one was set (the transports' defaults: the
+    /// consumer group, the queue, the route).
+    pub(crate) fn or_scope(mut self, scope: impl FnOnce() -> String) -> Self {
+        if self.scope.is_none() {
+            self.scope = Some(scope());
+        }
         self
+    }
+
+    /// Whether a scope was set.
+    pub(crate) fn has_scope(&self) -> bool {
+        self.scope.is_some()
+    }
+
+    /// The key, unless one was set.
+    pub(crate) fn or_key(mut self, key: impl FnOnce() -> Result<KeySpec, KeySpecError>) -> Self {
+        if self.key.is_none() {
+            self.key = Some(key());
+        }
+        self
+    }
+
+    /// The fingerprint spec, unless one was set.
+    pub(crate) fn or_fingerprint(mut self, spec: impl FnOnce() -> FingerprintSpec) -> Self {
+        if self.fingerprint.is_none() {
+            self.fingerprint = Some(spec());
+        }
+        self
+    }
+
+    /// The retention, unless one was set.
+    pub(crate) fn or_retention(mut self, retention: Duration) -> Self {
+        if self.retention.is_none() {
+            self.retention = Some(retention);
+        }
+        self
+    }
+
+    /// The retention set, if any.
+    pub(crate) fn retention_set(&self) -> Option<Duration> {
+        self.retention
+    }
+
+    /// The key set, if any (the HTTP layer checks what a provider signs).
+    pub(crate) fn key_set(&self) -> Option<&Result<KeySpec, KeySpecError>> {
+        self.key.as_ref()
     }
 
     /// Checks the configuration and builds the engine. Metric handles are
@@ -375,7 +402,8 @@ impl<S: SqlStore> EngineBuilder<S> {
         validate_scope(&scope)?;
         let key = self.key.ok_or(BuildError::MissingKey)??;
         key.validate()?;
-        if self.retention.is_zero() {
+        let retention = self.retention.unwrap_or(DEFAULT_RETENTION);
+        if retention.is_zero() {
             return Err(BuildError::ZeroRetention);
         }
         if self.max_crashes == 0 {
@@ -387,10 +415,10 @@ impl<S: SqlStore> EngineBuilder<S> {
         if let Some(fence) = &self.fence {
             fence.validate()?;
         }
-        if self.fence.is_some() && self.fence_retention < self.retention {
+        if self.fence.is_some() && self.fence_retention < retention {
             return Err(BuildError::FenceRetention {
                 fence: self.fence_retention,
-                records: self.retention,
+                records: retention,
             });
         }
         let min = super::steps::MIN_DOWNSTREAM_SECRET;
@@ -404,11 +432,11 @@ impl<S: SqlStore> EngineBuilder<S> {
         if self.downstream_secret.is_some() && !self.store.records_steps() {
             return Err(BuildError::StepsUnsupported);
         }
-        let telemetry = Telemetry::new(&scope, self.transport, self.redaction?);
+        let telemetry = Telemetry::new(&scope, self.transport, self.redaction);
         let steps = super::steps::StepLog::new(
             self.store.clone(),
             Arc::clone(&self.clock),
-            self.retention,
+            retention,
             self.downstream_secret.map(Arc::from),
         );
         Ok(Engine {
@@ -417,8 +445,8 @@ impl<S: SqlStore> EngineBuilder<S> {
                 telemetry,
                 scope,
                 key,
-                fingerprint: self.fingerprint,
-                retention: self.retention,
+                fingerprint: self.fingerprint.unwrap_or_default(),
+                retention,
                 retry: self.retry,
                 transient_retries: self.transient_retries,
                 clock: self.clock,
@@ -433,5 +461,15 @@ impl<S: SqlStore> EngineBuilder<S> {
                 decoder: self.decoder,
             }),
         })
+    }
+}
+
+/// A store with every engine setting at its default: what a transport
+/// builder takes when no engine setting is needed, e.g.
+/// `KafkaConsumer::builder(store)`; otherwise pass
+/// `Engine::builder(store).key_expr(..)`.
+impl<S: SqlStore> From<S> for EngineBuilder<S> {
+    fn from(store: S) -> Self {
+        Self::new(store)
     }
 }

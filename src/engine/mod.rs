@@ -18,7 +18,6 @@ mod overrun;
 mod payload;
 mod retry;
 pub(crate) mod session;
-mod settings;
 mod steps;
 mod telemetry;
 mod tx;
@@ -50,7 +49,6 @@ pub use payload::{PayloadDecoder, PayloadError};
 pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
 #[allow(unused_imports)] // no transport compiled in: no user
-pub(crate) use settings::forward_engine_settings;
 pub use steps::{MAX_STEP_NAME, MIN_DOWNSTREAM_SECRET, StepError};
 pub(crate) use telemetry::Telemetry;
 pub use tx::{Origin, Tx, TxGone, TxGuard};

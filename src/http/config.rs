@@ -129,10 +129,13 @@ pub enum HttpBuildError {
     /// Retention must be longer than zero.
     #[error("retention must be longer than zero")]
     ZeroRetention,
-    /// The key redaction could not be set up (see
-    /// [`IdempotencyLayerBuilder::hash_keys_in_traces`]).
-    #[error(transparent)]
-    KeyRedaction(#[from] crate::redact::KeyRedactionError),
+    /// The engine builder given to the layer names a scope: a layer's
+    /// scope is the one its constructor takes (and the per-principal
+    /// suffix it adds), so there is one home for it.
+    #[error(
+        "the layer's scope is its constructor's argument: do not also set EngineBuilder::scope"
+    )]
+    ScopeSetTwice,
     /// A layer for a payment provider keeps its records for less than the
     /// provider's retry horizon and a margin: a retry sent after a record
     /// was purged would be processed again (see
@@ -172,7 +175,7 @@ pub enum HttpBuildError {
         pointer: String,
     },
     /// Another engine setting is invalid (e.g.
-    /// [`max_deadline_misses`](IdempotencyLayerBuilder::max_deadline_misses)
+    /// [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses)
     /// of zero).
     #[error(transparent)]
     Engine(BuildError),
@@ -219,19 +222,33 @@ pub(crate) struct Settings {
 }
 
 /// Builds an [`IdempotencyLayer`]: start with
-/// [`IdempotencyLayer::idempotency_key`] or
-/// [`IdempotencyLayer::payment_callback`].
+/// [`IdempotencyLayer::idempotency_key`],
+/// [`IdempotencyLayer::payment_callback`] or `IdempotencyLayer::provider`.
+///
+/// What only HTTP has is set here; every engine setting (key, retention,
+/// fingerprint, optimistic claims, fences, steps' secret, key redaction,
+/// ...) is set on the [`EngineBuilder`] the constructor takes, which
+/// overrides the layer's defaults: the key (the `Idempotency-Key` header,
+/// the provider's business field, `payment_callback`'s `key_expr`), the
+/// retention (24 hours; a provider's
+/// [default](super::providers::Provider::default_retention)) and the
+/// fingerprint (the request in `Idempotency-Key` mode, nothing for
+/// callbacks, whose retries change fields such as `notify_time`; use
+/// `FingerprintSpec::Fields` over the business fields to refuse a tampered
+/// notification).
 pub struct IdempotencyLayerBuilder<S> {
     engine: EngineBuilder<S>,
     scope: String,
+    /// The layer's default retention, unless the engine builder sets one.
     retention: Duration,
     cfg: Settings,
-    key: Result<KeySpec, KeySpecError>,
+    /// Set when the engine builder came with a scope (refused by `build`).
+    scope_set_twice: bool,
 }
 
 impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     pub(crate) fn new(
-        store: S,
+        engine: EngineBuilder<S>,
         scope: String,
         mode: Mode,
         key: Result<KeySpec, KeySpecError>,
@@ -242,12 +259,14 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             // a repeated notification must get the ack, not a conflict.
             Mode::Callback { .. } => (vec![Method::POST], FingerprintSpec::Disabled),
         };
+        let scope_set_twice = engine.has_scope();
         Self {
-            engine: Engine::builder(store)
-                .scope(scope.clone())
-                .fingerprint(fingerprint)
+            engine: engine
+                .or_key(|| key)
+                .or_fingerprint(|| fingerprint)
                 .transport(TRANSPORT_HTTP),
             scope,
+            scope_set_twice,
             retention: Duration::from_secs(24 * 3600),
             cfg: Settings {
                 mode,
@@ -278,27 +297,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                 }),
                 refusals: super::refusals::Refusals::default(),
             },
-            key,
         }
-    }
-
-    /// How the key is read: e.g. `KeySpec::uuid_header("Idempotency-Key")`
-    /// to require UUIDs, `.max_len(64)` for a shorter limit, or any body
-    /// expression for callbacks. A key that is too long, not a UUID where
-    /// one is required, or otherwise invalid gets `400`.
-    #[must_use]
-    pub fn key(mut self, key: KeySpec) -> Self {
-        self.key = Ok(key);
-        self
-    }
-
-    /// The key as an expression (see [`KeySpec::parse`]), e.g.
-    /// `json:/out_refund_no` instead of a provider's default key; an
-    /// invalid expression fails [`build`](Self::build).
-    #[must_use]
-    pub fn key_expr(mut self, expr: &str) -> Self {
-        self.key = KeySpec::parse(expr);
-        self
     }
 
     /// Verify `provider`'s scheme and answer in its format (set by
@@ -327,51 +326,6 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     #[must_use]
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.cfg.methods = methods.into_iter().collect();
-        self
-    }
-
-    /// How long a key and its response are kept (default 24 hours, the
-    /// published expiry policy: a key reused after it is processed again;
-    /// for a payment provider its
-    /// [default retention](super::providers::Provider::default_retention),
-    /// and no less than its
-    /// [retry horizon](super::providers::Provider::min_retention)).
-    #[must_use]
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
-
-    /// What is fingerprinted to detect a key reused with another request
-    /// (`422`). Default in `Idempotency-Key` mode: the canonical JSON body
-    /// (or its raw bytes), bound to the method, path and query. Default in
-    /// callback mode: nothing, since providers change fields such as
-    /// `notify_time` on every retry; use `FingerprintSpec::Fields` over the
-    /// business fields (amount, currency) to refuse a tampered notification.
-    #[must_use]
-    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-        self.engine = self.engine.fingerprint(spec);
-        self
-    }
-
-    /// Optimistic claims (default off; see
-    /// [`EngineBuilder::optimistic`](crate::EngineBuilder::optimistic)):
-    /// a request runs the handler in a plain transaction and claims its key
-    /// with the stored response in one insert just before `COMMIT`. While
-    /// retries are common (more than one in five recent requests found
-    /// their key taken), each key's committed record is looked up first
-    /// (one statement, no transaction), so a retry of a completed request
-    /// is replayed without running the handler. A request whose key a concurrent copy
-    /// committed meanwhile is rolled back and answered with the stored
-    /// response (or `422` for another payload); while that copy is still in
-    /// flight, the insert waits for it as [`in_flight`](Self::in_flight)
-    /// bounds. Only for handlers whose every effect is a write in the
-    /// transaction: two concurrent copies both run the handler (one
-    /// commits). Saves the result's `UPDATE` and the claim's lock-wait
-    /// statements on every new request; see BENCHMARKS.md.
-    #[must_use]
-    pub fn optimistic(mut self, optimistic: bool) -> Self {
-        self.engine = self.engine.optimistic(optimistic);
         self
     }
 
@@ -441,33 +395,26 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         self
     }
 
-    // Not `max_crashes`: a request is never a suspect (a crashed server
-    // does not see the request again the way a broker redelivers it).
-    // `configure_engine` cannot move the layer: its scope, key, retention
-    // and transport label are set again by `build`.
-    crate::engine::forward_engine_settings!(
-        key_redaction,
-        hash_keys_in_traces,
-        max_deadline_misses,
-        fence,
-        fence_retention,
-        downstream_secret,
-        clock,
-        configure_engine,
-    );
-
     /// Validates the settings. Metric handles (label `transport="http"`,
     /// `scope` the layer's scope without the per-principal suffix) are
     /// resolved here: install the metrics recorder before.
     pub fn build(self) -> Result<IdempotencyLayer<S>, HttpBuildError> {
+        if self.scope_set_twice {
+            return Err(HttpBuildError::ScopeSetTwice);
+        }
         validate_scope(&self.scope)?;
         if self.scope.len() > 90 {
             return Err(HttpBuildError::ScopeTooLong);
         }
-        if self.retention.is_zero() {
+        let retention = self.engine.retention_set().unwrap_or(self.retention);
+        if retention.is_zero() {
             return Err(HttpBuildError::ZeroRetention);
         }
-        let key = self.key?;
+        let key = match self.engine.key_set() {
+            Some(Ok(key)) => key.clone(),
+            Some(Err(e)) => return Err(HttpBuildError::Key(e.clone())),
+            None => return Err(HttpBuildError::Engine(BuildError::MissingKey)),
+        };
         key.validate()?;
         #[cfg(feature = "providers")]
         let mut cfg = self.cfg;
@@ -475,10 +422,10 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         let cfg = self.cfg;
         #[cfg(feature = "providers")]
         if let Some(provider) = cfg.provider.take() {
-            if self.retention < provider.min_retention() {
+            if retention < provider.min_retention() {
                 return Err(HttpBuildError::RetentionBelowRetries {
                     provider: provider.name(),
-                    retention: self.retention,
+                    retention,
                     min: provider.min_retention(),
                 });
             }
@@ -488,21 +435,16 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
                     header: name.clone(),
                 });
             }
-            cfg.provider = Some(provider.with_retention(self.retention));
+            cfg.provider = Some(provider.with_retention(retention));
         }
-        // Set again after the user's `configure_engine`: what the layer
-        // checked above is what the engine runs with.
         let engine = self
             .engine
             .scope(self.scope)
-            .transport(TRANSPORT_HTTP)
-            .key(key)
-            .retention(self.retention)
+            .or_retention(retention)
             .build()
             .map_err(|e| match e {
                 BuildError::Key(e) => HttpBuildError::Key(e),
                 BuildError::Scope(e) => HttpBuildError::Scope(e),
-                BuildError::KeyRedaction(e) => HttpBuildError::KeyRedaction(e),
                 BuildError::ZeroRetention => HttpBuildError::ZeroRetention,
                 other => HttpBuildError::Engine(other),
             })?;
@@ -550,31 +492,43 @@ mod tests {
         SqliteStore::connect("sqlite::memory:").await.unwrap()
     }
 
-    /// The engine settings a layer checks are the ones its engine runs
-    /// with: `configure_engine` cannot move it to another scope (a scope
-    /// past the per-principal room, say) or retention.
+    /// The scope is the constructor's: an engine builder that names one
+    /// too is refused rather than one of them silently winning; the
+    /// engine builder's retention overrides the layer's default.
     #[tokio::test]
-    async fn configure_engine_cannot_move_the_layer() {
-        let layer = IdempotencyLayer::idempotency_key(store().await, "orders")
-            .configure_engine(|e| {
-                e.scope("x".repeat(128))
-                    .retention(Duration::from_secs(1))
-                    .transport("kafka")
-            })
+    async fn the_scope_has_one_home_and_the_engine_builder_overrides_defaults() {
+        let err =
+            IdempotencyLayer::idempotency_key(Engine::builder(store().await).scope("x"), "orders")
+                .build()
+                .err()
+                .unwrap();
+        assert!(matches!(err, HttpBuildError::ScopeSetTwice), "{err:?}");
+        let default = IdempotencyLayer::idempotency_key(store().await, "orders")
             .build()
             .unwrap();
-        let engine = &layer.config().engine;
-        assert_eq!(engine.scope(), "orders");
-        assert_eq!(engine.retention(), Duration::from_secs(24 * 3600));
+        assert_eq!(default.config().engine.scope(), "orders");
+        assert_eq!(
+            default.config().engine.retention(),
+            Duration::from_secs(24 * 3600)
+        );
+        let layer = IdempotencyLayer::idempotency_key(
+            Engine::builder(store().await).retention(Duration::from_secs(60)),
+            "orders",
+        )
+        .build()
+        .unwrap();
+        assert_eq!(layer.config().engine.retention(), Duration::from_secs(60));
     }
 
     #[tokio::test]
     async fn an_invalid_engine_setting_is_named() {
-        let err = IdempotencyLayer::idempotency_key(store().await, "orders")
-            .max_deadline_misses(0)
-            .build()
-            .err()
-            .unwrap();
+        let err = IdempotencyLayer::idempotency_key(
+            Engine::builder(store().await).max_deadline_misses(0),
+            "orders",
+        )
+        .build()
+        .err()
+        .unwrap();
         assert!(
             matches!(
                 err,
@@ -594,18 +548,22 @@ mod tests {
                 crate::OrderSpec::integer("/version"),
             )
         };
-        let err = IdempotencyLayer::idempotency_key(store().await, "orders")
-            .key_optional()
-            .fence(fence())
-            .build()
-            .err()
-            .unwrap();
+        let err = IdempotencyLayer::idempotency_key(
+            Engine::builder(store().await).fence(fence()),
+            "orders",
+        )
+        .key_optional()
+        .build()
+        .err()
+        .unwrap();
         assert!(matches!(err, HttpBuildError::FenceWithoutKey), "{err:?}");
         assert!(
-            IdempotencyLayer::idempotency_key(store().await, "orders")
-                .fence(fence())
-                .build()
-                .is_ok()
+            IdempotencyLayer::idempotency_key(
+                Engine::builder(store().await).fence(fence()),
+                "orders"
+            )
+            .build()
+            .is_ok()
         );
     }
 }

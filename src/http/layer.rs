@@ -22,7 +22,7 @@ use super::request::{bind_to_request, delivery_of, repeated_key, scope_for};
 use super::stored::{StoredResponse, read_up_to};
 use super::verify::verify;
 use crate::engine::session::traceparent_of;
-use crate::engine::{ClaimSpec, Claimed, Failure, Finished, OutcomeKind, Session};
+use crate::engine::{ClaimSpec, Claimed, EngineBuilder, Failure, Finished, OutcomeKind, Session};
 use crate::key::{KeyError, KeySpec};
 use crate::store::SqlStore;
 
@@ -44,9 +44,12 @@ impl<S: SqlStore> IdempotencyLayer<S> {
     /// `Idempotency-Key` mode (IETF draft): the key is the
     /// `Idempotency-Key` header, unique per `scope` and principal; a
     /// completed key replays its stored response.
-    pub fn idempotency_key(store: S, scope: impl Into<String>) -> IdempotencyLayerBuilder<S> {
+    pub fn idempotency_key(
+        engine: impl Into<EngineBuilder<S>>,
+        scope: impl Into<String>,
+    ) -> IdempotencyLayerBuilder<S> {
         IdempotencyLayerBuilder::new(
-            store,
+            engine.into(),
             scope.into(),
             Mode::Header { required: true },
             Ok(KeySpec::header("Idempotency-Key")),
@@ -57,13 +60,13 @@ impl<S: SqlStore> IdempotencyLayer<S> {
     /// e.g. `json:/out_trade_no`; form-encoded bodies are read as a JSON
     /// object of their fields), and a duplicate notification gets `ack`.
     pub fn payment_callback(
-        store: S,
+        engine: impl Into<EngineBuilder<S>>,
         scope: impl Into<String>,
         key_expr: &str,
         ack: Ack,
     ) -> IdempotencyLayerBuilder<S> {
         IdempotencyLayerBuilder::new(
-            store,
+            engine.into(),
             scope.into(),
             Mode::Callback { ack },
             KeySpec::parse(key_expr),
@@ -73,20 +76,20 @@ impl<S: SqlStore> IdempotencyLayer<S> {
     /// A payment provider's callbacks: verified as the provider specifies
     /// before any dedup work (`401` otherwise), keyed on its business field
     /// ([`Provider::default_key`](super::providers::Provider::default_key);
-    /// another with [`key_expr`](IdempotencyLayerBuilder::key_expr)), and
+    /// another with [`EngineBuilder::key_expr`]), and
     /// answered in its format: its success for a processed or duplicate
     /// callback, a status it retries for a failure. See
     /// [`providers`](super::providers).
     #[cfg(feature = "providers")]
     #[cfg_attr(docsrs, doc(cfg(feature = "providers")))]
     pub fn provider(
-        store: S,
+        engine: impl Into<EngineBuilder<S>>,
         scope: impl Into<String>,
         provider: impl Into<super::providers::Provider>,
     ) -> IdempotencyLayerBuilder<S> {
         let provider = provider.into();
         IdempotencyLayerBuilder::new(
-            store,
+            engine.into(),
             scope.into(),
             Mode::Callback {
                 ack: provider.success(),

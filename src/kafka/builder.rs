@@ -9,7 +9,7 @@ use super::KafkaConsumerError;
 use super::consumer::{KafkaConsumer, Settings};
 use super::dead_letter::DeadLetterer;
 use crate::broker::PausePolicy;
-use crate::engine::{Engine, EngineBuilder, RetryPolicy};
+use crate::engine::EngineBuilder;
 use crate::store::SqlStore;
 
 /// The default [`KafkaConsumerBuilder::statistics_interval`]: 5 s.
@@ -19,11 +19,13 @@ pub const DEFAULT_STATISTICS_INTERVAL: Duration = Duration::from_secs(5);
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Builds a [`KafkaConsumer`]. Required: [`brokers`](Self::brokers),
-/// [`group_id`](Self::group_id), at least one [`topic`](Self::topic) and a
-/// key ([`key`](Self::key) or [`key_expr`](Self::key_expr)).
+/// [`group_id`](Self::group_id), at least one [`topic`](Self::topic), and
+/// a key in the engine builder it was given
+/// ([`EngineBuilder::key_expr`]). Engine settings (key, fingerprint,
+/// retention, retry policy, fences, scope, ...) live in that
+/// [`EngineBuilder`] only.
 pub struct KafkaConsumerBuilder<S> {
     engine: EngineBuilder<S>,
-    scope: Option<String>,
     brokers: Option<String>,
     group_id: Option<String>,
     topics: Vec<String>,
@@ -46,10 +48,9 @@ pub struct KafkaConsumerBuilder<S> {
 }
 
 impl<S: SqlStore> KafkaConsumerBuilder<S> {
-    pub(super) fn new(store: S) -> Self {
+    pub(super) fn new(engine: EngineBuilder<S>) -> Self {
         Self {
-            engine: Engine::builder(store),
-            scope: None,
+            engine,
             brokers: None,
             group_id: None,
             topics: Vec::new(),
@@ -87,8 +88,6 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
         self
     }
 
-    crate::engine::forward_engine_settings!();
-
     /// Pauses consuming while the handler keeps failing (a dependency
     /// down), instead of retrying every record to exhaustion and
     /// dead-lettering it: fetching from every assigned partition pauses,
@@ -120,22 +119,6 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
     #[must_use]
     pub fn topic(mut self, topic: impl Into<String>) -> Self {
         self.topics.push(topic.into());
-        self
-    }
-
-    /// The dedup scope; defaults to the group id, so two groups reading the
-    /// same topic each process every record once.
-    #[must_use]
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        self.scope = Some(scope.into());
-        self
-    }
-
-    /// In-process retries of retryable handler failures before the record is
-    /// dead-lettered. The partition lane waits meanwhile (order is kept).
-    #[must_use]
-    pub fn retry(mut self, retry: RetryPolicy) -> Self {
-        self.engine = self.engine.retry(retry);
         self
     }
 
@@ -337,10 +320,9 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
                 self.drain_timeout
             )));
         }
-        let scope = self.scope.unwrap_or_else(|| group.clone());
         let engine = self
             .engine
-            .scope(scope.clone())
+            .or_scope(|| group.clone())
             .transport(crate::telemetry::TRANSPORT_KAFKA)
             .build()?;
         if let Some(pause) = &self.pause {
@@ -402,7 +384,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
             producer,
             self.dead_letter_topic,
             self.retry_topic,
-            scope,
+            engine.scope().to_owned(),
             self.dead_letter_timeout,
         );
         Ok(KafkaConsumer::new(

@@ -48,12 +48,13 @@ pub const DEFAULT_UNKNOWN_ID_GRACE: Duration = Duration::from_secs(60);
 /// let registry = SchemaRegistry::builder("https://registry.example.com:8081")
 ///     .basic_auth("svc-payments", "secret")
 ///     .build()?;
-/// let consumer = onceonly::kafka::KafkaConsumer::builder(store)
-///     .brokers("localhost:9092")
-///     .group_id("payments")
-///     .topic("payments")
+/// let engine = onceonly::Engine::builder(store)
 ///     .key_expr("json:/out_trade_no")
 ///     .payload_decoder(registry);
+/// let consumer = onceonly::kafka::KafkaConsumer::builder(engine)
+///     .brokers("localhost:9092")
+///     .group_id("payments")
+///     .topic("payments");
 /// # let _ = consumer; Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -95,17 +95,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .ok()
                 .and_then(|b| b.parse::<usize>().ok())
                 .unwrap_or(1);
-            let consumer = KafkaConsumer::builder(store)
-                .batch_size(batch)
-                .brokers(*bootstrap)
-                .group_id(*group)
-                .topic(*topic)
-                .key(key_spec(poison))
-                .dead_letter_topic(*dlt)
-                .consumer_config("session.timeout.ms", "6000")
-                .retry(retry)
-                .exit_when_idle(IDLE)
-                .build()?;
+            let consumer = KafkaConsumer::builder(
+                onceonly::Engine::builder(store)
+                    .key(key_spec(poison))
+                    .retry(retry),
+            )
+            .batch_size(batch)
+            .brokers(*bootstrap)
+            .group_id(*group)
+            .topic(*topic)
+            .dead_letter_topic(*dlt)
+            .consumer_config("session.timeout.ms", "6000")
+            .exit_when_idle(IDLE)
+            .build()?;
             let handler = Poisoned {
                 poison: (*poison).to_owned(),
             };
@@ -114,15 +116,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         ["amqp", url, queue, db, poison] => {
             let store = open(db).await?;
-            let consumer = AmqpConsumer::builder(store)
-                .url(*url)
-                .queue(*queue)
-                .key_expr("json:/out_trade_no")
-                .prefetch(32)
-                .concurrency(8)
-                .retry(retry)
-                .exit_when_idle(IDLE)
-                .build()?;
+            let consumer = AmqpConsumer::builder(
+                onceonly::Engine::builder(store)
+                    .key_expr("json:/out_trade_no")
+                    .retry(retry),
+            )
+            .url(*url)
+            .queue(*queue)
+            .prefetch(32)
+            .concurrency(8)
+            .exit_when_idle(IDLE)
+            .build()?;
             let handler = Poisoned {
                 poison: (*poison).to_owned(),
             };
