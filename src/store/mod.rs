@@ -21,7 +21,7 @@ mod dialect;
 pub(crate) mod error;
 pub(crate) mod forward;
 mod rows;
-mod side;
+mod steps;
 mod sql;
 mod table;
 mod tier;
@@ -51,8 +51,8 @@ pub use dialect::{Dialect, Layout};
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
 };
-pub(crate) use side::STARTED_PREFIX;
-pub use side::{FenceRecord, OrphanedStep, StepRecord};
+pub(crate) use steps::STARTED_PREFIX;
+pub use steps::{FenceRecord, OrphanedStep, StepRecord};
 pub use table::TableName;
 pub use tier::{CacheTier, CachedRecord, Completed};
 
