@@ -1,6 +1,8 @@
 //! SQL text of each backend, built once per store from a validated table name.
 
-use super::steps::{FenceSql, StepsSql, side_sql};
+use super::fence::FenceSql;
+use super::side::side_sql;
+use super::steps::StepsSql;
 use super::{Dialect, TableName};
 
 /// Every statement a store runs. Placeholders are `$n` (Postgres, SQLite) or
@@ -59,7 +61,7 @@ pub(crate) struct Sql {
     /// elsewhere).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub rotation: Option<RotationSql>,
-    /// The fence table's statements (see [`steps`](super::steps)).
+    /// The fence table's statements (see [`fence`](super::fence)).
     pub fence: FenceSql,
     /// The steps table's statements (see [`steps`](super::steps)).
     pub steps: StepsSql,

@@ -1,18 +1,9 @@
-//! The two side tables beyond the dedup table, their statements in each
-//! dialect, and what reading them returns:
-//!
-//! - the **fence** table (`<table>_fence`): per (scope, entity), the
-//!   highest order of a delivery applied so far, moved only forward by a
-//!   statement in the claim's transaction
-//!   ([`SqlStore::advance_fence`](super::SqlStore::advance_fence));
-//! - the **steps** table (`<table>_steps`): per (scope, key, step), the
-//!   result of a call to another system made by the key's handler,
-//!   committed on its own before the handler's transaction ends
-//!   ([`SqlStore::record_step`](super::SqlStore::record_step)).
-//!
-//! Both expire like the dedup table's records and are deleted by the same
-//! purge. Neither depends on the dedup table's layout: PostgreSQL's
-//! generations layout keeps them plain.
+//! The steps table (`<table>_steps`): per (scope, key, step), the result
+//! of a call to another system made by the key's handler, committed on
+//! its own before the handler's transaction ends
+//! ([`SqlStore::record_step`](super::SqlStore::record_step)); its DDL and
+//! statements in each dialect, and what reading it returns. The engine's
+//! half is `engine/steps.rs`.
 
 use sqlx::{Encode, Executor, IntoArguments, Type};
 
@@ -20,6 +11,7 @@ use super::backend::Backend;
 use super::base::SqlBase;
 use super::deadline::within;
 use super::rows::StoreRow;
+use super::side::{Numbered, mysql_purge};
 use super::{Dialect, StoreError, TableName};
 use crate::fingerprint::Fingerprint;
 
@@ -36,26 +28,6 @@ pub(crate) fn started_step(name: &str) -> Option<&str> {
 /// How a step that started and never finished is shown.
 fn started_label(step: &str) -> String {
     format!("{step} (started; its outcome is unknown)")
-}
-
-/// The statements on the fence table. Orders are byte strings compared
-/// byte-wise (bytea, VARBINARY, BLOB: memcmp in every backend).
-#[derive(Debug, Default)]
-pub(crate) struct FenceSql {
-    /// scope, entity, order, expires, now: inserts the row, or raises its
-    /// order to the greater of both (an expired row takes the new order),
-    /// and refreshes its expiry. PostgreSQL and SQLite return the order it
-    /// then holds as `ord`; MySQL reads it with `advance_read`.
-    pub advance: String,
-    /// scope, entity: the row's order under the lock the upsert took
-    /// (MySQL; empty elsewhere).
-    pub advance_read: String,
-    /// scope, entity: `ord`, `expires_at_ms`.
-    pub get: String,
-    /// now, limit.
-    pub purge: String,
-    /// scope, now, limit.
-    pub purge_scope: String,
 }
 
 /// The statements on the steps table.
@@ -79,71 +51,27 @@ pub(crate) struct StepsSql {
     pub purge_scope: String,
 }
 
-/// The side tables' DDL and statements for `table` (the dedup table) in
+/// The steps table's DDL and statements for `table` (the dedup table) in
 /// `dialect`.
-pub(crate) fn side_sql(dialect: Dialect, table: &TableName) -> (Vec<String>, FenceSql, StepsSql) {
+pub(super) fn steps_sql(dialect: Dialect, table: &TableName) -> (Vec<String>, StepsSql) {
     match dialect {
         Dialect::MySql => mysql(table),
-        Dialect::Postgres => numbered(table, Numbered::POSTGRES),
-        Dialect::Sqlite => numbered(table, Numbered::SQLITE),
+        Dialect::Postgres => numbered(table, &Numbered::POSTGRES),
+        Dialect::Sqlite => numbered(table, &Numbered::SQLITE),
     }
 }
 
-/// What PostgreSQL and SQLite write differently in the `$n` dialects.
-struct Numbered {
-    text: &'static str,
-    bytes: &'static str,
-    bigint: &'static str,
-    /// After `CREATE TABLE (...)`.
-    table_tail: &'static str,
-    /// The greater of two values.
-    greatest: &'static str,
-    /// After a purge's inner select.
-    purge_tail: &'static str,
-}
-
-impl Numbered {
-    const POSTGRES: Self = Self {
-        text: "text",
-        bytes: "bytea",
-        bigint: "bigint",
-        table_tail: "",
-        greatest: "GREATEST",
-        // A purge never waits on rows a claim holds.
-        purge_tail: " FOR UPDATE SKIP LOCKED",
-    };
-    const SQLITE: Self = Self {
-        text: "TEXT",
-        bytes: "BLOB",
-        bigint: "INTEGER",
-        table_tail: " WITHOUT ROWID",
-        greatest: "max",
-        purge_tail: "",
-    };
-}
-
-fn numbered(table: &TableName, n: Numbered) -> (Vec<String>, FenceSql, StepsSql) {
+fn numbered(table: &TableName, n: &Numbered) -> (Vec<String>, StepsSql) {
     let Numbered {
         text,
         bytes,
         bigint,
         table_tail,
-        greatest,
-        purge_tail,
+        ..
     } = n;
     let t = table.quoted('"');
-    let f = table.fence().quoted('"');
     let s = table.steps().quoted('"');
     let ddl = vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {f} (\
-             scope {text} NOT NULL, entity {text} NOT NULL, ord {bytes} NOT NULL, \
-             expires_at_ms {bigint} NOT NULL, PRIMARY KEY (scope, entity)){table_tail}"
-        ),
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {f} (expires_at_ms)",
-            table.index("fence_exp", '"')
-        ),
         format!(
             "CREATE TABLE IF NOT EXISTS {s} (\
              scope {text} NOT NULL, idem_key {text} NOT NULL, step {text} NOT NULL, \
@@ -159,30 +87,6 @@ fn numbered(table: &TableName, n: Numbered) -> (Vec<String>, FenceSql, StepsSql)
             table.index("steps_created", '"')
         ),
     ];
-    // The outer test of the expiry: a row refreshed between the inner
-    // select and the delete stays.
-    let purge = |table: &str, cols: &str, scope: &str, at: usize| {
-        format!(
-            "DELETE FROM {table} WHERE ({cols}) IN (SELECT {cols} FROM {table} \
-             WHERE {scope}expires_at_ms <= ${at} ORDER BY expires_at_ms LIMIT ${}{purge_tail}) \
-             AND expires_at_ms <= ${at}",
-            at + 1
-        )
-    };
-    let fence = FenceSql {
-        // The alias: `DO UPDATE` sees both the row and `excluded`.
-        advance: format!(
-            "INSERT INTO {f} AS f (scope, entity, ord, expires_at_ms) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (scope, entity) DO UPDATE SET \
-             ord = CASE WHEN f.expires_at_ms <= $5 THEN excluded.ord \
-             ELSE {greatest}(f.ord, excluded.ord) END, \
-             expires_at_ms = {greatest}(f.expires_at_ms, excluded.expires_at_ms) RETURNING ord"
-        ),
-        advance_read: String::new(),
-        get: format!("SELECT ord, expires_at_ms FROM {f} WHERE scope = $1 AND entity = $2"),
-        purge: purge(&f, "scope, entity", "", 1),
-        purge_scope: purge(&f, "scope, entity", "scope = $1 AND ", 2),
-    };
     let step_cols = "step, fingerprint, result, created_at_ms, expires_at_ms";
     let steps = StepsSql {
         insert: format!(
@@ -205,56 +109,26 @@ fn numbered(table: &TableName, n: Numbered) -> (Vec<String>, FenceSql, StepsSql)
              (SELECT 1 FROM {t} AS t WHERE t.scope = s.scope AND t.idem_key = s.idem_key \
              AND t.expires_at_ms > $2) ORDER BY s.created_at_ms LIMIT $3"
         ),
-        purge: purge(&s, "scope, idem_key, step", "", 1),
-        purge_scope: purge(&s, "scope, idem_key, step", "scope = $1 AND ", 2),
+        purge: n.purge(&s, "scope, idem_key, step", "", 1),
+        purge_scope: n.purge(&s, "scope, idem_key, step", "scope = $1 AND ", 2),
     };
-    (ddl, fence, steps)
+    (ddl, steps)
 }
 
-fn mysql(table: &TableName) -> (Vec<String>, FenceSql, StepsSql) {
+fn mysql(table: &TableName) -> (Vec<String>, StepsSql) {
     let t = table.quoted('`');
-    let f = table.fence().quoted('`');
     let s = table.steps().quoted('`');
     // VARBINARY text: byte-exact comparison, as in the dedup table.
-    let ddl = vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {f} (\
-             scope VARBINARY(128) NOT NULL, entity VARBINARY(255) NOT NULL, \
-             ord VARBINARY(255) NOT NULL, expires_at_ms BIGINT NOT NULL, \
-             PRIMARY KEY (scope, entity), KEY {} (expires_at_ms)) ENGINE=InnoDB",
-            table.index("fence_exp", '`')
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {s} (\
-             scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
-             step VARBINARY(64) NOT NULL, fingerprint VARBINARY(32) NULL, \
-             result LONGBLOB NOT NULL, created_at_ms BIGINT NOT NULL, \
-             expires_at_ms BIGINT NOT NULL, PRIMARY KEY (scope, idem_key, step), \
-             KEY {} (expires_at_ms), KEY {} (created_at_ms)) ENGINE=InnoDB",
-            table.index("steps_exp", '`'),
-            table.index("steps_created", '`')
-        ),
-    ];
-    let purge = |table: &str, scope: &str| {
-        format!(
-            "DELETE FROM {table} WHERE {scope}expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
-        )
-    };
-    let fence = FenceSql {
-        // Assignments run left to right: `ord` reads the old expiry.
-        advance: format!(
-            "INSERT INTO {f} (scope, entity, ord, expires_at_ms) VALUES (?, ?, ?, ?) \
-             ON DUPLICATE KEY UPDATE \
-             ord = IF(expires_at_ms <= ?, VALUES(ord), GREATEST(ord, VALUES(ord))), \
-             expires_at_ms = GREATEST(expires_at_ms, VALUES(expires_at_ms))"
-        ),
-        // A locking read: the row as it is now, not as the transaction's
-        // snapshot saw it.
-        advance_read: format!("SELECT ord FROM {f} WHERE scope = ? AND entity = ? FOR UPDATE"),
-        get: format!("SELECT ord, expires_at_ms FROM {f} WHERE scope = ? AND entity = ?"),
-        purge: purge(&f, ""),
-        purge_scope: purge(&f, "scope = ? AND "),
-    };
+    let ddl = vec![format!(
+        "CREATE TABLE IF NOT EXISTS {s} (\
+         scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
+         step VARBINARY(64) NOT NULL, fingerprint VARBINARY(32) NULL, \
+         result LONGBLOB NOT NULL, created_at_ms BIGINT NOT NULL, \
+         expires_at_ms BIGINT NOT NULL, PRIMARY KEY (scope, idem_key, step), \
+         KEY {} (expires_at_ms), KEY {} (created_at_ms)) ENGINE=InnoDB",
+        table.index("steps_exp", '`'),
+        table.index("steps_created", '`')
+    )];
     let step_cols = "step, fingerprint, result, created_at_ms, expires_at_ms";
     // One `now` per assignment; `expires_at_ms` last, so that every test
     // reads the old expiry.
@@ -279,22 +153,10 @@ fn mysql(table: &TableName) -> (Vec<String>, FenceSql, StepsSql) {
              (SELECT 1 FROM {t} AS t WHERE t.scope = s.scope AND t.idem_key = s.idem_key \
              AND t.expires_at_ms > ?) ORDER BY s.created_at_ms LIMIT ?"
         ),
-        purge: purge(&s, ""),
-        purge_scope: purge(&s, "scope = ? AND "),
+        purge: mysql_purge(&s, ""),
+        purge_scope: mysql_purge(&s, "scope = ? AND "),
     };
-    (ddl, fence, steps)
-}
-
-/// An entity's fence as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct FenceRecord {
-    /// The highest order applied, encoded (see
-    /// [`Order`](crate::Order)).
-    pub order: Vec<u8>,
-    /// When the fence expires (the purger deletes it then), in ms since
-    /// the Unix epoch.
-    pub expires_at_ms: i64,
+    (ddl, steps)
 }
 
 /// A finished step of a key's handler, as stored.
@@ -340,68 +202,10 @@ where
     for<'q> Option<&'q [u8]>: Encode<'q, DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
 {
-    /// Moves `entity`'s fence in `scope` to `order` if that is higher (or
-    /// the fence expired at `now_ms`), on the claim's transaction `conn`,
-    /// and returns the order the fence then holds: `order` itself unless a
-    /// higher one was applied before. The row stays locked until the
-    /// transaction ends, so deliveries of one entity pass the fence one
-    /// at a time. Bounded by the statement deadline (two on MySQL).
-    pub async fn advance_fence(
-        &self,
-        conn: &mut DB::Connection,
-        scope: &str,
-        entity: &str,
-        order: &[u8],
-        expires_at_ms: i64,
-        now_ms: i64,
-    ) -> Result<Vec<u8>, StoreError> {
-        let fence = &self.sql.fence;
-        let advance = async {
-            let query = sqlx::query(&fence.advance)
-                .bind(scope)
-                .bind(entity)
-                .bind(order)
-                .bind(expires_at_ms)
-                .bind(now_ms);
-            if DB::RETURNING {
-                let row = query.fetch_one(&mut *conn).await?;
-                return row.bytes("ord");
-            }
-            query.execute(&mut *conn).await?;
-            let row = sqlx::query(&fence.advance_read)
-                .bind(scope)
-                .bind(entity)
-                .fetch_one(&mut *conn)
-                .await?;
-            row.bytes("ord")
-        };
-        within(self.deadlines.statement_deadline() * 2, "fence", advance).await
-    }
-
     /// Whether a step can be committed beside an open claim: not on
     /// SQLite, whose only writer is the claim's transaction.
     pub fn records_steps(&self) -> bool {
         DB::DIALECT != Dialect::Sqlite
-    }
-
-    /// `entity`'s fence in `scope`, as committed (expired or not).
-    pub async fn fence(
-        &self,
-        scope: &str,
-        entity: &str,
-    ) -> Result<Option<FenceRecord>, StoreError> {
-        let row = sqlx::query(&self.sql.fence.get)
-            .bind(scope)
-            .bind(entity)
-            .fetch_optional(&self.pool);
-        let row = within(self.pool_bound(), "fence read", row).await?;
-        row.map(|row| {
-            Ok(FenceRecord {
-                order: row.bytes("ord")?,
-                expires_at_ms: row.int("expires_at_ms")?,
-            })
-        })
-        .transpose()
     }
 
     /// `key`'s step `step` in `scope`, if it finished and has not expired
