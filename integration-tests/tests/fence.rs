@@ -294,10 +294,43 @@ async fn a_stale_event_is_recorded_stale_and_a_handler_that_takes_stale_events_d
     let shown: Value = serde_json::from_str(run.stdout.trim()).unwrap();
     assert_eq!(shown["result_encoding"], "stale", "{shown}");
     assert_eq!(shown["result"]["entity"], "pi_rec", "{shown}");
+    // The orders as their values (rank, then time), and as stored.
+    assert_eq!(
+        shown["result"]["received"], "0, 2024-05-01T10:00:00Z",
+        "{shown}"
+    );
+    assert_eq!(
+        shown["result"]["applied_before"], "2, 2024-05-01T10:02:00Z",
+        "{shown}"
+    );
+    assert_eq!(
+        shown["result"]["applied_before_hex"],
+        hex_of(&fenced.order),
+        "{shown}"
+    );
+    let run = onceonly(&[&base[..], &["--key", "pi_rec-e1"]].concat()).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        run.stdout
+            .contains("order:       0, 2024-05-01T10:00:00Z (hex ")
+            && run
+                .stdout
+                .contains("applied:     2, 2024-05-01T10:02:00Z (hex "),
+        "{run:?}"
+    );
     let run = onceonly(&[&base[..], &["--entity", "pi_rec", "--json"]].concat()).await;
     assert_eq!(run.code, 0, "{run:?}");
     let shown: Value = serde_json::from_str(run.stdout.trim()).unwrap();
     assert_eq!(shown["order_hex"], hex_of(&fenced.order), "{shown}");
+    assert_eq!(shown["order"], "2, 2024-05-01T10:02:00Z", "{shown}");
+    let run = onceonly(&[&base[..], &["--entity", "pi_rec"]].concat()).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let hex = hex_of(&fenced.order);
+    assert!(
+        run.stdout
+            .contains(&format!("order:       2, 2024-05-01T10:02:00Z (hex {hex})")),
+        "{run:?}"
+    );
     let run = onceonly(&[&base[..], &["--entity", "pi_nobody"]].concat()).await;
     assert_eq!(run.code, 3, "no fence: {run:?}");
 

@@ -18,6 +18,7 @@ use tracing::{Instrument, Span};
 
 use super::answer::{self, StoreDown};
 use super::config::{Ack, Config, IdempotencyLayerBuilder, InFlight, Mode};
+use super::fence::unfenceable;
 use super::request::{bind_to_request, delivery_of, repeated_key, scope_for};
 use super::stored::{StoredResponse, read_up_to};
 use super::verify::verify;
@@ -359,48 +360,6 @@ where
                 "handler-panicked",
                 "Internal error",
                 "the request was rolled back; it may be retried with the same key",
-            )
-        }
-    }
-}
-
-/// The answer to a request without a valid entity or order for the
-/// fence: its key's committed answer if it has one (a duplicate, a
-/// conflict, a stale request), `400 invalid-fence` otherwise.
-async fn unfenceable<S: SqlStore>(
-    cfg: &Config<S>,
-    scope: &str,
-    key: &crate::key::IdemKey,
-    fingerprint: Option<&crate::fingerprint::Fingerprint>,
-    error: &KeyError,
-) -> Response<Body> {
-    let req = crate::store::ClaimRequest {
-        key: key.as_str(),
-        fingerprint,
-        source: None,
-        lock_wait: None,
-    };
-    let found = cfg.engine.committed(scope, &req).await;
-    match found.and_then(|c| {
-        c.map(|c| Claimed::<S>::settled(c, fingerprint.copied()))
-            .transpose()
-    }) {
-        Ok(Some(Claimed::Duplicate { result })) => answer::duplicate(cfg, result.as_deref()),
-        Ok(Some(Claimed::Stale(_))) => answer::stale(cfg),
-        Ok(Some(_)) => answer::conflict(cfg),
-        Ok(None) => answer::refused(
-            cfg,
-            StatusCode::BAD_REQUEST,
-            "invalid-fence",
-            "Entity or order missing",
-            &error.to_string(),
-        ),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not look up a request without entity or order");
-            answer::unavailable(
-                cfg,
-                "Idempotency store unavailable",
-                "the request was not processed; retry later with the same key",
             )
         }
     }

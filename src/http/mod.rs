@@ -39,6 +39,7 @@
 
 mod answer;
 mod config;
+mod fence;
 pub(crate) mod form;
 mod layer;
 mod problem;

@@ -122,3 +122,26 @@ pub enum KeySpecError {
         max: usize,
     },
 }
+
+/// Why stored bytes cannot be read back as an order's components without
+/// its spec ([`Order::decode`](crate::Order::decode)); the bytes are
+/// still an [`Order`](crate::Order) (its hex is its `Display`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OrderDecodeError {
+    /// The bytes are not a sequence of components: 8-byte integers and
+    /// UTF-8 texts ended by `0x00 0x00`.
+    #[error("these {len} bytes are not an order's components")]
+    Malformed {
+        /// How many bytes there are.
+        len: usize,
+    },
+    /// More bytes than an order holds.
+    #[error("an order of {len} bytes is longer than the maximum of {max}")]
+    TooLong {
+        /// How many bytes there are.
+        len: usize,
+        /// [`Order::MAX_LEN`](crate::Order::MAX_LEN).
+        max: usize,
+    },
+}

@@ -24,8 +24,8 @@ use sha2::{Digest, Sha256};
 use crate::delivery::Delivery;
 use crate::fingerprint::canonical_bytes;
 
-pub use error::{KeyError, KeySpecError};
-pub use fence::{FenceSpec, FenceValue, Order, OrderBuilder, OrderSpec};
+pub use error::{KeyError, KeySpecError, OrderDecodeError};
+pub use fence::{DecodedOrder, FenceSpec, FenceValue, Order, OrderBuilder, OrderPart, OrderSpec};
 
 /// The default and largest key length in bytes (the store's column size).
 pub const MAX_KEY_LEN: usize = 255;

@@ -19,10 +19,12 @@ pub(crate) mod claim_tx;
 pub(crate) mod deadline;
 mod dialect;
 pub(crate) mod error;
+mod fence;
 pub(crate) mod forward;
 mod rows;
 mod side;
 mod sql;
+mod steps;
 mod table;
 mod tier;
 
@@ -51,8 +53,9 @@ pub use dialect::{Dialect, Layout};
 pub use error::{
     InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
 };
-pub(crate) use side::STARTED_PREFIX;
-pub use side::{FenceRecord, OrphanedStep, StepRecord};
+pub use fence::FenceRecord;
+pub(crate) use steps::STARTED_PREFIX;
+pub use steps::{OrphanedStep, StepRecord};
 pub use table::TableName;
 pub use tier::{CacheTier, CachedRecord, Completed};
 

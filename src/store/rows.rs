@@ -8,7 +8,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 use super::admin::{self, ScopeStats};
 use super::backend::Backend;
 use super::claim::Existing;
-use super::side::{OrphanedStep, StepRecord};
+use super::steps::{OrphanedStep, StepRecord};
 use super::{Record, StoreError};
 use crate::fingerprint::Fingerprint;
 

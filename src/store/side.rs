@@ -1,109 +1,44 @@
-//! The two side tables beyond the dedup table, their statements in each
-//! dialect, and what reading them returns:
+//! The two side tables beyond the dedup table, and what their DDL and
+//! statements share:
 //!
-//! - the **fence** table (`<table>_fence`): per (scope, entity), the
-//!   highest order of a delivery applied so far, moved only forward by a
-//!   statement in the claim's transaction
-//!   ([`SqlStore::advance_fence`](super::SqlStore::advance_fence));
-//! - the **steps** table (`<table>_steps`): per (scope, key, step), the
-//!   result of a call to another system made by the key's handler,
-//!   committed on its own before the handler's transaction ends
-//!   ([`SqlStore::record_step`](super::SqlStore::record_step)).
+//! - the **fence** table (`<table>_fence`, [`fence`](super::fence)): per
+//!   (scope, entity), the highest order of a delivery applied so far;
+//! - the **steps** table (`<table>_steps`, [`steps`](super::steps)): per
+//!   (scope, key, step), the result of a call to another system made by
+//!   the key's handler.
 //!
 //! Both expire like the dedup table's records and are deleted by the same
 //! purge. Neither depends on the dedup table's layout: PostgreSQL's
 //! generations layout keeps them plain.
 
-use sqlx::{Encode, Executor, IntoArguments, Type};
+use super::fence::{FenceSql, fence_sql};
+use super::steps::{StepsSql, steps_sql};
+use super::{Dialect, TableName};
 
-use super::backend::Backend;
-use super::base::SqlBase;
-use super::deadline::within;
-use super::rows::StoreRow;
-use super::{Dialect, StoreError, TableName};
-use crate::fingerprint::Fingerprint;
-
-/// What the record of a step's start is named: `\u{1}started:<step>` (no
-/// step name holds a control character, so none is ever one). A step
-/// records its start, committed on its own, before its call.
-pub(crate) const STARTED_PREFIX: &str = "\u{1}started:";
-
-/// The step a started-step record is of, if `name` is one.
-pub(crate) fn started_step(name: &str) -> Option<&str> {
-    name.strip_prefix(STARTED_PREFIX)
-}
-
-/// How a step that started and never finished is shown.
-fn started_label(step: &str) -> String {
-    format!("{step} (started; its outcome is unknown)")
-}
-
-/// The statements on the fence table. Orders are byte strings compared
-/// byte-wise (bytea, VARBINARY, BLOB: memcmp in every backend).
-#[derive(Debug, Default)]
-pub(crate) struct FenceSql {
-    /// scope, entity, order, expires, now: inserts the row, or raises its
-    /// order to the greater of both (an expired row takes the new order),
-    /// and refreshes its expiry. PostgreSQL and SQLite return the order it
-    /// then holds as `ord`; MySQL reads it with `advance_read`.
-    pub advance: String,
-    /// scope, entity: the row's order under the lock the upsert took
-    /// (MySQL; empty elsewhere).
-    pub advance_read: String,
-    /// scope, entity: `ord`, `expires_at_ms`.
-    pub get: String,
-    /// now, limit.
-    pub purge: String,
-    /// scope, now, limit.
-    pub purge_scope: String,
-}
-
-/// The statements on the steps table.
-#[derive(Debug, Default)]
-pub(crate) struct StepsSql {
-    /// scope, key, step, fingerprint, result, created, expires, now: the
-    /// step's record, unless a live one is there (an expired one is
-    /// overwritten).
-    pub insert: String,
-    /// scope, key, step: one record.
-    pub get: String,
-    /// scope, key: every step of a key, oldest first.
-    pub list: String,
-    /// created before, now, limit: live steps older than the bound whose
-    /// key has no live record in the dedup table (`scope`, `idem_key`,
-    /// `step`, `created_at_ms`).
-    pub orphaned: String,
-    /// now, limit.
-    pub purge: String,
-    /// scope, now, limit.
-    pub purge_scope: String,
-}
-
-/// The side tables' DDL and statements for `table` (the dedup table) in
-/// `dialect`.
+/// The side tables' DDL (the fence table's, then the steps table's) and
+/// statements for `table` (the dedup table) in `dialect`.
 pub(crate) fn side_sql(dialect: Dialect, table: &TableName) -> (Vec<String>, FenceSql, StepsSql) {
-    match dialect {
-        Dialect::MySql => mysql(table),
-        Dialect::Postgres => numbered(table, Numbered::POSTGRES),
-        Dialect::Sqlite => numbered(table, Numbered::SQLITE),
-    }
+    let (mut ddl, fence) = fence_sql(dialect, table);
+    let (steps_ddl, steps) = steps_sql(dialect, table);
+    ddl.extend(steps_ddl);
+    (ddl, fence, steps)
 }
 
 /// What PostgreSQL and SQLite write differently in the `$n` dialects.
-struct Numbered {
-    text: &'static str,
-    bytes: &'static str,
-    bigint: &'static str,
+pub(super) struct Numbered {
+    pub(super) text: &'static str,
+    pub(super) bytes: &'static str,
+    pub(super) bigint: &'static str,
     /// After `CREATE TABLE (...)`.
-    table_tail: &'static str,
+    pub(super) table_tail: &'static str,
     /// The greater of two values.
-    greatest: &'static str,
+    pub(super) greatest: &'static str,
     /// After a purge's inner select.
-    purge_tail: &'static str,
+    pub(super) purge_tail: &'static str,
 }
 
 impl Numbered {
-    const POSTGRES: Self = Self {
+    pub(super) const POSTGRES: Self = Self {
         text: "text",
         bytes: "bytea",
         bigint: "bigint",
@@ -112,7 +47,7 @@ impl Numbered {
         // A purge never waits on rows a claim holds.
         purge_tail: " FOR UPDATE SKIP LOCKED",
     };
-    const SQLITE: Self = Self {
+    pub(super) const SQLITE: Self = Self {
         text: "TEXT",
         bytes: "BLOB",
         bigint: "INTEGER",
@@ -120,433 +55,26 @@ impl Numbered {
         greatest: "max",
         purge_tail: "",
     };
-}
 
-fn numbered(table: &TableName, n: Numbered) -> (Vec<String>, FenceSql, StepsSql) {
-    let Numbered {
-        text,
-        bytes,
-        bigint,
-        table_tail,
-        greatest,
-        purge_tail,
-    } = n;
-    let t = table.quoted('"');
-    let f = table.fence().quoted('"');
-    let s = table.steps().quoted('"');
-    let ddl = vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {f} (\
-             scope {text} NOT NULL, entity {text} NOT NULL, ord {bytes} NOT NULL, \
-             expires_at_ms {bigint} NOT NULL, PRIMARY KEY (scope, entity)){table_tail}"
-        ),
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {f} (expires_at_ms)",
-            table.index("fence_exp", '"')
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {s} (\
-             scope {text} NOT NULL, idem_key {text} NOT NULL, step {text} NOT NULL, \
-             fingerprint {bytes}, result {bytes} NOT NULL, created_at_ms {bigint} NOT NULL, \
-             expires_at_ms {bigint} NOT NULL, PRIMARY KEY (scope, idem_key, step)){table_tail}"
-        ),
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {s} (expires_at_ms)",
-            table.index("steps_exp", '"')
-        ),
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {s} (created_at_ms)",
-            table.index("steps_created", '"')
-        ),
-    ];
-    // The outer test of the expiry: a row refreshed between the inner
-    // select and the delete stays.
-    let purge = |table: &str, cols: &str, scope: &str, at: usize| {
+    /// A purge of `table` (its key columns `cols`): rows expired at
+    /// parameter `at`, at most parameter `at + 1` of them, those of a
+    /// scope only with `scope` (`"scope = $1 AND "`). The outer test of
+    /// the expiry: a row refreshed between the inner select and the
+    /// delete stays.
+    pub(super) fn purge(&self, table: &str, cols: &str, scope: &str, at: usize) -> String {
+        let purge_tail = self.purge_tail;
         format!(
             "DELETE FROM {table} WHERE ({cols}) IN (SELECT {cols} FROM {table} \
              WHERE {scope}expires_at_ms <= ${at} ORDER BY expires_at_ms LIMIT ${}{purge_tail}) \
              AND expires_at_ms <= ${at}",
             at + 1
         )
-    };
-    let fence = FenceSql {
-        // The alias: `DO UPDATE` sees both the row and `excluded`.
-        advance: format!(
-            "INSERT INTO {f} AS f (scope, entity, ord, expires_at_ms) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (scope, entity) DO UPDATE SET \
-             ord = CASE WHEN f.expires_at_ms <= $5 THEN excluded.ord \
-             ELSE {greatest}(f.ord, excluded.ord) END, \
-             expires_at_ms = {greatest}(f.expires_at_ms, excluded.expires_at_ms) RETURNING ord"
-        ),
-        advance_read: String::new(),
-        get: format!("SELECT ord, expires_at_ms FROM {f} WHERE scope = $1 AND entity = $2"),
-        purge: purge(&f, "scope, entity", "", 1),
-        purge_scope: purge(&f, "scope, entity", "scope = $1 AND ", 2),
-    };
-    let step_cols = "step, fingerprint, result, created_at_ms, expires_at_ms";
-    let steps = StepsSql {
-        insert: format!(
-            "INSERT INTO {s} AS s (scope, idem_key, {step_cols}) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (scope, idem_key, step) DO UPDATE \
-             SET fingerprint = excluded.fingerprint, result = excluded.result, \
-             created_at_ms = excluded.created_at_ms, expires_at_ms = excluded.expires_at_ms \
-             WHERE s.expires_at_ms <= $8"
-        ),
-        get: format!(
-            "SELECT {step_cols} FROM {s} WHERE scope = $1 AND idem_key = $2 AND step = $3"
-        ),
-        list: format!(
-            "SELECT {step_cols} FROM {s} WHERE scope = $1 AND idem_key = $2 \
-             ORDER BY created_at_ms, step"
-        ),
-        orphaned: format!(
-            "SELECT s.scope, s.idem_key, s.step, s.created_at_ms FROM {s} AS s \
-             WHERE s.created_at_ms <= $1 AND s.expires_at_ms > $2 AND NOT EXISTS \
-             (SELECT 1 FROM {t} AS t WHERE t.scope = s.scope AND t.idem_key = s.idem_key \
-             AND t.expires_at_ms > $2) ORDER BY s.created_at_ms LIMIT $3"
-        ),
-        purge: purge(&s, "scope, idem_key, step", "", 1),
-        purge_scope: purge(&s, "scope, idem_key, step", "scope = $1 AND ", 2),
-    };
-    (ddl, fence, steps)
+    }
 }
 
-fn mysql(table: &TableName) -> (Vec<String>, FenceSql, StepsSql) {
-    let t = table.quoted('`');
-    let f = table.fence().quoted('`');
-    let s = table.steps().quoted('`');
-    // VARBINARY text: byte-exact comparison, as in the dedup table.
-    let ddl = vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {f} (\
-             scope VARBINARY(128) NOT NULL, entity VARBINARY(255) NOT NULL, \
-             ord VARBINARY(255) NOT NULL, expires_at_ms BIGINT NOT NULL, \
-             PRIMARY KEY (scope, entity), KEY {} (expires_at_ms)) ENGINE=InnoDB",
-            table.index("fence_exp", '`')
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {s} (\
-             scope VARBINARY(128) NOT NULL, idem_key VARBINARY(255) NOT NULL, \
-             step VARBINARY(64) NOT NULL, fingerprint VARBINARY(32) NULL, \
-             result LONGBLOB NOT NULL, created_at_ms BIGINT NOT NULL, \
-             expires_at_ms BIGINT NOT NULL, PRIMARY KEY (scope, idem_key, step), \
-             KEY {} (expires_at_ms), KEY {} (created_at_ms)) ENGINE=InnoDB",
-            table.index("steps_exp", '`'),
-            table.index("steps_created", '`')
-        ),
-    ];
-    let purge = |table: &str, scope: &str| {
-        format!(
-            "DELETE FROM {table} WHERE {scope}expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?"
-        )
-    };
-    let fence = FenceSql {
-        // Assignments run left to right: `ord` reads the old expiry.
-        advance: format!(
-            "INSERT INTO {f} (scope, entity, ord, expires_at_ms) VALUES (?, ?, ?, ?) \
-             ON DUPLICATE KEY UPDATE \
-             ord = IF(expires_at_ms <= ?, VALUES(ord), GREATEST(ord, VALUES(ord))), \
-             expires_at_ms = GREATEST(expires_at_ms, VALUES(expires_at_ms))"
-        ),
-        // A locking read: the row as it is now, not as the transaction's
-        // snapshot saw it.
-        advance_read: format!("SELECT ord FROM {f} WHERE scope = ? AND entity = ? FOR UPDATE"),
-        get: format!("SELECT ord, expires_at_ms FROM {f} WHERE scope = ? AND entity = ?"),
-        purge: purge(&f, ""),
-        purge_scope: purge(&f, "scope = ? AND "),
-    };
-    let step_cols = "step, fingerprint, result, created_at_ms, expires_at_ms";
-    // One `now` per assignment; `expires_at_ms` last, so that every test
-    // reads the old expiry.
-    let overwrite = |col: &str| format!("{col} = IF(expires_at_ms <= ?, VALUES({col}), {col})");
-    let steps = StepsSql {
-        insert: format!(
-            "INSERT INTO {s} (scope, idem_key, {step_cols}) VALUES (?, ?, ?, ?, ?, ?, ?) \
-             ON DUPLICATE KEY UPDATE {}, {}, {}, {}",
-            overwrite("fingerprint"),
-            overwrite("result"),
-            overwrite("created_at_ms"),
-            overwrite("expires_at_ms"),
-        ),
-        get: format!("SELECT {step_cols} FROM {s} WHERE scope = ? AND idem_key = ? AND step = ?"),
-        list: format!(
-            "SELECT {step_cols} FROM {s} WHERE scope = ? AND idem_key = ? \
-             ORDER BY created_at_ms, step"
-        ),
-        orphaned: format!(
-            "SELECT s.scope, s.idem_key, s.step, s.created_at_ms FROM {s} AS s \
-             WHERE s.created_at_ms <= ? AND s.expires_at_ms > ? AND NOT EXISTS \
-             (SELECT 1 FROM {t} AS t WHERE t.scope = s.scope AND t.idem_key = s.idem_key \
-             AND t.expires_at_ms > ?) ORDER BY s.created_at_ms LIMIT ?"
-        ),
-        purge: purge(&s, ""),
-        purge_scope: purge(&s, "scope = ? AND "),
-    };
-    (ddl, fence, steps)
-}
-
-/// An entity's fence as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct FenceRecord {
-    /// The highest order applied, encoded (see
-    /// [`Order`](crate::Order)).
-    pub order: Vec<u8>,
-    /// When the fence expires (the purger deletes it then), in ms since
-    /// the Unix epoch.
-    pub expires_at_ms: i64,
-}
-
-/// A finished step of a key's handler, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct StepRecord {
-    /// The step's name.
-    pub step: String,
-    /// The fingerprint of the delivery whose handler ran the step.
-    pub fingerprint: Option<Fingerprint>,
-    /// The step's result, as its JSON encoding.
-    pub result: Vec<u8>,
-    /// When it finished, in ms since the Unix epoch.
-    pub created_at_ms: i64,
-    /// When it expires, in ms since the Unix epoch.
-    pub expires_at_ms: i64,
-}
-
-/// A finished step whose key has no committed record: the handler's
-/// transaction never committed after the call (see
-/// [`SqlStore::orphaned_steps`](super::SqlStore::orphaned_steps)).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OrphanedStep {
-    /// The key's scope.
-    pub scope: String,
-    /// The key.
-    pub key: String,
-    /// The step's name.
-    pub step: String,
-    /// When the step finished, in ms since the Unix epoch.
-    pub created_at_ms: i64,
-}
-
-impl<DB> SqlBase<DB>
-where
-    DB: Backend,
-    DB::Row: StoreRow,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
-    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
-    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
-    for<'q> Option<&'q [u8]>: Encode<'q, DB>,
-    for<'q> i64: Encode<'q, DB> + Type<DB>,
-{
-    /// Moves `entity`'s fence in `scope` to `order` if that is higher (or
-    /// the fence expired at `now_ms`), on the claim's transaction `conn`,
-    /// and returns the order the fence then holds: `order` itself unless a
-    /// higher one was applied before. The row stays locked until the
-    /// transaction ends, so deliveries of one entity pass the fence one
-    /// at a time. Bounded by the statement deadline (two on MySQL).
-    pub async fn advance_fence(
-        &self,
-        conn: &mut DB::Connection,
-        scope: &str,
-        entity: &str,
-        order: &[u8],
-        expires_at_ms: i64,
-        now_ms: i64,
-    ) -> Result<Vec<u8>, StoreError> {
-        let fence = &self.sql.fence;
-        let advance = async {
-            let query = sqlx::query(&fence.advance)
-                .bind(scope)
-                .bind(entity)
-                .bind(order)
-                .bind(expires_at_ms)
-                .bind(now_ms);
-            if DB::RETURNING {
-                let row = query.fetch_one(&mut *conn).await?;
-                return row.bytes("ord");
-            }
-            query.execute(&mut *conn).await?;
-            let row = sqlx::query(&fence.advance_read)
-                .bind(scope)
-                .bind(entity)
-                .fetch_one(&mut *conn)
-                .await?;
-            row.bytes("ord")
-        };
-        within(self.deadlines.statement_deadline() * 2, "fence", advance).await
-    }
-
-    /// Whether a step can be committed beside an open claim: not on
-    /// SQLite, whose only writer is the claim's transaction.
-    pub fn records_steps(&self) -> bool {
-        DB::DIALECT != Dialect::Sqlite
-    }
-
-    /// `entity`'s fence in `scope`, as committed (expired or not).
-    pub async fn fence(
-        &self,
-        scope: &str,
-        entity: &str,
-    ) -> Result<Option<FenceRecord>, StoreError> {
-        let row = sqlx::query(&self.sql.fence.get)
-            .bind(scope)
-            .bind(entity)
-            .fetch_optional(&self.pool);
-        let row = within(self.pool_bound(), "fence read", row).await?;
-        row.map(|row| {
-            Ok(FenceRecord {
-                order: row.bytes("ord")?,
-                expires_at_ms: row.int("expires_at_ms")?,
-            })
-        })
-        .transpose()
-    }
-
-    /// `key`'s step `step` in `scope`, if it finished and has not expired
-    /// at `now_ms`; read on `conn` (the claim's transaction: a step is
-    /// committed on its own, and read committed sees it).
-    pub async fn step(
-        &self,
-        conn: &mut DB::Connection,
-        scope: &str,
-        key: &str,
-        step: &str,
-        now_ms: i64,
-    ) -> Result<Option<StepRecord>, StoreError> {
-        let row = sqlx::query(&self.sql.steps.get)
-            .bind(scope)
-            .bind(key)
-            .bind(step)
-            .fetch_optional(&mut *conn);
-        let row = within(self.deadlines.statement_deadline(), "step read", row).await?;
-        let record = row.as_ref().map(StoreRow::step_record).transpose()?;
-        Ok(record.filter(|r| r.expires_at_ms > now_ms))
-    }
-
-    /// [`step`](Self::step) on a connection of the pool.
-    async fn step_pooled(
-        &self,
-        scope: &str,
-        key: &str,
-        step: &str,
-        now_ms: i64,
-    ) -> Result<Option<StepRecord>, StoreError> {
-        let read = async {
-            let mut conn = self.pool.acquire().await?;
-            self.step(&mut conn, scope, key, step, now_ms).await
-        };
-        within(self.pool_bound(), "step read", read).await
-    }
-
-    /// Records `key`'s finished step `step` in its own statement on the
-    /// pool (committed when this returns), unless a live record is there
-    /// (a concurrent attempt of the same key finished it first); returns
-    /// the record that then stands. Bounded: two statements, one after
-    /// the other on a pool connection each.
-    pub async fn record_step(
-        &self,
-        scope: &str,
-        key: &str,
-        step: &str,
-        fingerprint: Option<&[u8]>,
-        result: &[u8],
-        times: super::ClaimTimes,
-    ) -> Result<StepRecord, StoreError> {
-        let mut query = sqlx::query(&self.sql.steps.insert)
-            .bind(scope)
-            .bind(key)
-            .bind(step)
-            .bind(fingerprint)
-            .bind(result)
-            .bind(times.now_ms)
-            .bind(times.expires_at_ms);
-        // MySQL tests the expiry once per assignment.
-        let nows = if DB::DIALECT == Dialect::MySql { 4 } else { 1 };
-        for _ in 0..nows {
-            query = query.bind(times.now_ms);
-        }
-        within(self.pool_bound(), "step record", query.execute(&self.pool)).await?;
-        self.step_pooled(scope, key, step, times.now_ms)
-            .await?
-            .ok_or_else(|| StoreError::Corrupt("a recorded step did not read back".into()))
-    }
-
-    /// Every step of `key` in `scope`, oldest first (expired or not): a
-    /// step that only started (its call's outcome unknown) as
-    /// `<step> (started; its outcome is unknown)` with an empty result.
-    pub async fn steps(&self, scope: &str, key: &str) -> Result<Vec<StepRecord>, StoreError> {
-        let rows = sqlx::query(&self.sql.steps.list)
-            .bind(scope)
-            .bind(key)
-            .fetch_all(&self.pool);
-        let rows = within(self.pool_bound(), "steps read", rows).await?;
-        let found: Vec<StepRecord> = rows
-            .iter()
-            .map(StoreRow::step_record)
-            .collect::<Result<_, _>>()?;
-        let finished: std::collections::HashSet<String> = found
-            .iter()
-            .filter(|s| started_step(&s.step).is_none())
-            .map(|s| s.step.clone())
-            .collect();
-        Ok(found
-            .into_iter()
-            .filter_map(|mut s| match started_step(&s.step) {
-                None => Some(s),
-                Some(step) if finished.contains(step) => None,
-                Some(step) => {
-                    s.step = started_label(step);
-                    Some(s)
-                }
-            })
-            .collect())
-    }
-
-    /// At most `limit` live steps finished before `created_before_ms`
-    /// whose key has no live record (see
-    /// [`SqlStore::orphaned_steps`](super::SqlStore::orphaned_steps)).
-    pub async fn orphaned_steps(
-        &self,
-        created_before_ms: i64,
-        now_ms: i64,
-        limit: u32,
-    ) -> Result<Vec<OrphanedStep>, StoreError> {
-        let mut query = sqlx::query(&self.sql.steps.orphaned)
-            .bind(created_before_ms)
-            .bind(now_ms);
-        if DB::DIALECT == Dialect::MySql {
-            query = query.bind(now_ms);
-        }
-        let rows = query.bind(i64::from(limit)).fetch_all(&self.pool);
-        let rows = within(self.pool_bound(), "orphaned steps", rows).await?;
-        let found: Vec<OrphanedStep> = rows
-            .iter()
-            .map(StoreRow::orphaned_step)
-            .collect::<Result<_, _>>()?;
-        // A step that started and finished is reported once, finished; one
-        // that only started is reported as such (its call's outcome is
-        // unknown).
-        let finished: std::collections::HashSet<(String, String, String)> = found
-            .iter()
-            .filter(|o| started_step(&o.step).is_none())
-            .map(|o| (o.scope.clone(), o.key.clone(), o.step.clone()))
-            .collect();
-        Ok(found
-            .into_iter()
-            .filter_map(|mut o| match started_step(&o.step) {
-                None => Some(o),
-                Some(step) => {
-                    let step = step.to_owned();
-                    let done = (o.scope.clone(), o.key.clone(), step.clone());
-                    if finished.contains(&done) {
-                        return None;
-                    }
-                    o.step = started_label(&step);
-                    Some(o)
-                }
-            })
-            .collect())
-    }
+/// A MySQL purge of `table`: rows expired at the first parameter, at most
+/// the second of them; those of a scope only with `scope`
+/// (`"scope = ? AND "`, the scope first).
+pub(super) fn mysql_purge(table: &str, scope: &str) -> String {
+    format!("DELETE FROM {table} WHERE {scope}expires_at_ms <= ? ORDER BY expires_at_ms LIMIT ?")
 }

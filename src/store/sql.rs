@@ -1,6 +1,8 @@
 //! SQL text of each backend, built once per store from a validated table name.
 
-use super::side::{FenceSql, StepsSql, side_sql};
+use super::fence::FenceSql;
+use super::side::side_sql;
+use super::steps::StepsSql;
 use super::{Dialect, TableName};
 
 /// Every statement a store runs. Placeholders are `$n` (Postgres, SQLite) or
@@ -59,9 +61,9 @@ pub(crate) struct Sql {
     /// elsewhere).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub rotation: Option<RotationSql>,
-    /// The fence table's statements (see [`side`](super::side)).
+    /// The fence table's statements (see [`fence`](super::fence)).
     pub fence: FenceSql,
-    /// The steps table's statements (see [`side`](super::side)).
+    /// The steps table's statements (see [`steps`](super::steps)).
     pub steps: StepsSql,
 }
 

@@ -168,16 +168,29 @@ fn print_fence(scope: &str, entity: &str, fence: &FenceRecord, json: bool) {
             json!({
                 "scope": scope,
                 "entity": entity,
-                "order": order.to_string(),
-                "order_hex": hex::encode(&fence.order),
+                "order": decoded(&order),
+                "order_hex": order.to_string(),
                 "expires_at": rfc3339(fence.expires_at_ms),
             })
         );
     } else {
         out!("scope:       {}", printable(scope));
         out!("entity:      {}", printable(entity));
-        out!("order:       {order}");
+        out!("order:       {}", order_text(&order));
         out!("expires:     {}", rfc3339(fence.expires_at_ms));
+    }
+}
+
+/// An order's values read without its spec (`null` if they do not read).
+fn decoded(order: &Order) -> Option<String> {
+    order.decode().ok().map(|d| d.to_string())
+}
+
+/// An order's values, then its hex (as stored) for copy and paste.
+fn order_text(order: &Order) -> String {
+    match decoded(order) {
+        Some(values) => format!("{} (hex {order})", printable(&values)),
+        None => format!("hex {order} (not an order's components)"),
     }
 }
 
@@ -185,8 +198,10 @@ fn print_fence(scope: &str, entity: &str, fence: &FenceRecord, json: bool) {
 fn stale_json(stale: &Stale) -> serde_json::Value {
     json!({
         "entity": stale.entity,
-        "received": stale.received.to_string(),
-        "applied_before": stale.current.to_string(),
+        "received": decoded(&stale.received),
+        "received_hex": stale.received.to_string(),
+        "applied_before": decoded(&stale.current),
+        "applied_before_hex": stale.current.to_string(),
     })
 }
 
@@ -232,11 +247,11 @@ fn print_text(r: &Record, now: i64) {
     out!("expires:     {}{state}", rfc3339(r.expires_at_ms));
     if let Some(stale) = stale {
         out!(
-            "result:      stale: entity {} at order {}, after {} was applied",
-            printable(&stale.entity),
-            stale.received,
-            stale.current
+            "result:      stale: entity {} (a higher order was applied before)",
+            printable(&stale.entity)
         );
+        out!("order:       {}", order_text(&stale.received));
+        out!("applied:     {}", order_text(&stale.current));
         return;
     }
     match encoding {

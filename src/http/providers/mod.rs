@@ -11,6 +11,7 @@
 
 mod adyen;
 mod alipay;
+mod fence;
 mod github;
 mod keys;
 mod stripe;
