@@ -226,7 +226,7 @@ async fn values_round_trip_byte_exact_like_bound_parameters() {
         assert_eq!(ra.fingerprint, with_fp.then_some(fp), "case {case}");
         assert_eq!(
             ra.source.as_deref(),
-            Some(onceonly::store::clamp_source(&source)),
+            Some(onceonly::store::raw::clamp_source(&source)),
             "case {case}"
         );
         // A redelivery gets the result back, byte-exact; another payload
