@@ -60,10 +60,7 @@ pub use store::mysql::MySqlStore;
 pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
-pub use store::{
-    CacheTier, CachedRecord, Claim, ClaimRequest, ClaimTimes, Completed, Record, SqlStore,
-    StoreError,
-};
+pub use store::{SqlStore, StoreError};
 
 /// The README's examples, compiled as doctests: the README is no longer
 /// the crate documentation (`src/crate_doc.md` is), but its Rust blocks

@@ -16,24 +16,24 @@
 //!
 //! | name | type | labels | meaning |
 //! |---|---|---|---|
-//! | [`onceonly_deliveries_total`](DELIVERIES_TOTAL) | counter | `scope`, `transport`, `outcome` | one per processing attempt, by [outcome](crate::OutcomeKind): `processed`, `duplicate`, `conflict`, `rejected`, `failed`, `stale` |
-//! | [`onceonly_retried_total`](RETRIED_TOTAL) | counter | `scope`, `transport`, `reason` | retries scheduled after a retryable failure |
-//! | [`onceonly_dead_lettered_total`](DEAD_LETTERED_TOTAL) | counter | `scope`, `transport`, `reason` | deliveries dead-lettered (publish confirmed) |
-//! | [`onceonly_handler_duration_seconds`](HANDLER_DURATION_SECONDS) | histogram | `scope`, `transport` | time in the user's handler |
-//! | [`onceonly_claim_duration_seconds`](CLAIM_DURATION_SECONDS) | histogram | `scope`, `transport` | time from `BEGIN` to the claim's answer (new, duplicate, conflict), lock waits behind a concurrent duplicate included |
-//! | [`onceonly_commit_duration_seconds`](COMMIT_DURATION_SECONDS) | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
-//! | [`onceonly_kafka_consumer_lag`](KAFKA_CONSUMER_LAG) | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark (librdkafka statistics, every `statistics_interval`, default 5 s) |
-//! | [`onceonly_waiting_on_infrastructure`](WAITING_ON_INFRASTRUCTURE) | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
-//! | [`onceonly_consumer_paused`](CONSUMER_PAUSED) | gauge | `scope`, `transport` | 1 while a consumer is paused because its handler keeps failing (see [`PausePolicy`](crate::PausePolicy)), 0 otherwise |
-//! | [`onceonly_consumer_pauses_total`](CONSUMER_PAUSES_TOTAL) | counter | `scope`, `transport` | times a consumer paused because its handler keeps failing |
-//! | [`onceonly_deadline_misses_total`](DEADLINE_MISSES_TOTAL) | counter | `scope`, `transport` | handlers given up at the transaction deadline (rolled back); a key that misses it [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times is dead-lettered `deadline` |
-//! | [`onceonly_purged_total`](PURGED_TOTAL) | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
-//! | [`onceonly_purge_last_success_timestamp_seconds`](PURGE_LAST_SUCCESS) | gauge | `table` | Unix time at which a [`Purger`](crate::ops::Purger) round last left no expired record behind |
-//! | [`onceonly_purge_failures_total`](PURGE_FAILURES_TOTAL) | counter | `table` | [`Purger`](crate::ops::Purger) rounds that failed (database down, no privilege) |
-//! | [`onceonly_generation_rotated_timestamp_seconds`](GENERATION_ROTATED) | gauge | `table` | Unix time of the last rotation of a table of PostgreSQL's generations layout, read from the table by each [`Purger`](crate::ops::Purger) round (0: never rotated) |
-//! | [`onceonly_generation_rotation_overdue_seconds`](GENERATION_ROTATION_OVERDUE) | gauge | `table` | how long a rotation has been possible (no live record left in the other generation) without one happening, as of the last [`Purger`](crate::ops::Purger) round: 0 while the table rotates when it can |
-//! | [`onceonly_steps_total`](STEPS_TOTAL) | counter | `scope`, `result` | [steps](crate::Tx::step) of handlers: `called` (the call ran and its result was recorded) or `replayed` (an earlier attempt's recorded result returned without calling) |
-//! | [`onceonly_steps_orphaned`](STEPS_ORPHANED) | gauge | `table` | finished steps whose key's transaction never committed, older than the [`Completer`](crate::ops::Completer)'s grace, as of its last round |
+//! | `onceonly_deliveries_total` | counter | `scope`, `transport`, `outcome` | one per processing attempt, by [outcome](crate::OutcomeKind): `processed`, `duplicate`, `conflict`, `rejected`, `failed`, `stale` |
+//! | `onceonly_retried_total` | counter | `scope`, `transport`, `reason` | retries scheduled after a retryable failure |
+//! | `onceonly_dead_lettered_total` | counter | `scope`, `transport`, `reason` | deliveries dead-lettered (publish confirmed) |
+//! | `onceonly_handler_duration_seconds` | histogram | `scope`, `transport` | time in the user's handler |
+//! | `onceonly_claim_duration_seconds` | histogram | `scope`, `transport` | time from `BEGIN` to the claim's answer (new, duplicate, conflict), lock waits behind a concurrent duplicate included |
+//! | `onceonly_commit_duration_seconds` | histogram | `scope`, `transport` | time of the claim transaction's `COMMIT` |
+//! | `onceonly_kafka_consumer_lag` | gauge | `scope`, `topic`, `partition` | records between the committed offset and the high watermark (librdkafka statistics, every `statistics_interval`, default 5 s) |
+//! | `onceonly_waiting_on_infrastructure` | gauge | `scope`, `transport` | deliveries waiting in place for the database to take writes again (see [`crate::store::InfraFault`]) |
+//! | `onceonly_consumer_paused` | gauge | `scope`, `transport` | 1 while a consumer is paused because its handler keeps failing (see [`PausePolicy`](crate::PausePolicy)), 0 otherwise |
+//! | `onceonly_consumer_pauses_total` | counter | `scope`, `transport` | times a consumer paused because its handler keeps failing |
+//! | `onceonly_deadline_misses_total` | counter | `scope`, `transport` | handlers given up at the transaction deadline (rolled back); a key that misses it [`max_deadline_misses`](crate::EngineBuilder::max_deadline_misses) times is dead-lettered `deadline` |
+//! | `onceonly_purged_total` | counter | `table` | dedup records deleted by [`Purger`](crate::ops::Purger) and [`purge_in_batches`](crate::ops::purge_in_batches) |
+//! | `onceonly_purge_last_success_timestamp_seconds` | gauge | `table` | Unix time at which a [`Purger`](crate::ops::Purger) round last left no expired record behind |
+//! | `onceonly_purge_failures_total` | counter | `table` | [`Purger`](crate::ops::Purger) rounds that failed (database down, no privilege) |
+//! | `onceonly_generation_rotated_timestamp_seconds` | gauge | `table` | Unix time of the last rotation of a table of PostgreSQL's generations layout, read from the table by each [`Purger`](crate::ops::Purger) round (0: never rotated) |
+//! | `onceonly_generation_rotation_overdue_seconds` | gauge | `table` | how long a rotation has been possible (no live record left in the other generation) without one happening, as of the last [`Purger`](crate::ops::Purger) round: 0 while the table rotates when it can |
+//! | `onceonly_steps_total` | counter | `scope`, `result` | [steps](crate::Tx::step) of handlers: `called` (the call ran and its result was recorded) or `replayed` (an earlier attempt's recorded result returned without calling) |
+//! | `onceonly_steps_orphaned` | gauge | `table` | finished steps whose key's transaction never committed, older than the [`Completer`](crate::ops::Completer)'s grace, as of its last round |
 //! | `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds`, `onceonly_outbox_dead_rows` | gauge | `table` | pending outbox messages that are due (delayed messages are left out until they are due), the age of the oldest, dead messages (the [relay](crate::outbox::Relay) refreshes them every 5 s) |
 //! | `onceonly_outbox_published_total`, `onceonly_outbox_publish_seconds` | counter, histogram | `kind` | outbox messages confirmed by their destination, and the time of each publish, confirm included (for pipelined messages: until their key's last confirm) |
 //! | `onceonly_outbox_failures_total` | counter | `kind`, `destination`, `permanent` | failed outbox publishes |
@@ -84,46 +84,46 @@
 //! [`KeyRedaction`](crate::KeyRedaction)). Errors name no key: the span says which it was.
 
 /// Counter of processing attempts by outcome.
-pub const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
+pub(crate) const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
 /// Counter of retries scheduled, by reason.
-pub const RETRIED_TOTAL: &str = "onceonly_retried_total";
+pub(crate) const RETRIED_TOTAL: &str = "onceonly_retried_total";
 /// Counter of deliveries dead-lettered, by reason.
-pub const DEAD_LETTERED_TOTAL: &str = "onceonly_dead_lettered_total";
+pub(crate) const DEAD_LETTERED_TOTAL: &str = "onceonly_dead_lettered_total";
 /// Histogram of handler run times, in seconds.
-pub const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
+pub(crate) const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
 /// Histogram of claim times (from `BEGIN` to the claim's answer), in seconds.
-pub const CLAIM_DURATION_SECONDS: &str = "onceonly_claim_duration_seconds";
+pub(crate) const CLAIM_DURATION_SECONDS: &str = "onceonly_claim_duration_seconds";
 /// Histogram of claim-transaction commit times, in seconds.
-pub const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
+pub(crate) const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
 /// Gauge of Kafka consumer lag per topic and partition, in records.
-pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
+pub(crate) const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
 
 /// Gauge of deliveries waiting in place for the infrastructure.
-pub const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
+pub(crate) const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
 
 /// Gauge: 1 while a consumer is paused because its handler keeps failing.
-pub const CONSUMER_PAUSED: &str = "onceonly_consumer_paused";
+pub(crate) const CONSUMER_PAUSED: &str = "onceonly_consumer_paused";
 /// Counter of the pauses of consumers whose handler kept failing.
-pub const CONSUMER_PAUSES_TOTAL: &str = "onceonly_consumer_pauses_total";
+pub(crate) const CONSUMER_PAUSES_TOTAL: &str = "onceonly_consumer_pauses_total";
 
 /// Counter of handlers given up at the transaction deadline.
-pub const DEADLINE_MISSES_TOTAL: &str = "onceonly_deadline_misses_total";
+pub(crate) const DEADLINE_MISSES_TOTAL: &str = "onceonly_deadline_misses_total";
 
 /// Gauge: Unix time (seconds) of the last rotation of a table of the
 /// generations layout, by table.
-pub const GENERATION_ROTATED: &str = "onceonly_generation_rotated_timestamp_seconds";
+pub(crate) const GENERATION_ROTATED: &str = "onceonly_generation_rotated_timestamp_seconds";
 /// Gauge: seconds a rotation of a table of the generations layout has been
 /// possible without happening (starved by long claim transactions), by
 /// table.
-pub const GENERATION_ROTATION_OVERDUE: &str = "onceonly_generation_rotation_overdue_seconds";
+pub(crate) const GENERATION_ROTATION_OVERDUE: &str = "onceonly_generation_rotation_overdue_seconds";
 
 /// Counter of dedup records deleted by purges, by table.
-pub const PURGED_TOTAL: &str = "onceonly_purged_total";
+pub(crate) const PURGED_TOTAL: &str = "onceonly_purged_total";
 /// Gauge: Unix time (seconds) of the last [`Purger`](crate::ops::Purger)
 /// round that left no expired record behind, by table.
-pub const PURGE_LAST_SUCCESS: &str = "onceonly_purge_last_success_timestamp_seconds";
+pub(crate) const PURGE_LAST_SUCCESS: &str = "onceonly_purge_last_success_timestamp_seconds";
 /// Counter of failed [`Purger`](crate::ops::Purger) rounds, by table.
-pub const PURGE_FAILURES_TOTAL: &str = "onceonly_purge_failures_total";
+pub(crate) const PURGE_FAILURES_TOTAL: &str = "onceonly_purge_failures_total";
 
 /// Bucket bounds, in seconds, for onceonly's duration histograms (claim,
 /// commit, handler, outbox publish), from 1 ms to 30 s: e.g.
@@ -135,37 +135,37 @@ pub const DURATION_BUCKETS: &[f64] = &[
 ];
 
 /// Label: the dedup table (`schema.table`).
-pub const LABEL_TABLE: &str = "table";
+pub(crate) const LABEL_TABLE: &str = "table";
 /// Label: the dedup scope.
-pub const LABEL_SCOPE: &str = "scope";
+pub(crate) const LABEL_SCOPE: &str = "scope";
 /// Label: the transport (`kafka`, `amqp`, `http`, `engine`).
-pub const LABEL_TRANSPORT: &str = "transport";
+pub(crate) const LABEL_TRANSPORT: &str = "transport";
 /// Counter of handler steps, by result (`called`, `replayed`).
-pub const STEPS_TOTAL: &str = "onceonly_steps_total";
+pub(crate) const STEPS_TOTAL: &str = "onceonly_steps_total";
 /// Gauge of finished steps whose key never committed.
-pub const STEPS_ORPHANED: &str = "onceonly_steps_orphaned";
+pub(crate) const STEPS_ORPHANED: &str = "onceonly_steps_orphaned";
 /// Label: what became of a step (`called`, `replayed`).
-pub const LABEL_RESULT: &str = "result";
+pub(crate) const LABEL_RESULT: &str = "result";
 /// Label: the outcome (see [`OutcomeKind::as_str`](crate::OutcomeKind::as_str)).
-pub const LABEL_OUTCOME: &str = "outcome";
+pub(crate) const LABEL_OUTCOME: &str = "outcome";
 /// Label: a dead-letter or retry reason code.
-pub const LABEL_REASON: &str = "reason";
+pub(crate) const LABEL_REASON: &str = "reason";
 /// Label: a Kafka topic.
-pub const LABEL_TOPIC: &str = "topic";
+pub(crate) const LABEL_TOPIC: &str = "topic";
 /// Label: a Kafka partition number.
-pub const LABEL_PARTITION: &str = "partition";
+pub(crate) const LABEL_PARTITION: &str = "partition";
 
 /// The name of the span each delivery runs in.
-pub const SPAN_NAME: &str = "onceonly.delivery";
+pub(crate) const SPAN_NAME: &str = "onceonly.delivery";
 
 /// The transport label of an engine driven directly.
-pub const TRANSPORT_ENGINE: &str = "engine";
+pub(crate) const TRANSPORT_ENGINE: &str = "engine";
 /// The transport label of the Kafka consumer.
-pub const TRANSPORT_KAFKA: &str = "kafka";
+pub(crate) const TRANSPORT_KAFKA: &str = "kafka";
 /// The transport label of the AMQP consumer.
-pub const TRANSPORT_AMQP: &str = "amqp";
+pub(crate) const TRANSPORT_AMQP: &str = "amqp";
 /// The transport label of the HTTP layer.
-pub const TRANSPORT_HTTP: &str = "http";
+pub(crate) const TRANSPORT_HTTP: &str = "http";
 
 /// Registers units and descriptions of every onceonly metric with the
 /// installed recorder (exporters show them as `# HELP`). Optional; call it

@@ -12,7 +12,8 @@
 
 use std::time::Duration;
 
-use onceonly::{Claim, ClaimRequest, ClaimTimes, PgStore, SqlStore};
+use onceonly::store::raw::{Claim, ClaimRequest, ClaimTimes};
+use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::cli::onceonly;
 use onceonly_integration_tests::{pg_generations_store, pg_store, pg_url, unique};
 use sqlx::PgPool;

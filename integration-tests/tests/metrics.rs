@@ -234,12 +234,12 @@ async fn a_starved_rotation_shows_in_the_rotation_gauges() {
 
     // K in generation 0, live until 1_100.
     let mut tx = store.begin().await.unwrap();
-    let times = onceonly::ClaimTimes::new(1_000, Duration::from_millis(100));
+    let times = onceonly::store::raw::ClaimTimes::new(1_000, Duration::from_millis(100));
     let claim = store
-        .claim(&mut tx, "s", times, &onceonly::ClaimRequest::new("K"))
+        .claim(&mut tx, "s", times, &onceonly::store::raw::ClaimRequest::new("K"))
         .await
         .unwrap();
-    assert_eq!(claim, onceonly::Claim::Claimed);
+    assert_eq!(claim, onceonly::store::raw::Claim::Claimed);
     store.complete(&mut tx, "s", "K", b"1").await.unwrap();
     tx.commit().await.unwrap();
 

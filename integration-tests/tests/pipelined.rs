@@ -15,9 +15,8 @@
 
 use std::time::{Duration, Instant};
 
-use onceonly::store::{
-    Claim, ClaimRequest, ClaimTimes, ClaimTx, Deadlines, StoreError, pool_options_for,
-};
+use onceonly::store::raw::{Claim, ClaimRequest, ClaimTimes, ClaimTx};
+use onceonly::store::{Deadlines, StoreError, pool_options_for};
 use onceonly::{Fingerprint, PgStore, SqlStore};
 use onceonly_integration_tests::{pg_url, unique};
 use sqlx::postgres::{PgConnectOptions, PgPool};
@@ -226,7 +225,7 @@ async fn values_round_trip_byte_exact_like_bound_parameters() {
         assert_eq!(ra.fingerprint, with_fp.then_some(fp), "case {case}");
         assert_eq!(
             ra.source.as_deref(),
-            Some(onceonly::store::clamp_source(&source)),
+            Some(onceonly::store::raw::clamp_source(&source)),
             "case {case}"
         );
         // A redelivery gets the result back, byte-exact; another payload

@@ -9,10 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use onceonly::{
-    Claim, ClaimRequest, ClaimTimes, Delivery, Engine, Failure, FingerprintSpec, HandlerError,
-    Json, KeyError, KeySpec, ManualClock, Outcome, Rejection, RetryPolicy, SqlStore, handler_fn,
-};
+use onceonly::store::raw::{Claim, ClaimRequest, ClaimTimes};
+use onceonly::{Delivery, Engine, Failure, FingerprintSpec, HandlerError, Json, KeyError, KeySpec, ManualClock, Outcome, Rejection, RetryPolicy, SqlStore, handler_fn};
 use onceonly::{Clock, MySqlStore, PgStore, SqliteStore};
 use onceonly_integration_tests::{
     BusinessSql, Pay, mysql_store, mysql_url, pay, pg_generations_store, pg_store, pg_url,

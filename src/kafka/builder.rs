@@ -210,7 +210,7 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
     }
 
     /// How often librdkafka reports statistics, from which the
-    /// [`onceonly_kafka_consumer_lag`](crate::telemetry::KAFKA_CONSUMER_LAG)
+    /// `onceonly_kafka_consumer_lag`
     /// gauge is set per topic and partition (default 5 s, librdkafka's
     /// `statistics.interval.ms`; the report is computed on librdkafka's
     /// own thread from data it already has, with no extra broker round

@@ -15,6 +15,9 @@ macro_rules! forward_sql_store {
         impl[$($gen:tt)*] for $store:ty => $to:ident, Db = $db:ty $(, $extra:item)* $(,)?
     ) => {
         $(#[$attr])*
+        impl<$($gen)*> $crate::store::sealed::Sealed for $store {}
+
+        $(#[$attr])*
         #[async_trait::async_trait]
         impl<$($gen)*> $crate::store::SqlStore for $store {
             type Db = $db;

@@ -21,6 +21,7 @@ mod dialect;
 pub(crate) mod error;
 mod fence;
 pub(crate) mod forward;
+pub mod raw;
 mod rows;
 mod side;
 mod sql;
@@ -43,149 +44,45 @@ use sqlx::{Database, Pool, Transaction};
 use crate::fingerprint::Fingerprint;
 
 pub(crate) use backend::Backend;
-pub use claim_tx::ClaimTx;
-pub use deadline::{
+pub(crate) use claim_tx::ClaimTx;
+pub(crate) use raw::{Claim, ClaimRequest, ClaimTimes, Record};
+#[allow(unused_imports)]
+pub(crate) use deadline::{
     DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
     DEFAULT_STATEMENT_DEADLINE, DEFAULT_TCP_KEEPALIVE, DEFAULT_TRANSACTION_DEADLINE,
-    DeadlineMissed, Deadlines, PING_IDLE_AFTER, TcpKeepalive, pool_options_for,
+    PING_IDLE_AFTER,
 };
+pub use deadline::{DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for};
 pub use dialect::{Dialect, Layout};
-pub use error::{
-    InfraFault, StoreError, infra_fault, is_stale_connection, is_write_fault, pool_options,
-};
-pub use fence::FenceRecord;
+pub(crate) use error::{infra_fault, is_stale_connection};
+pub use error::{InfraFault, StoreError, is_write_fault, pool_options};
+pub(crate) use fence::FenceRecord;
 pub(crate) use steps::STARTED_PREFIX;
-pub use steps::{OrphanedStep, StepRecord};
+pub(crate) use steps::{OrphanedStep, StepRecord};
 pub use table::TableName;
-pub use tier::{CacheTier, CachedRecord, Completed};
+pub(crate) use tier::{CacheTier, CachedRecord, Completed};
 
 /// The default dedup table name.
 pub const DEFAULT_TABLE: &str = "onceonly_keys";
 
 /// The largest scope length in bytes.
-pub const MAX_SCOPE_LEN: usize = 128;
+pub(crate) const MAX_SCOPE_LEN: usize = 128;
 
 /// The largest source length in bytes; longer sources are truncated on a character boundary.
-pub const MAX_SOURCE_LEN: usize = 512;
-
-/// One key to claim.
-#[derive(Clone, Copy, Debug)]
-pub struct ClaimRequest<'a> {
-    /// The validated key.
-    pub key: &'a str,
-    /// The payload fingerprint, if fingerprints are enabled.
-    pub fingerprint: Option<&'a Fingerprint>,
-    /// Source coordinates for audits, e.g. `payments/3@1042`.
-    pub source: Option<&'a str>,
-    /// How long the claim may wait for the key while another transaction
-    /// holds it (a request in flight) before it fails with contention
-    /// ([`StoreError::is_contention`]). `None`: the store's own bound (the
-    /// lock timeout of [`PgStore`](crate::store::postgres::PgStore),
-    /// SQLite's busy timeout, MySQL's `innodb_lock_wait_timeout`).
-    /// PostgreSQL applies it to the claim's own statement only, in the same
-    /// round trip; the other backends keep their own bound.
-    pub lock_wait: Option<Duration>,
-}
-
-impl<'a> ClaimRequest<'a> {
-    /// A request for `key`, without fingerprint, source or lock wait.
-    pub fn new(key: &'a str) -> Self {
-        Self {
-            key,
-            fingerprint: None,
-            source: None,
-            lock_wait: None,
-        }
-    }
-}
-
-/// The clock values of a claim: records expire at `expires_at_ms`; a record
-/// whose `expires_at_ms <= now_ms` is treated as absent and may be reclaimed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ClaimTimes {
-    /// Now, in milliseconds since the Unix epoch.
-    pub now_ms: i64,
-    /// Expiry of a new claim, in milliseconds since the Unix epoch.
-    pub expires_at_ms: i64,
-}
-
-impl ClaimTimes {
-    /// `now_ms` plus a retention window.
-    pub fn new(now_ms: i64, retention: Duration) -> Self {
-        let ttl = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-        Self {
-            now_ms,
-            expires_at_ms: now_ms.saturating_add(ttl),
-        }
-    }
-}
-
-/// What a claim found.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Claim {
-    /// The key is new (or its record had expired): the caller owns it until
-    /// its transaction ends.
-    Claimed,
-    /// The key was already committed with the same payload.
-    Duplicate {
-        /// The stored result, `None` if none was recorded.
-        result: Option<Vec<u8>>,
-    },
-    /// The key was already committed with another payload fingerprint.
-    Conflict {
-        /// The fingerprint stored with the key.
-        stored: Option<Fingerprint>,
-    },
-    /// Batch claims only: the same key appeared earlier in the same batch, at
-    /// this index, with the same fingerprint. Its outcome is that entry's.
-    InBatch {
-        /// Index of the first occurrence.
-        first: usize,
-    },
-}
-
-/// A stored record, as read back by [`SqlStore::get`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Record {
-    /// The scope (consumer group, queue or handler name).
-    pub scope: String,
-    /// The key.
-    pub key: String,
-    /// The payload fingerprint.
-    pub fingerprint: Option<Fingerprint>,
-    /// The stored result bytes.
-    pub result: Option<Vec<u8>>,
-    /// Source coordinates.
-    pub source: Option<String>,
-    /// When the record was claimed, in ms since the Unix epoch.
-    pub created_at_ms: i64,
-    /// When the record expires, in ms since the Unix epoch.
-    pub expires_at_ms: i64,
-}
-
-impl Record {
-    /// `created_at_ms` as a [`SystemTime`].
-    pub fn created_at(&self) -> SystemTime {
-        from_ms(self.created_at_ms)
-    }
-
-    /// `expires_at_ms` as a [`SystemTime`].
-    pub fn expires_at(&self) -> SystemTime {
-        from_ms(self.expires_at_ms)
-    }
-}
-
-fn from_ms(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
+pub(crate) const MAX_SOURCE_LEN: usize = 512;
 
 /// A SQL dedup store: the seam between the engine and a database backend.
 ///
 /// Claims and completions run on the caller's open transaction (`conn`), so
 /// they commit or roll back together with the handler's writes.
+///
+/// Sealed: implemented by the stores this crate ships ([`PgStore`](crate::PgStore),
+/// [`MySqlStore`](crate::MySqlStore), [`SqliteStore`](crate::SqliteStore),
+/// and [`CachedStore`](crate::redis::CachedStore) around any of them). What
+/// an application calls is documented here; the claim methods the engine
+/// calls are hidden, and their types live in [`raw`].
 #[async_trait]
-pub trait SqlStore: Clone + Send + Sync + 'static {
+pub trait SqlStore: sealed::Sealed + Clone + Send + Sync + 'static {
     /// The sqlx database of this backend.
     type Db: Database;
 
@@ -212,11 +109,13 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
 
     /// The cache tier in front of this store, if any (see
     /// [`CacheTier`]); plain SQL stores have none.
+    #[doc(hidden)]
     fn tier(&self) -> Option<&dyn CacheTier> {
         None
     }
 
     /// Claims `req.key` in `scope` inside the open transaction `conn`.
+    #[doc(hidden)]
     async fn claim(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -231,6 +130,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// The default is [`begin`](Self::begin), then [`claim`](Self::claim):
     /// two round trips. A [pipelined](crate::PgStore::pipelined)
     /// [`PgStore`](crate::PgStore) sends the claim with its `BEGIN`, in one.
+    #[doc(hidden)]
     async fn open_claim(
         &self,
         scope: &str,
@@ -249,6 +149,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// and `COMMIT`, one round trip each; a
     /// [pipelined](crate::PgStore::pipelined) [`PgStore`](crate::PgStore)
     /// sends them in one.
+    #[doc(hidden)]
     async fn finish_claim(
         &self,
         tx: ClaimTx<Self::Db>,
@@ -265,6 +166,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// made after its handler ran, in one statement when the key is new.
     /// The default is [`claim`](Self::claim), then
     /// [`complete`](Self::complete) when claimed.
+    #[doc(hidden)]
     async fn claim_completed(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -288,6 +190,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// [`Claim::Conflict`] with the first occurrence's claim, or with a
     /// stored record of another fingerprint; a [`Claim::Duplicate`] of a
     /// stored record with its own fingerprint).
+    #[doc(hidden)]
     async fn claim_batch(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -307,6 +210,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// later occurrences inside the batch as in
     /// [`claim_batch`](Self::claim_batch). Nothing is locked: a key taken
     /// meanwhile shows at the claim. The default finds every key free.
+    #[doc(hidden)]
     async fn lookup_batch(
         &self,
         _conn: &mut <Self::Db as Database>::Connection,
@@ -325,6 +229,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// [`Claim::Claimed`] means that key was committed meanwhile, and the
     /// caller must roll the transaction back. The default is one
     /// [`claim_completed`](Self::claim_completed) per key.
+    #[doc(hidden)]
     async fn claim_completed_batch(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -344,6 +249,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     }
 
     /// Records the result of a claimed key, in the same transaction as the claim.
+    #[doc(hidden)]
     async fn complete(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -355,6 +261,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// Records the results of many claimed keys, in the same transaction
     /// as their claims; one statement where the backend allows (PostgreSQL),
     /// one [`complete`](Self::complete) per key otherwise.
+    #[doc(hidden)]
     async fn complete_many(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -379,6 +286,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// so that a crash in the handler that follows cannot undo it. One
     /// statement, one round trip, on every backend. The row expires at
     /// `times.expires_at_ms`.
+    #[doc(hidden)]
     async fn bump_attempts(
         &self,
         scope: &str,
@@ -389,11 +297,13 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// Takes one start off `key`'s counter (never below 0), in its own
     /// statement: the handler that was counted returned, so that start did
     /// not crash the process.
+    #[doc(hidden)]
     async fn undo_attempt(&self, scope: &str, key: &str) -> Result<(), StoreError>;
 
     /// Deletes `key`'s counter on `conn`: inside the claim's transaction
     /// when the handler succeeded (the counter goes with the commit), on a
     /// connection of its own otherwise.
+    #[doc(hidden)]
     async fn clear_attempts(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -406,6 +316,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// were deleted. Call it in a loop until it returns less than `limit`.
     /// Expired attempts counters ([`SqlStore::bump_attempts`]) are deleted
     /// too, within the same `limit`, once no expired record is left.
+    #[doc(hidden)]
     async fn purge_expired(
         &self,
         scope: Option<&str>,
@@ -421,6 +332,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// SQLite, two on MySQL; the fence's row stays locked until the
     /// transaction ends, and expires at `expires_at_ms` (see
     /// [`TableName::fence`]).
+    #[doc(hidden)]
     async fn advance_fence(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -432,16 +344,19 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     ) -> Result<Vec<u8>, StoreError>;
 
     /// `entity`'s fence in `scope`, as committed (expired or not).
+    #[doc(hidden)]
     async fn fence(&self, scope: &str, entity: &str) -> Result<Option<FenceRecord>, StoreError>;
 
     /// Whether a step can be recorded on its own while the claim's
     /// transaction is open: not on SQLite, whose one writer is that
     /// transaction.
+    #[doc(hidden)]
     fn records_steps(&self) -> bool;
 
     /// `key`'s finished step `step` in `scope`, unless expired at
     /// `now_ms`; read on `conn` (the claim's transaction reads the steps
     /// committed beside it).
+    #[doc(hidden)]
     async fn step(
         &self,
         conn: &mut <Self::Db as Database>::Connection,
@@ -455,6 +370,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// on its own (not in the claim's transaction) before this returns,
     /// unless a live record is there; returns the record that stands
     /// (ours, or that of a concurrent attempt that finished first).
+    #[doc(hidden)]
     async fn record_step(
         &self,
         scope: &str,
@@ -468,12 +384,14 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// Every step of `key` in `scope`, oldest first (expired or not); a
     /// step whose call started and never recorded its result as
     /// `<step> (started; its outcome is unknown)`, with an empty result.
+    #[doc(hidden)]
     async fn steps(&self, scope: &str, key: &str) -> Result<Vec<StepRecord>, StoreError>;
 
     /// At most `limit` live steps that finished before `created_before_ms`
     /// and whose key has no live record at `now_ms`: the handler's
     /// transaction never committed after the step's call (see
     /// [`Completer`](crate::ops::Completer)).
+    #[doc(hidden)]
     async fn orphaned_steps(
         &self,
         created_before_ms: i64,
@@ -485,6 +403,7 @@ pub trait SqlStore: Clone + Send + Sync + 'static {
     /// `now_ms` (two cheap reads: the control table, the newest expiry of
     /// the other generation); `None` for every other table. The
     /// [`Purger`](crate::ops::Purger) reports them in its metrics.
+    #[doc(hidden)]
     async fn rotations(&self, _now_ms: i64) -> Result<Option<Rotations>, StoreError> {
         Ok(None)
     }
@@ -579,7 +498,7 @@ pub(crate) async fn finish_by_statements<S: SqlStore>(
 pub const DEFAULT_GENERATION_BUCKETS: u16 = 8;
 
 /// The most buckets a generation can be split into: 64.
-pub const MAX_GENERATION_BUCKETS: u16 = 64;
+pub(crate) const MAX_GENERATION_BUCKETS: u16 = 64;
 
 /// `ddl` without PostgreSQL's migration lock, for a migration tool that
 /// runs the statements in one migration of its own.
@@ -614,7 +533,7 @@ pub fn migration_sql(dialect: Dialect, layout: Layout, table: &TableName) -> Opt
 }
 
 /// Checks a scope: 1 to [`MAX_SCOPE_LEN`] bytes, no control characters.
-pub fn validate_scope(scope: &str) -> Result<(), StoreError> {
+pub(crate) fn validate_scope(scope: &str) -> Result<(), StoreError> {
     if scope.is_empty()
         || scope.len() > MAX_SCOPE_LEN
         || scope.bytes().any(|b| b.is_ascii_control())
@@ -625,7 +544,7 @@ pub fn validate_scope(scope: &str) -> Result<(), StoreError> {
 }
 
 /// Truncates a source string to [`MAX_SOURCE_LEN`] bytes on a character boundary.
-pub fn clamp_source(source: &str) -> &str {
+pub(crate) fn clamp_source(source: &str) -> &str {
     if source.len() <= MAX_SOURCE_LEN {
         return source;
     }
@@ -702,4 +621,10 @@ mod tests {
             assert!(crate::IdemKey::new(key).is_err());
         }
     }
+}
+
+/// Keeps [`SqlStore`] implemented by this crate's stores only.
+pub(crate) mod sealed {
+    /// Implemented by each store of this crate (see `forward_sql_store!`).
+    pub trait Sealed {}
 }
