@@ -13,7 +13,8 @@
 //! ```
 //! The table is also written to `target/bench/redis.md`.
 
-#[path = "support/stats.rs"]
+// The benchmarks' statistics (percentiles, Markdown tables).
+#[path = "bench/stats.rs"]
 mod stats;
 
 use std::time::{Duration, Instant};

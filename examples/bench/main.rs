@@ -42,14 +42,6 @@
 //! cargo run --release --example bench --all-features -- --scenario kafka,http --dup 0 --runs 5
 //! ```
 
-// Shared with the other examples: an example is its own crate, so without
-// a library crate the only way to share these files is `#[path]` (relative
-// to this file's directory, `examples/bench/`).
-#[path = "../support/ledger.rs"]
-mod ledger;
-#[path = "../support/stats.rs"]
-mod stats;
-
 mod amqp;
 mod big_table;
 mod child;
@@ -57,12 +49,14 @@ mod common;
 mod growth;
 mod http;
 mod kafka;
+mod ledger;
 mod memory;
 mod meter;
 mod mock;
 mod outbox;
 mod registry;
 mod scale_out;
+mod stats;
 mod variant;
 
 use std::process::ExitCode;

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, PgStore};
 use sqlx::Postgres;
 
-use crate::example_ledger::{Payment, Receipt, postgres};
+use crate::demo::ledger::{Payment, Receipt, postgres};
 use crate::ledger::Expected;
 
 /// How long the [`Ledger`] handler sleeps for account `slow`.

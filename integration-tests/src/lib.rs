@@ -105,9 +105,7 @@ pub async fn sqlite_store(path: &std::path::Path, table: &str) -> SqliteStore {
 pub mod amqp;
 pub mod child;
 pub mod cli;
-/// The examples' shared ledger code, compiled into the tests.
-#[path = "../../examples/support/ledger.rs"]
-pub mod example_ledger;
+pub mod demo;
 pub mod handler;
 pub mod kafka;
 pub mod ledger;

@@ -13,7 +13,7 @@ use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, declare_reply_queue, depth, header, publish, take, url,
 };
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::assert_exact;

@@ -4,8 +4,7 @@
 //! drains the queue with an exact ledger. In its own test binary so that no
 //! other test sees the restart.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use std::time::{Duration, Instant};
 

@@ -6,8 +6,7 @@
 //! messages': nothing may be dead-lettered, nothing acked unprocessed, and
 //! the ledger must end exact.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use std::time::{Duration, Instant};
 

@@ -28,7 +28,7 @@ use onceonly::{
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, publish, publish_stream, url,
 };
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, produce, read_all};
 use onceonly_integration_tests::ledger::{assert_exact, crash_stream, rows};
 use onceonly_integration_tests::own_db::OwnDb;

@@ -2,10 +2,7 @@
 //! PostgreSQL and on SQLite: the `payment_webhook` example's app, plus
 //! test-only routes for failures, panics, binary bodies and outages.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
-#[path = "../../examples/support/webhook_app.rs"]
-mod webhook_app;
+use onceonly_integration_tests::demo::webhook_app;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

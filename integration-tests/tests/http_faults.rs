@@ -2,10 +2,7 @@
 //! run a handler without dedup (even with `FailOpen`), and requests whose key
 //! is ambiguous are refused with a 4xx problem instead of being guessed.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
-#[path = "../../examples/support/webhook_app.rs"]
-mod webhook_app;
+use onceonly_integration_tests::demo::webhook_app;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
 use onceonly::{PgStore, RetryPolicy, SqlStore};
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{
     Record, committed, create_topic, header, pg_schema, produce, read_all,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use onceonly::kafka::{CancellationToken, GroupProtocol, KafkaConsumer, KafkaConsumerBuilder};
 use onceonly::{PgStore, SqlStore};
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{Record, committed_on, pg_schema, produce_on, read_all_on};
 use onceonly_integration_tests::ledger::{Stream, assert_exact, crash_stream, rows};

@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
 use onceonly::{Delivery, Handler, HandlerError, Json, RetryPolicy, SqlStore};
-use onceonly_integration_tests::example_ledger::{self as ledger, Payment, Receipt};
+use onceonly_integration_tests::demo::ledger::{self, Payment, Receipt};
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, header, pg_schema, produce, read_all,
 };

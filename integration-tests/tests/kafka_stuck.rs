@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use onceonly::kafka::{CancellationToken, KafkaConsumer, KafkaConsumerBuilder};
 use onceonly::{Delivery, Handler, HandlerError, Json, PgStore, SqlStore};
-use onceonly_integration_tests::example_ledger::{self as ledger, Payment, Receipt};
+use onceonly_integration_tests::demo::ledger::{self, Payment, Receipt};
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};
 use onceonly_integration_tests::ledger::{Expected, assert_exact, rows};
 use onceonly_integration_tests::{pay, pg_store, unique};

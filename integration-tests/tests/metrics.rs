@@ -26,7 +26,7 @@ use onceonly::telemetry::{
 use onceonly::{Delivery, Engine, Handler, HandlerError, Json, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::child::Logged;
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::handler::Ledger;
 use onceonly_integration_tests::kafka::{Record, committed, create_topic, pg_schema, produce};

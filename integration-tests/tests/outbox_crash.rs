@@ -26,7 +26,7 @@ use onceonly::kafka::KafkaConsumer;
 use onceonly::outbox::MESSAGE_ID_HEADER;
 use onceonly::{Json, Tx, handler_fn};
 use onceonly_integration_tests::child::Logged;
-use onceonly_integration_tests::example_ledger::Settled;
+use onceonly_integration_tests::demo::ledger::Settled;
 use onceonly_integration_tests::kafka::{
     Record, header, payments_args, pg_schema, produce_on, read_to_end_on,
 };

@@ -21,7 +21,7 @@ use onceonly::outbox::{
 };
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, take, url};
 use onceonly_integration_tests::child::Logged;
-use onceonly_integration_tests::example_ledger::Settled;
+use onceonly_integration_tests::demo::ledger::Settled;
 use onceonly_integration_tests::free_port;
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{Expected, assert_exact};

@@ -692,6 +692,18 @@ fn stripe_event(
     order: &str,
     amount: i64,
 ) -> (Vec<(&'static str, String)>, Vec<u8>) {
+    stripe_event_of(t, event_id, order, amount, json!("cus_NffrFeUfNV2Hib"))
+}
+
+/// [`stripe_event`] with `customer` as given (`null` for a guest checkout,
+/// a payment made without a Stripe customer).
+fn stripe_event_of(
+    t: u64,
+    event_id: &str,
+    order: &str,
+    amount: i64,
+    customer: Value,
+) -> (Vec<(&'static str, String)>, Vec<u8>) {
     let body = json!({
         "id": event_id,
         "object": "event",
@@ -705,7 +717,7 @@ fn stripe_event(
             "object": "payment_intent",
             "amount": amount,
             "currency": "usd",
-            "customer": "cus_NffrFeUfNV2Hib",
+            "customer": customer,
             "metadata": {"out_trade_no": order},
             "status": "succeeded",
         }},
@@ -735,6 +747,15 @@ async fn stripe_signed_events() {
     let (h, body) = stripe_event(now(), "evt_1NG8Du2eZvKYlo2CUI79vXWy", "ST-1", 2000);
     server.deliver(5, &h, &body, success).await;
     assert_eq!(server.ledger().await, vec![("ST-1".into(), 1, 2000)]);
+
+    // A guest checkout: a payment without a customer is booked (a 4xx
+    // would make Stripe retry it for three days), once.
+    let (h, body) = stripe_event_of(now(), "evt_guest", "ST-GUEST", 1500, Value::Null);
+    server.deliver(2, &h, &body, success).await;
+    assert_eq!(
+        server.ledger().await,
+        vec![("ST-1".into(), 1, 2000), ("ST-GUEST".into(), 1, 1500)]
+    );
 
     let (h, body) = stripe_event(now(), "evt_2", "ST-2", 1);
     let tampered = String::from_utf8(body)

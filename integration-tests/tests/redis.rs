@@ -1,8 +1,7 @@
 //! The Redis tier against the real Redis: fenced, leased claims, and the
 //! two-tier store in front of PostgreSQL (with the engine and a transport).
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

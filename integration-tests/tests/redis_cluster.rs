@@ -3,8 +3,7 @@
 //! keys of one scope spread over every master, and both stores work
 //! through the cluster client (`redis+cluster://`).
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use std::time::Duration;
 

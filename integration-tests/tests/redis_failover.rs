@@ -12,8 +12,7 @@
 //!
 //! In its own test binary: nothing else runs while the cluster fails over.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -5,8 +5,7 @@
 //! through to SQL and every key still takes effect exactly once. In its own
 //! test binary so no other test sees the outage.
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use onceonly::redis::CachedStore;
 use onceonly::{Delivery, Engine, SqlStore};

@@ -16,7 +16,7 @@ use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, header, publish, take, url,
 };
 use onceonly_integration_tests::cli::onceonly;
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::handler::{Declining, Outage, process_meanwhile};
 use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::ledger::{assert_exact, rows};

@@ -12,7 +12,7 @@ use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
 use onceonly::ops::replay::{ORIGIN, REPLAYED_FROM, REPLAYS};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::cli::{Run, onceonly};
-use onceonly_integration_tests::example_ledger as ledger;
+use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::handler::{Declining, Outage, process_meanwhile};
 use onceonly_integration_tests::kafka::{
     Record, brokers, committed, create_topic, header, pg_schema, produce, read_all,

@@ -21,8 +21,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-#[path = "../../examples/support/ledger.rs"]
-mod ledger;
+use onceonly_integration_tests::demo::ledger;
 
 use onceonly::amqp::{AmqpConsumer, AmqpTls, CancellationToken};
 use onceonly::ops::replay::AmqpReplay;

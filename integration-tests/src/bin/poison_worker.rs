@@ -21,8 +21,8 @@ use async_trait::async_trait;
 use onceonly::amqp::AmqpConsumer;
 use onceonly::kafka::KafkaConsumer;
 use onceonly::{Delivery, Handler, HandlerError, Json, KeySpec, RetryPolicy};
-use onceonly_integration_tests::example_ledger::postgres::{Ledger, open};
-use onceonly_integration_tests::example_ledger::{Payment, Receipt};
+use onceonly_integration_tests::demo::ledger::postgres::{Ledger, open};
+use onceonly_integration_tests::demo::ledger::{Payment, Receipt};
 use sqlx::Postgres;
 
 /// The ledger, with one key that kills the process.

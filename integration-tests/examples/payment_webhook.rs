@@ -1,6 +1,10 @@
 //! An HTTP server whose payment callbacks and order creation are
 //! idempotent, inside each handler's own transaction.
 //!
+//! A demo application of the integration tests, which run it as a child
+//! process: many options in one program, every one of them tested. For
+//! one small example per use, see `examples/` at the repository root.
+//!
 //! - `POST /webhooks/payments`: a payment provider's notification, JSON or
 //!   form-encoded, like the Kafka example's messages (`out_trade_no`,
 //!   `account`, `amount`). Keyed on `out_trade_no`; credits the shared
@@ -13,29 +17,29 @@
 //!   order as JSON); a retry with the same key replays that response byte
 //!   for byte with `Idempotent-Replayed: true`.
 //!
-//! With the `providers` feature, `--provider alipay|wechatpay|stripe|github|adyen`
-//! verifies the callbacks as that provider signs them instead (see
-//! `onceonly::http::providers`), keys them on the provider's business
-//! field and answers in its format. Keys come from flags or the
-//! environment: `--provider-secret` (`PROVIDER_SECRET`: Stripe's or
-//! GitHub's signing secret, Adyen's hex HMAC key, WeChat Pay's APIv3 key)
-//! and `--provider-key FILE` (`PROVIDER_KEYS`, comma-separated: Alipay's
-//! public key, PEM or bare base64; WeChat Pay platform certificates, PEM,
-//! or `SERIAL=FILE` for a WeChat Pay public key; repeat for rotation).
+//! `--provider alipay|wechatpay|stripe|github|adyen` verifies the callbacks
+//! as that provider signs them instead (see `onceonly::http::providers`),
+//! keys them on the provider's business field and answers in its format.
+//! Keys come from flags or the environment: `--provider-secret`
+//! (`PROVIDER_SECRET`: Stripe's or GitHub's signing secret, Adyen's hex
+//! HMAC key, WeChat Pay's APIv3 key) and `--provider-key FILE`
+//! (`PROVIDER_KEYS`, comma-separated: Alipay's public key, PEM or bare
+//! base64; WeChat Pay platform certificates, PEM, or `SERIAL=FILE` for a
+//! WeChat Pay public key; repeat for rotation).
 //!
 //! ```text
-//! cargo run --example payment_webhook --features http,sqlite,providers -- \
+//! cargo run --example payment_webhook --features http,sqlite -- \
 //!     --provider wechatpay --provider-secret "$APIV3_KEY" \
 //!     --provider-key wechatpay_cert_old.pem --provider-key wechatpay_cert_new.pem
 //! ```
 //!
-//! With the `webhook` feature, `--notify-url URL` (or `NOTIFY_URL`) also
-//! notifies the merchant of each processed payment: the callback's
-//! transaction enqueues a JSON body `{"out_trade_no", "account", "amount",
-//! "balance"}` in the transactional outbox (`onceonly::outbox`, table
-//! `onceonly_outbox`), and a relay running in the same process POSTs it to
-//! URL once the transaction committed, signed with `--notify-secret` (or
-//! `NOTIFY_SECRET`, default `onceonly-example-secret`) as Standard Webhooks
+//! `--notify-url URL` (or `NOTIFY_URL`) also notifies the merchant of each
+//! processed payment: the callback's transaction enqueues a JSON body
+//! `{"out_trade_no", "account", "amount", "balance"}` in the transactional
+//! outbox (`onceonly::outbox`, table `onceonly_outbox`), and a relay
+//! running in the same process POSTs it to URL once the transaction
+//! committed, signed with `--notify-secret` (or `NOTIFY_SECRET`, default
+//! `onceonly-example-secret`) as Standard Webhooks
 //! (`webhook-id`, `webhook-timestamp`, `webhook-signature: v1,<base64
 //! HMAC-SHA256 of "<id>.<timestamp>.<body>">`).
 //! Redelivered notifications carry the same `x-onceonly-message-id`.
@@ -43,7 +47,7 @@
 //! ```text
 //! cargo run --example payment_webhook --features http,sqlite -- --help
 //! cargo run --example payment_webhook --features http,sqlite
-//! cargo run --example payment_webhook --features http,sqlite,webhook -- \
+//! cargo run --example payment_webhook --features http,sqlite -- \
 //!     --notify-url http://127.0.0.1:8080/notify
 //! curl -i localhost:3000/orders -H 'Idempotency-Key: 4b1e...' -H 'content-type: application/json' \
 //!      -d '{"account":"alice","amount":500}'
@@ -61,23 +65,9 @@
 //! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
 //! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
-#[path = "support/ledger.rs"]
-mod ledger;
-#[path = "support/metrics.rs"]
-mod metrics_endpoint;
-#[path = "support/tracing_setup.rs"]
-mod tracing_setup;
-#[path = "support/webhook_app.rs"]
-mod webhook_app;
-
 use clap::Parser;
-use onceonly::outbox::OutboxBackend;
-
-#[cfg(feature = "webhook")]
-type Relay = onceonly::outbox::RelayHandle;
-/// No relay without the `webhook` feature.
-#[cfg(not(feature = "webhook"))]
-type Relay = std::convert::Infallible;
+use onceonly::outbox::{OutboxBackend, RelayHandle as Relay};
+use onceonly_integration_tests::demo::{metrics as metrics_endpoint, tracing_setup, webhook_app};
 
 /// Idempotent payment callbacks and order creation over HTTP.
 #[derive(Parser, Debug)]
@@ -88,8 +78,7 @@ struct Args {
     listen: String,
     /// Database URL, as sqlx reads it: an SQLite file
     /// (`sqlite://payment_webhook.db?mode=rwc`, the default, created in the
-    /// working directory if missing) or, with the `postgres` feature,
-    /// `postgres://...`.
+    /// working directory if missing) or `postgres://...`.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -106,35 +95,29 @@ struct Args {
     optimistic: bool,
     /// Verify, key and answer callbacks as this payment provider does
     /// (instead of `--secret`).
-    #[cfg(feature = "providers")]
     #[arg(long, env = "PROVIDER", value_parser = ["alipay", "wechatpay", "stripe", "github", "adyen"])]
     provider: Option<String>,
     /// The provider's secret: Stripe's or GitHub's signing secret, Adyen's
     /// HMAC key (hex), WeChat Pay's APIv3 key.
-    #[cfg(feature = "providers")]
     #[arg(long, env = "PROVIDER_SECRET")]
     provider_secret: Option<String>,
     /// A file with a provider key: Alipay's public key (PEM or bare
     /// base64), a WeChat Pay platform certificate (PEM), or `SERIAL=FILE`
     /// for a WeChat Pay public key. Repeatable.
-    #[cfg(feature = "providers")]
     #[arg(long = "provider-key", env = "PROVIDER_KEYS", value_delimiter = ',')]
     provider_keys: Vec<String>,
     /// Fence each payment against out-of-order callbacks with the
     /// provider's preset (`FenceSpec::stripe()`, ...): a callback older
     /// than one applied before to the same payment is acknowledged as
     /// stale without booking it.
-    #[cfg(feature = "providers")]
     #[arg(long, env = "FENCE", value_parser = clap::builder::BoolishValueParser::new())]
     fence: bool,
     /// Notify the merchant of each processed payment at this URL, through the
     /// transactional outbox and an in-process relay (off when not given).
-    #[cfg(feature = "webhook")]
     #[arg(long, env = "NOTIFY_URL", value_name = "URL")]
     notify_url: Option<String>,
     /// Secret the notifications are signed with (Standard Webhooks,
     /// HMAC-SHA256).
-    #[cfg(feature = "webhook")]
     #[arg(
         long,
         env = "NOTIFY_SECRET",
@@ -159,25 +142,18 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Logs, and OTLP traces with feature `otel` and
-    // OTEL_EXPORTER_OTLP_ENDPOINT set.
+    // Logs, and OTLP traces with OTEL_EXPORTER_OTLP_ENDPOINT set.
     let _tracing = tracing_setup::init("payment_webhook");
     let args = Args::parse();
     refuse_idle_flags(&args)?;
     args.metrics.install()?;
-    #[cfg(feature = "providers")]
     if let Some(provider) = provider_of(&args)? {
         let fence = args.fence.then(|| preset_fence(provider.name())).flatten();
         if args.database_url.starts_with("postgres") {
-            #[cfg(feature = "postgres")]
-            {
-                let store = onceonly::PgStore::connect(&args.database_url).await?;
-                webhook_app::postgres::migrate(&store).await?;
-                let app = webhook_app::postgres::provider_router(store, provider, fence)?;
-                return serve(&args, app, None).await;
-            }
-            #[cfg(not(feature = "postgres"))]
-            return Err("this build has no postgres feature".into());
+            let store = onceonly::PgStore::connect(&args.database_url).await?;
+            webhook_app::postgres::migrate(&store).await?;
+            let app = webhook_app::postgres::provider_router(store, provider, fence)?;
+            return serve(&args, app, None).await;
         }
         let store = onceonly::SqliteStore::connect(&args.database_url).await?;
         webhook_app::sqlite::migrate(&store).await?;
@@ -185,32 +161,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return serve(&args, app, None).await;
     }
     let (app, relay) = if args.database_url.starts_with("postgres") {
-        #[cfg(feature = "postgres")]
-        {
-            use onceonly::SqlStore;
-            let store = onceonly::PgStore::connect(&args.database_url).await?;
-            webhook_app::postgres::migrate(&store).await?;
-            let (notify, relay) = notify(&args, store.pool()).await?;
-            let optimistic = args.optimistic;
-            let mut app = webhook_app::postgres::router_notifying(
-                store.clone(),
-                args.secret.clone(),
-                notify,
-                |e| webhook_app::orders_layer(e.optimistic(optimistic)),
-            )?;
-            if let Some(url) = &args.refund_api {
-                let api = webhook_app::RefundApi {
-                    url: url.clone(),
-                    client: reqwest::Client::new(),
-                };
-                let refunds =
-                    webhook_app::postgres::refund_router(store, api, &args.downstream_secret)?;
-                app = app.merge(refunds);
-            }
-            (app, relay)
+        use onceonly::SqlStore;
+        let store = onceonly::PgStore::connect(&args.database_url).await?;
+        webhook_app::postgres::migrate(&store).await?;
+        let (notify, relay) = notify(&args, store.pool()).await?;
+        let optimistic = args.optimistic;
+        let mut app = webhook_app::postgres::router_notifying(
+            store.clone(),
+            args.secret.clone(),
+            notify,
+            |e| webhook_app::orders_layer(e.optimistic(optimistic)),
+        )?;
+        if let Some(url) = &args.refund_api {
+            let api = webhook_app::RefundApi {
+                url: url.clone(),
+                client: reqwest::Client::new(),
+            };
+            let refunds =
+                webhook_app::postgres::refund_router(store, api, &args.downstream_secret)?;
+            app = app.merge(refunds);
         }
-        #[cfg(not(feature = "postgres"))]
-        return Err("this build has no postgres feature: --features http,sqlite,postgres".into());
+        (app, relay)
     } else {
         let store = onceonly::SqliteStore::connect(&args.database_url).await?;
         webhook_app::sqlite::migrate(&store).await?;
@@ -227,10 +198,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// Flags this run would ignore are refused, never silently dropped.
 fn refuse_idle_flags(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let postgres = args.database_url.starts_with("postgres");
-    #[cfg(feature = "providers")]
     let provider = args.provider.is_some();
-    #[cfg(not(feature = "providers"))]
-    let provider = false;
     if args.refund_api.is_some() && !postgres {
         return Err("--refund-api needs --database-url postgres://… (its steps are recorded beside the claim; SQLite has one writer)".into());
     }
@@ -239,7 +207,6 @@ fn refuse_idle_flags(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             "--refund-api serves the orders app's refund route: not with --provider".into(),
         );
     }
-    #[cfg(feature = "providers")]
     if args.fence {
         let Some(name) = args.provider.as_deref() else {
             return Err("--fence fences a provider's callbacks: give --provider".into());
@@ -266,18 +233,14 @@ async fn serve(
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
-    #[cfg(feature = "webhook")]
     if let Some(relay) = relay {
         let stats = relay.stop().await;
         eprintln!("outbox relay: {stats:?}");
     }
-    #[cfg(not(feature = "webhook"))]
-    let _ = relay;
     Ok(())
 }
 
 /// The fence preset of provider `name`, if it has one.
-#[cfg(feature = "providers")]
 fn preset_fence(name: &str) -> Option<onceonly::FenceSpec> {
     use onceonly::FenceSpec;
     match name {
@@ -291,7 +254,6 @@ fn preset_fence(name: &str) -> Option<onceonly::FenceSpec> {
 }
 
 /// The provider of `--provider`, with its keys.
-#[cfg(feature = "providers")]
 fn provider_of(
     args: &Args,
 ) -> Result<Option<onceonly::http::providers::Provider>, Box<dyn std::error::Error>> {
@@ -335,7 +297,6 @@ fn provider_of(
 
 /// With `--notify-url`: migrates the outbox table and starts the relay
 /// that POSTs the notifications.
-#[cfg(feature = "webhook")]
 async fn notify<DB: OutboxBackend>(
     args: &Args,
     pool: &sqlx::Pool<DB>,
@@ -355,13 +316,4 @@ async fn notify<DB: OutboxBackend>(
         url: url.clone(),
     };
     Ok((Some(notify), Some(relay)))
-}
-
-/// Without the `webhook` feature there are no notifications.
-#[cfg(not(feature = "webhook"))]
-async fn notify<DB: OutboxBackend>(
-    _args: &Args,
-    _pool: &sqlx::Pool<DB>,
-) -> Result<(Option<webhook_app::Notify<DB>>, Option<Relay>), Box<dyn std::error::Error>> {
-    Ok((None::<webhook_app::Notify<DB>>, None))
 }

@@ -1,4 +1,4 @@
-//! The examples' optional Prometheus endpoint: `--metrics-addr HOST:PORT`
+//! The demo apps' optional Prometheus endpoint: `--metrics-addr HOST:PORT`
 //! (or `ONCEONLY_METRICS_ADDR`) serves onceonly's metrics (see
 //! `onceonly::telemetry`) in the Prometheus text format on every path of
 //! that address, e.g. `curl http://127.0.0.1:9464/metrics`.

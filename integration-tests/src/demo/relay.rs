@@ -1,4 +1,4 @@
-//! The examples' in-process outbox relay: waiting for the outbox to drain
+//! The demo apps' in-process outbox relay: waiting for the outbox to drain
 //! before a process that was asked to exit when idle stops.
 
 use std::time::Duration;

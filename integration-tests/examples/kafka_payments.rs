@@ -1,6 +1,10 @@
 //! A Kafka consumer that credits a Postgres ledger exactly once per
 //! `out_trade_no`, however often Kafka redelivers.
 //!
+//! A demo application of the integration tests, which run it as a child
+//! process: many options in one program, every one of them tested. For
+//! one small example per use, see `examples/` at the repository root.
+//!
 //! Each record is JSON `{"out_trade_no": string, "account": string,
 //! "amount": integer}`. In one transaction per record (or per batch with
 //! `--batch-size`), onceonly claims the `out_trade_no`, the handler inserts a
@@ -32,21 +36,15 @@
 //! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
 //! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
-#[path = "support/ledger.rs"]
-mod ledger;
-#[path = "support/metrics.rs"]
-mod metrics_endpoint;
-#[path = "support/relay.rs"]
-mod relay_support;
-#[path = "support/tracing_setup.rs"]
-mod tracing_setup;
-
 use std::time::Duration;
 
 use clap::Parser;
 use onceonly::kafka::{GroupProtocol, KafkaConsumer};
 use onceonly::outbox::{KafkaPublisher, Outbox, Relay};
 use onceonly::{RetryPolicy, SqlStore};
+use onceonly_integration_tests::demo::{
+    ledger, metrics as metrics_endpoint, relay as relay_support, tracing_setup,
+};
 use sqlx::Postgres;
 
 /// Consume payment records from Kafka into a Postgres ledger, exactly once per out_trade_no.
@@ -103,8 +101,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Logs, and OTLP traces with feature `otel` and
-    // OTEL_EXPORTER_OTLP_ENDPOINT set.
+    // Logs, and OTLP traces with OTEL_EXPORTER_OTLP_ENDPOINT set.
     let _tracing = tracing_setup::init("kafka_payments");
     let args = Args::parse();
     args.metrics.install()?;

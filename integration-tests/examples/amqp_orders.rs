@@ -1,6 +1,10 @@
 //! A RabbitMQ consumer that credits a Postgres ledger exactly once per
 //! `out_trade_no`, however often the broker redelivers.
 //!
+//! A demo application of the integration tests, which run it as a child
+//! process: many options in one program, every one of them tested. For
+//! one small example per use, see `examples/` at the repository root.
+//!
 //! Messages are the Kafka example's JSON payments (`out_trade_no`,
 //! `account`, `amount`), keyed on `/out_trade_no`, written to the same
 //! `ledger` / `accounts` tables by the same code. A message is acked only
@@ -29,21 +33,15 @@
 //! `--metrics-addr 127.0.0.1:9464` (or `ONCEONLY_METRICS_ADDR`) serves
 //! Prometheus metrics (see `onceonly::telemetry`) at that address.
 
-#[path = "support/ledger.rs"]
-mod ledger;
-#[path = "support/metrics.rs"]
-mod metrics_endpoint;
-#[path = "support/relay.rs"]
-mod relay_support;
-#[path = "support/tracing_setup.rs"]
-mod tracing_setup;
-
 use std::time::Duration;
 
 use clap::Parser;
 use onceonly::amqp::AmqpConsumer;
 use onceonly::outbox::{AmqpPublisher, Outbox, Relay};
 use onceonly::{RetryPolicy, SqlStore};
+use onceonly_integration_tests::demo::{
+    ledger, metrics as metrics_endpoint, relay as relay_support, tracing_setup,
+};
 use sqlx::Postgres;
 
 /// Consume payment messages from RabbitMQ into a Postgres ledger, exactly once per out_trade_no.
@@ -89,8 +87,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Logs, and OTLP traces with feature `otel` and
-    // OTEL_EXPORTER_OTLP_ENDPOINT set.
+    // Logs, and OTLP traces with OTEL_EXPORTER_OTLP_ENDPOINT set.
     let _tracing = tracing_setup::init("amqp_orders");
     let args = Args::parse();
     args.metrics.install()?;

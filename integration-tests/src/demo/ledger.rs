@@ -1,10 +1,10 @@
-//! The payments ledger shared by every example: one JSON payment message
-//! (`out_trade_no`, `account`, `amount`) becomes one `ledger` row and adds
-//! `amount` to the account's balance in `accounts`.
+//! The payments ledger shared by the demo apps and the tests: one JSON
+//! payment message (`out_trade_no`, `account`, `amount`) becomes one
+//! `ledger` row and adds `amount` to the account's balance in `accounts`.
 //!
-//! `ledger.out_trade_no` deliberately has no unique constraint: the examples
-//! prove that onceonly, not the business table, prevents double charges.
-#![allow(dead_code)] // each example uses the backends it needs
+//! `ledger.out_trade_no` deliberately has no unique constraint: the demo
+//! apps prove that onceonly, not the business table, prevents double
+//! charges.
 
 use serde::{Deserialize, Serialize};
 
@@ -82,7 +82,6 @@ impl Settled {
 }
 
 /// SQLite flavour of the ledger.
-#[cfg(feature = "sqlite")]
 pub mod sqlite {
     use super::{NewOrder, Order, Payment, Receipt};
     use sqlx::{SqliteConnection, SqlitePool};
@@ -169,7 +168,6 @@ pub mod sqlite {
 }
 
 /// Postgres flavour of the ledger.
-#[cfg(feature = "postgres")]
 pub mod postgres {
     use super::{NewOrder, Order, Payment, Receipt, Settled};
     use onceonly::outbox::{Outbox, OutboxMessage};

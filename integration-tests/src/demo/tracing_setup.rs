@@ -1,5 +1,5 @@
-//! The examples' logs (to stderr) and, built with feature `otel` and run
-//! with `OTEL_EXPORTER_OTLP_ENDPOINT` (e.g. `http://127.0.0.1:4318`) or
+//! The demo apps' logs (to stderr) and, run with
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` (e.g. `http://127.0.0.1:4318`) or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (e.g. `http://127.0.0.1:4318/v1/traces`) set,
 //! OpenTelemetry traces exported over OTLP/HTTP: each delivery's
 //! `onceonly.delivery` span continues the trace its message or request
@@ -10,7 +10,6 @@
 /// Keeps the trace exporter alive; dropping it flushes the spans not sent
 /// yet.
 pub struct Tracing {
-    #[cfg(feature = "otel")]
     provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
 }
 
@@ -26,7 +25,6 @@ pub fn init(service: &str) -> Tracing {
     let registry = tracing_subscriber::registry()
         .with(tracing_subscriber::filter::LevelFilter::INFO)
         .with(logs);
-    #[cfg(feature = "otel")]
     // Either variable the OTLP exporter reads: the general endpoint, or
     // the traces' own (a traces endpoint alone must not export nothing).
     if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
@@ -46,17 +44,12 @@ pub fn init(service: &str) -> Tracing {
             Err(e) => eprintln!("OTLP trace export not started: {e}"),
         }
     }
-    let _ = service;
     registry.init();
-    Tracing {
-        #[cfg(feature = "otel")]
-        provider: None,
-    }
+    Tracing { provider: None }
 }
 
 /// The OTLP/HTTP exporter (endpoint and headers from the standard
 /// `OTEL_EXPORTER_OTLP_*` variables), batched, and the W3C propagators.
-#[cfg(feature = "otel")]
 fn otlp(
     service: &str,
 ) -> Result<opentelemetry_sdk::trace::SdkTracerProvider, Box<dyn std::error::Error>> {
@@ -83,7 +76,6 @@ fn otlp(
 
 impl Drop for Tracing {
     fn drop(&mut self) {
-        #[cfg(feature = "otel")]
         if let Some(provider) = self.provider.take()
             && let Err(e) = provider.shutdown()
         {
