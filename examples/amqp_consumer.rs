@@ -48,13 +48,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ledger = "CREATE TABLE IF NOT EXISTS payments_ledger (out_trade_no TEXT, amount BIGINT)";
     sqlx::query(ledger).execute(store.pool()).await?;
 
-    let mut consumer = AmqpConsumer::builder(store)
-        .key_expr("json:/out_trade_no")
-        .url(env(
-            "ONCEONLY_AMQP_URL",
-            "amqp://guest:guest@127.0.0.1:5672/%2f",
-        ))
-        .queue(env("AMQP_QUEUE", "payments"));
+    let mut consumer =
+        AmqpConsumer::builder(onceonly::Engine::builder(store).key_expr("json:/out_trade_no"))
+            .url(env(
+                "ONCEONLY_AMQP_URL",
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+            ))
+            .queue(env("AMQP_QUEUE", "payments"));
     if let Ok(secs) = std::env::var("EXIT_WHEN_IDLE") {
         consumer = consumer.exit_when_idle(Duration::from_secs(secs.parse()?));
     }

@@ -53,12 +53,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let registry = SchemaRegistry::builder(env("SCHEMA_REGISTRY_URL", "http://127.0.0.1:8081"));
     let topic = env("KAFKA_TOPIC", "payments-avro");
-    let mut consumer = KafkaConsumer::builder(store)
-        .key_expr("json:/out_trade_no")
-        .payload_decoder(registry.build()?)
-        .brokers(env("ONCEONLY_KAFKA_BROKERS", "127.0.0.1:9092"))
-        .group_id(format!("{topic}-ledger"))
-        .topic(&topic);
+    let mut consumer = KafkaConsumer::builder(
+        onceonly::Engine::builder(store)
+            .key_expr("json:/out_trade_no")
+            .payload_decoder(registry.build()?),
+    )
+    .brokers(env("ONCEONLY_KAFKA_BROKERS", "127.0.0.1:9092"))
+    .group_id(format!("{topic}-ledger"))
+    .topic(&topic);
     if let Ok(secs) = std::env::var("EXIT_WHEN_IDLE") {
         consumer = consumer.exit_when_idle(Duration::from_secs(secs.parse()?));
     }

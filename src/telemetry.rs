@@ -84,46 +84,46 @@
 //! [`KeyRedaction`](crate::KeyRedaction)). Errors name no key: the span says which it was.
 
 /// Counter of processing attempts by outcome.
-pub(crate) const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
+pub const DELIVERIES_TOTAL: &str = "onceonly_deliveries_total";
 /// Counter of retries scheduled, by reason.
-pub(crate) const RETRIED_TOTAL: &str = "onceonly_retried_total";
+pub const RETRIED_TOTAL: &str = "onceonly_retried_total";
 /// Counter of deliveries dead-lettered, by reason.
-pub(crate) const DEAD_LETTERED_TOTAL: &str = "onceonly_dead_lettered_total";
+pub const DEAD_LETTERED_TOTAL: &str = "onceonly_dead_lettered_total";
 /// Histogram of handler run times, in seconds.
-pub(crate) const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
+pub const HANDLER_DURATION_SECONDS: &str = "onceonly_handler_duration_seconds";
 /// Histogram of claim times (from `BEGIN` to the claim's answer), in seconds.
-pub(crate) const CLAIM_DURATION_SECONDS: &str = "onceonly_claim_duration_seconds";
+pub const CLAIM_DURATION_SECONDS: &str = "onceonly_claim_duration_seconds";
 /// Histogram of claim-transaction commit times, in seconds.
-pub(crate) const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
+pub const COMMIT_DURATION_SECONDS: &str = "onceonly_commit_duration_seconds";
 /// Gauge of Kafka consumer lag per topic and partition, in records.
-pub(crate) const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
+pub const KAFKA_CONSUMER_LAG: &str = "onceonly_kafka_consumer_lag";
 
 /// Gauge of deliveries waiting in place for the infrastructure.
-pub(crate) const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
+pub const WAITING_ON_INFRASTRUCTURE: &str = "onceonly_waiting_on_infrastructure";
 
 /// Gauge: 1 while a consumer is paused because its handler keeps failing.
-pub(crate) const CONSUMER_PAUSED: &str = "onceonly_consumer_paused";
+pub const CONSUMER_PAUSED: &str = "onceonly_consumer_paused";
 /// Counter of the pauses of consumers whose handler kept failing.
-pub(crate) const CONSUMER_PAUSES_TOTAL: &str = "onceonly_consumer_pauses_total";
+pub const CONSUMER_PAUSES_TOTAL: &str = "onceonly_consumer_pauses_total";
 
 /// Counter of handlers given up at the transaction deadline.
-pub(crate) const DEADLINE_MISSES_TOTAL: &str = "onceonly_deadline_misses_total";
+pub const DEADLINE_MISSES_TOTAL: &str = "onceonly_deadline_misses_total";
 
 /// Gauge: Unix time (seconds) of the last rotation of a table of the
 /// generations layout, by table.
-pub(crate) const GENERATION_ROTATED: &str = "onceonly_generation_rotated_timestamp_seconds";
+pub const GENERATION_ROTATED: &str = "onceonly_generation_rotated_timestamp_seconds";
 /// Gauge: seconds a rotation of a table of the generations layout has been
 /// possible without happening (starved by long claim transactions), by
 /// table.
-pub(crate) const GENERATION_ROTATION_OVERDUE: &str = "onceonly_generation_rotation_overdue_seconds";
+pub const GENERATION_ROTATION_OVERDUE: &str = "onceonly_generation_rotation_overdue_seconds";
 
 /// Counter of dedup records deleted by purges, by table.
-pub(crate) const PURGED_TOTAL: &str = "onceonly_purged_total";
+pub const PURGED_TOTAL: &str = "onceonly_purged_total";
 /// Gauge: Unix time (seconds) of the last [`Purger`](crate::ops::Purger)
 /// round that left no expired record behind, by table.
-pub(crate) const PURGE_LAST_SUCCESS: &str = "onceonly_purge_last_success_timestamp_seconds";
+pub const PURGE_LAST_SUCCESS: &str = "onceonly_purge_last_success_timestamp_seconds";
 /// Counter of failed [`Purger`](crate::ops::Purger) rounds, by table.
-pub(crate) const PURGE_FAILURES_TOTAL: &str = "onceonly_purge_failures_total";
+pub const PURGE_FAILURES_TOTAL: &str = "onceonly_purge_failures_total";
 
 /// Bucket bounds, in seconds, for onceonly's duration histograms (claim,
 /// commit, handler, outbox publish), from 1 ms to 30 s: e.g.
@@ -141,9 +141,9 @@ pub(crate) const LABEL_SCOPE: &str = "scope";
 /// Label: the transport (`kafka`, `amqp`, `http`, `engine`).
 pub(crate) const LABEL_TRANSPORT: &str = "transport";
 /// Counter of handler steps, by result (`called`, `replayed`).
-pub(crate) const STEPS_TOTAL: &str = "onceonly_steps_total";
+pub const STEPS_TOTAL: &str = "onceonly_steps_total";
 /// Gauge of finished steps whose key never committed.
-pub(crate) const STEPS_ORPHANED: &str = "onceonly_steps_orphaned";
+pub const STEPS_ORPHANED: &str = "onceonly_steps_orphaned";
 /// Label: what became of a step (`called`, `replayed`).
 pub(crate) const LABEL_RESULT: &str = "result";
 /// Label: the outcome (see [`OutcomeKind::as_str`](crate::OutcomeKind::as_str)).
@@ -154,9 +154,6 @@ pub(crate) const LABEL_REASON: &str = "reason";
 pub(crate) const LABEL_TOPIC: &str = "topic";
 /// Label: a Kafka partition number.
 pub(crate) const LABEL_PARTITION: &str = "partition";
-
-/// The name of the span each delivery runs in.
-pub(crate) const SPAN_NAME: &str = "onceonly.delivery";
 
 /// The transport label of an engine driven directly.
 pub(crate) const TRANSPORT_ENGINE: &str = "engine";

@@ -236,7 +236,12 @@ async fn a_starved_rotation_shows_in_the_rotation_gauges() {
     let mut tx = store.begin().await.unwrap();
     let times = onceonly::store::raw::ClaimTimes::new(1_000, Duration::from_millis(100));
     let claim = store
-        .claim(&mut tx, "s", times, &onceonly::store::raw::ClaimRequest::new("K"))
+        .claim(
+            &mut tx,
+            "s",
+            times,
+            &onceonly::store::raw::ClaimRequest::new("K"),
+        )
         .await
         .unwrap();
     assert_eq!(claim, onceonly::store::raw::Claim::Claimed);

@@ -10,8 +10,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use onceonly::store::raw::{Claim, ClaimRequest, ClaimTimes};
-use onceonly::{Delivery, Engine, Failure, FingerprintSpec, HandlerError, Json, KeyError, KeySpec, ManualClock, Outcome, Rejection, RetryPolicy, SqlStore, handler_fn};
 use onceonly::{Clock, MySqlStore, PgStore, SqliteStore};
+use onceonly::{
+    Delivery, Engine, Failure, FingerprintSpec, HandlerError, Json, KeyError, KeySpec, ManualClock,
+    Outcome, Rejection, RetryPolicy, SqlStore, handler_fn,
+};
 use onceonly_integration_tests::{
     BusinessSql, Pay, mysql_store, mysql_url, pay, pg_generations_store, pg_store, pg_url,
     sqlite_store, unique,

@@ -36,7 +36,7 @@ pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::{Database, Pool, Transaction};
@@ -45,7 +45,6 @@ use crate::fingerprint::Fingerprint;
 
 pub(crate) use backend::Backend;
 pub(crate) use claim_tx::ClaimTx;
-pub(crate) use raw::{Claim, ClaimRequest, ClaimTimes, Record};
 #[allow(unused_imports)]
 pub(crate) use deadline::{
     DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
@@ -54,9 +53,10 @@ pub(crate) use deadline::{
 };
 pub use deadline::{DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for};
 pub use dialect::{Dialect, Layout};
-pub(crate) use error::{infra_fault, is_stale_connection};
+pub(crate) use error::infra_fault;
 pub use error::{InfraFault, StoreError, is_write_fault, pool_options};
 pub(crate) use fence::FenceRecord;
+pub(crate) use raw::{Claim, ClaimRequest, ClaimTimes, Record};
 pub(crate) use steps::STARTED_PREFIX;
 pub(crate) use steps::{OrphanedStep, StepRecord};
 pub use table::TableName;
@@ -498,7 +498,7 @@ pub(crate) async fn finish_by_statements<S: SqlStore>(
 pub const DEFAULT_GENERATION_BUCKETS: u16 = 8;
 
 /// The most buckets a generation can be split into: 64.
-pub(crate) const MAX_GENERATION_BUCKETS: u16 = 64;
+pub const MAX_GENERATION_BUCKETS: u16 = 64;
 
 /// `ddl` without PostgreSQL's migration lock, for a migration tool that
 /// runs the statements in one migration of its own.

@@ -16,11 +16,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::fingerprint::Fingerprint;
 
+pub use super::Rotations;
 pub use super::claim_tx::ClaimTx;
 pub use super::fence::FenceRecord;
 pub use super::steps::{OrphanedStep, StepRecord};
 pub use super::tier::{CacheTier, CachedRecord, Completed};
-pub use super::Rotations;
 
 /// Truncates a source string to the stored length (512 bytes) on a
 /// character boundary, as a claim stores it.

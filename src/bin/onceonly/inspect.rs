@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use clap::Args;
 use onceonly::store::admin::{AdminStore, RecordFilter};
-use onceonly::store::{FenceRecord, StepRecord};
-use onceonly::{Order, Record, SqlStore, Stale};
+use onceonly::store::raw::{FenceRecord, Record, StepRecord};
+use onceonly::{Order, SqlStore, Stale};
 use serde_json::json;
 
 use crate::db::with_store;
