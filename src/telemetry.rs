@@ -66,7 +66,7 @@
 //!
 //! # Tracing
 //!
-//! Each delivery runs in a span named [`SPAN_NAME`] (`onceonly.delivery`, at
+//! Each delivery runs in a span named `onceonly.delivery` (at
 //! `INFO`) with the fields `scope`, `transport`, `source`, `key` and, once
 //! known, `outcome`, and, for OpenTelemetry exporters, `otel.kind`
 //! (`consumer` on brokers, `server` over HTTP) and on brokers the

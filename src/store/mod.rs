@@ -45,16 +45,13 @@ use crate::fingerprint::Fingerprint;
 
 pub(crate) use backend::Backend;
 pub(crate) use claim_tx::ClaimTx;
-#[allow(unused_imports)]
-pub(crate) use deadline::{
+pub use deadline::{
     DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
     DEFAULT_STATEMENT_DEADLINE, DEFAULT_TCP_KEEPALIVE, DEFAULT_TRANSACTION_DEADLINE,
-    PING_IDLE_AFTER,
+    DeadlineMissed, Deadlines, PING_IDLE_AFTER, TcpKeepalive, pool_options_for,
 };
-pub use deadline::{DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for};
 pub use dialect::{Dialect, Layout};
-pub(crate) use error::infra_fault;
-pub use error::{InfraFault, StoreError, is_write_fault, pool_options};
+pub use error::{InfraFault, StoreError, infra_fault, is_write_fault, pool_options};
 pub(crate) use fence::FenceRecord;
 pub(crate) use raw::{Claim, ClaimRequest, ClaimTimes, Record};
 pub(crate) use steps::STARTED_PREFIX;
