@@ -11,7 +11,7 @@
 //!   reversed by hashing candidate keys (an unkeyed hash of an order number
 //!   can: order numbers are few and guessable). With it, an operator
 //!   computes the form of a known key to find its lines:
-//!   [`KeyRedaction::show`], or `onceonly key-hash` (feature `cli`).
+//!   [`KeyRedaction::show`], or `onceonly key-hash` (crate `onceonly-cli`).
 //! - [`KeyRedaction::per_process`]: the same with a random secret drawn
 //!   once per process. Lines of one process correlate; nobody, the operator
 //!   included, can compute the form of a given key, and the forms differ

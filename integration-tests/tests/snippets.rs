@@ -1,4 +1,4 @@
-//! The snippets of README.md and docs/ that move money, run as written
+//! The snippets of docs/ (and README.md) that move money, run as written
 //! (`build.rs` copies each block marked `<!-- snippet: NAME -->` into
 //! `$OUT_DIR/snippets/NAME.rs`; only rustdoc's feature gate is left out).
 //!
@@ -18,10 +18,10 @@ use onceonly_integration_tests::provider_api::ProviderApi;
 use serde_json::json;
 use sqlx::PgPool;
 
-/// The README's Payments snippet: a Stripe callback route with a fence,
-/// and a refund route whose call to the provider is a step.
-mod readme_payments {
-    include!(concat!(env!("OUT_DIR"), "/snippets/readme_payments.rs"));
+/// docs/providers.md's payments snippet: a Stripe callback route with a
+/// fence, and a refund route whose call to the provider is a step.
+mod providers_payments {
+    include!(concat!(env!("OUT_DIR"), "/snippets/providers_payments.rs"));
 }
 
 /// docs/steps.md's snippet: an engine and a handler that refunds through
@@ -62,17 +62,17 @@ async fn booked(pool: &PgPool, key: &str) -> Vec<(String, Option<String>)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_readme_payments_snippet_refunds_once_and_fences_stripe_events() {
+async fn the_providers_payments_snippet_refunds_once_and_fences_stripe_events() {
     let api = ProviderApi::start().await;
     environment(&api);
     let (_db, store, pool) = database(
-        "snippet_readme",
+        "snippet_providers",
         "CREATE TABLE payments (intent text PRIMARY KEY, status text);
          CREATE TABLE refunds (payment text NOT NULL, provider_id text);
          INSERT INTO payments VALUES ('pi_3MtwBwLkdIwHu7ix28a3tqPa', 'requires_payment_method');",
     )
     .await;
-    let app = readme_payments::example::app(store, STRIPE_SECRET).expect("the snippet's app");
+    let app = providers_payments::example::app(store, STRIPE_SECRET).expect("the snippet's app");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });

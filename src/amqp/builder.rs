@@ -157,7 +157,7 @@ impl<S: SqlStore> AmqpConsumerBuilder<S> {
     /// probe after each cool-down resumes consuming once the handler
     /// succeeds again. See [`PausePolicy`](crate::PausePolicy) for the
     /// rule; `build` refuses a policy that would pause only after the
-    /// [retry policy](Self::retry) dead-letters.
+    /// engine builder's [retry policy](EngineBuilder::retry) dead-letters.
     #[must_use]
     pub fn pause_on_failure(mut self, policy: crate::PausePolicy) -> Self {
         self.pause = Some(policy);

@@ -63,8 +63,9 @@ enum End {
 impl<S: SqlStore> AmqpConsumer<S> {
     /// Starts configuring a consumer. `engine` holds every engine
     /// setting (key, fingerprint, retention, retry policy, fences, ...):
-    /// pass `Engine::builder(store).key_expr("json:/order_id")`, or a store
-    /// alone for the defaults. Its scope defaults to the queue name; its
+    /// pass `Engine::builder(store).key_expr("json:/order_id")` (a key is
+    /// required: a store alone fails `build`). Its scope defaults to the
+    /// queue name; its
     /// [retry policy](crate::EngineBuilder::retry) becomes delayed retry
     /// queues.
     pub fn builder(engine: impl Into<crate::EngineBuilder<S>>) -> AmqpConsumerBuilder<S> {

@@ -2,7 +2,8 @@
 
 /// Attempts made so far (set on messages sent through a retry queue).
 pub const ATTEMPTS: &str = "x-onceonly-attempts";
-/// `handler_error`, `fingerprint_mismatch`, `bad_key` or `decode_error`.
+/// The reason code, one of those in the table of
+/// [`decide`](crate::engine::decide).
 pub const REASON: &str = "x-onceonly-reason";
 /// The error text.
 pub const ERROR: &str = "x-onceonly-error";

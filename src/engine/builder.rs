@@ -465,9 +465,9 @@ impl<S: SqlStore> EngineBuilder<S> {
 }
 
 /// A store with every engine setting at its default: what a transport
-/// builder takes when no engine setting is needed, e.g.
-/// `KafkaConsumer::builder(store)`; otherwise pass
-/// `Engine::builder(store).key_expr(..)`.
+/// builder takes when it needs no engine setting, e.g.
+/// `IdempotencyLayer::idempotency_key(store, "orders")`; otherwise pass
+/// `Engine::builder(store).key_expr(..)` (the consumers need a key).
 impl<S: SqlStore> From<S> for EngineBuilder<S> {
     fn from(store: S) -> Self {
         Self::new(store)

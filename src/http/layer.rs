@@ -58,8 +58,10 @@ impl<S: SqlStore> IdempotencyLayer<S> {
     }
 
     /// Payment-callback mode: the key comes from the body (`key_expr`,
-    /// e.g. `json:/out_trade_no`; form-encoded bodies are read as a JSON
-    /// object of their fields), and a duplicate notification gets `ack`.
+    /// e.g. `json:/out_trade_no`; a form-encoded body's fields are read
+    /// as a JSON object for the key and the fingerprint, while the handler
+    /// gets the body as sent). The first delivery gets the handler's own
+    /// response; a duplicate notification gets `ack`.
     pub fn payment_callback(
         engine: impl Into<EngineBuilder<S>>,
         scope: impl Into<String>,

@@ -94,7 +94,8 @@ impl<S: SqlStore> KafkaConsumerBuilder<S> {
     /// records in flight wait uncommitted, and a probe after each
     /// cool-down resumes consuming once the handler succeeds again. See
     /// [`PausePolicy`] for the rule; `build` refuses a policy that would
-    /// pause only after the [retry policy](Self::retry) dead-letters.
+    /// pause only after the engine builder's
+    /// [retry policy](EngineBuilder::retry) dead-letters.
     #[must_use]
     pub fn pause_on_failure(mut self, policy: PausePolicy) -> Self {
         self.pause = Some(policy);

@@ -64,8 +64,9 @@ pub struct KafkaConsumer<S: SqlStore> {
 impl<S: SqlStore> KafkaConsumer<S> {
     /// Starts configuring a consumer. `engine` holds every engine
     /// setting (key, fingerprint, retention, retries, fences, ...): pass
-    /// `Engine::builder(store).key_expr("json:/out_trade_no")`, or a store
-    /// alone for the defaults. Its scope defaults to the group id.
+    /// `Engine::builder(store).key_expr("json:/out_trade_no")` (a key is
+    /// required: a store alone fails `build`). Its scope defaults to the
+    /// group id.
     pub fn builder(engine: impl Into<crate::EngineBuilder<S>>) -> KafkaConsumerBuilder<S> {
         KafkaConsumerBuilder::new(engine.into())
     }

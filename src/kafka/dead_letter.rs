@@ -25,7 +25,8 @@ pub mod headers {
     /// Its record key, verbatim (absent for a record without key). The
     /// dead-letter record carries the same record key.
     pub const ORIGINAL_KEY: &str = "x-onceonly-original-key";
-    /// `handler_error`, `fingerprint_mismatch`, `bad_key` or `decode_error`.
+    /// The reason code, one of those in the table of
+    /// [`decide`](crate::engine::decide).
     pub const REASON: &str = "x-onceonly-reason";
     /// The error text.
     pub const ERROR: &str = "x-onceonly-error";

@@ -90,8 +90,8 @@ impl Provider {
         }
     }
 
-    /// The key of a callback unless the layer is given another
-    /// ([`key_expr`](super::IdempotencyLayerBuilder::key_expr)): see the
+    /// The key of a callback unless the layer's engine builder names
+    /// another ([`key_expr`](crate::EngineBuilder::key_expr)): see the
     /// [module documentation](self). Composite keys are the canonical JSON
     /// array of their fields, an absent optional field empty; GitHub's is
     /// the SHA-256 of the canonical JSON body alone.
