@@ -15,6 +15,7 @@ use onceonly_integration_tests::kafka::pg_schema;
 use onceonly_integration_tests::provider_api::ProviderApi;
 use reqwest::Client;
 use sqlx::PgPool;
+use tokio::sync::broadcast;
 
 const KEYS: usize = 500;
 const KILLS: usize = 200;
@@ -93,21 +94,27 @@ async fn sigkill_between_the_refund_call_and_the_commit_leaves_one_refund_at_the
     let (mut after_call, mut at_random) = (0, 0);
     listening(&addr, &logged).await;
     while !clients.is_finished() && after_call + at_random < KILLS {
-        // A refund the provider just executed: kill before the server's
-        // COMMIT (mostly at once, sometimes a few ms later); otherwise a
-        // random moment.
-        let timer = tokio::time::sleep(Duration::from_millis(10 + fastrand::u64(0..90)));
-        tokio::select! {
-            got = executed.recv() => {
-                if got.is_err() {
-                    continue;
+        // Every other kill waits for a refund the provider just executed
+        // and lands before the server's COMMIT (mostly at once, sometimes a
+        // few ms later); the others land at a random moment. Aimed kills
+        // wait for an execution rather than race a short timer against
+        // it: on a loaded machine one request can outlast any fixed
+        // window, and then no kill would ever land after a call.
+        if (after_call + at_random) % 2 == 0 {
+            match tokio::time::timeout(Duration::from_secs(10), executed.recv()).await {
+                Ok(Ok(_) | Err(broadcast::error::RecvError::Lagged(_))) => {
+                    if fastrand::u8(0..4) > 0 {
+                        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..3))).await;
+                    }
+                    after_call += 1;
                 }
-                if fastrand::u8(0..4) > 0 {
-                    tokio::time::sleep(Duration::from_millis(fastrand::u64(0..3))).await;
-                }
-                after_call += 1;
+                // No refund executed in 10 s (the clients are between
+                // retries): a kill at a random moment after all.
+                Ok(Err(broadcast::error::RecvError::Closed)) | Err(_) => at_random += 1,
             }
-            () = timer => at_random += 1,
+        } else {
+            tokio::time::sleep(Duration::from_millis(10 + fastrand::u64(0..90))).await;
+            at_random += 1;
         }
         provider.set_delay(Duration::from_millis(fastrand::u64(0..8)));
         server.start_kill().expect("SIGKILL");
@@ -172,6 +179,13 @@ async fn sigkill_between_the_refund_call_and_the_commit_leaves_one_refund_at_the
     );
     assert!(
         after_call > 0,
+        "no kill was aimed between a refund call and its commit"
+    );
+    // The provider replays an answer only to a second call with the same
+    // downstream key: a server died between a call and its COMMIT, and
+    // its successor's step called again.
+    assert!(
+        provider.replays() > 0,
         "no kill landed between a refund call and its commit"
     );
 }
