@@ -17,6 +17,7 @@ pub mod clock;
 pub mod delivery;
 pub mod engine;
 pub mod fingerprint;
+pub mod header;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
@@ -50,6 +51,7 @@ pub use engine::{
     handler_fn,
 };
 pub use fingerprint::{Fingerprint, FingerprintSpec};
+pub use header::Header;
 pub use key::{
     FenceSpec, FenceValue, IdemKey, KeyError, KeySpec, KeySpecError, Order, OrderBuilder, OrderSpec,
 };

@@ -48,11 +48,11 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 /// The prefix of a hashed key: `hmac:` and 16 hex digits follow.
-pub const HMAC_PREFIX: &str = "hmac:";
+pub(crate) const HMAC_PREFIX: &str = "hmac:";
 
 /// The shortest secret [`KeyRedaction::hmac`] accepts, in bytes. Use 32
 /// random bytes (e.g. `openssl rand -base64 32`, whose text is the secret).
-pub const MIN_SECRET_LEN: usize = 16;
+pub(crate) const MIN_SECRET_LEN: usize = 16;
 
 /// Hex digits of the HMAC kept: 64 bits, enough to tell the keys of a
 /// dedup table apart in logs (a collision becomes likely around 4 billion
@@ -88,7 +88,7 @@ struct Keyed {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyRedactionError {
-    /// The secret is shorter than [`MIN_SECRET_LEN`].
+    /// The secret is shorter than 16 bytes.
     #[error(
         "the key redaction secret is {len} bytes long; it needs at least {MIN_SECRET_LEN} (32 random bytes recommended)"
     )]
@@ -109,7 +109,7 @@ impl KeyRedaction {
 
     /// Keys are shown as `hmac:` and the first 16 hex digits of
     /// HMAC-SHA256(`secret`, key). The secret is at least
-    /// [`MIN_SECRET_LEN`] bytes; give every process of a deployment the
+    /// 16 bytes; give every process of a deployment the
     /// same one (from your secret store) so that their lines correlate.
     pub fn hmac(secret: impl AsRef<[u8]>) -> Result<Self, KeyRedactionError> {
         let secret = secret.as_ref();

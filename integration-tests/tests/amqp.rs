@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ledger::Receipt;
-use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken, headers};
+use onceonly::Header;
+use onceonly::amqp::{AmqpConsumer, AmqpConsumerBuilder, AmqpStats, CancellationToken};
 use onceonly::store::Deadlines;
 use onceonly::{Delivery, Engine, PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::amqp::{
@@ -185,8 +186,9 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     let dead_now = take(&channel, &dlq, 10, Duration::from_millis(500)).await;
     assert!(
         dead_now.iter().all(
-            |m| header(&m.delivery.properties, headers::REASON).as_deref() != Some("handler_error")
-                || header(&m.delivery.properties, headers::ATTEMPTS).as_deref() == Some("1")
+            |m| header(&m.delivery.properties, Header::Reason.name()).as_deref()
+                != Some("handler_error")
+                || header(&m.delivery.properties, Header::Attempts.name()).as_deref() == Some("1")
         ),
         "the flaky message must still be retrying"
     );
@@ -207,8 +209,8 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
             (
                 body,
                 (
-                    header(p, headers::REASON).unwrap_or_default(),
-                    header(p, headers::ATTEMPTS).unwrap_or_default(),
+                    header(p, Header::Reason.name()).unwrap_or_default(),
+                    header(p, Header::Attempts.name()).unwrap_or_default(),
                 ),
             )
         })
@@ -237,13 +239,23 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
     );
     for m in &dead {
         let p = &m.delivery.properties;
-        assert_eq!(header(p, headers::ORIGINAL_EXCHANGE).as_deref(), Some(""));
         assert_eq!(
-            header(p, headers::ORIGINAL_ROUTING_KEY).as_deref(),
+            header(p, Header::OriginalExchange.name()).as_deref(),
+            Some("")
+        );
+        assert_eq!(
+            header(p, Header::OriginalRoutingKey.name()).as_deref(),
             Some(s.queue.as_str())
         );
-        assert_eq!(header(p, headers::QUEUE).as_deref(), Some(s.queue.as_str()));
-        assert!(!header(p, headers::ERROR).unwrap_or_default().is_empty());
+        assert_eq!(
+            header(p, Header::Queue.name()).as_deref(),
+            Some(s.queue.as_str())
+        );
+        assert!(
+            !header(p, Header::Error.name())
+                .unwrap_or_default()
+                .is_empty()
+        );
     }
     let flaky = dead
         .iter()
@@ -255,7 +267,7 @@ async fn poison_messages_retry_with_delay_then_dead_letter_while_others_proceed(
         "headers kept"
     );
     assert_eq!(
-        header(&flaky.delivery.properties, headers::IDEMPOTENCY_KEY).as_deref(),
+        header(&flaky.delivery.properties, Header::IdempotencyKey.name()).as_deref(),
         Some("P-2")
     );
     assert_eq!(
@@ -492,7 +504,10 @@ async fn a_handler_always_slower_than_its_deadline_is_dead_lettered_deadline() {
     let dead = take(&channel, &dlq, 1, Duration::from_secs(10)).await;
     assert_eq!(dead.len(), 1, "the slow message is dead-lettered");
     let props = &dead[0].delivery.properties;
-    assert_eq!(header(props, headers::REASON).as_deref(), Some("deadline"));
+    assert_eq!(
+        header(props, Header::Reason.name()).as_deref(),
+        Some("deadline")
+    );
     assert_eq!(stats.consumer.dead_lettered, 1);
     assert_eq!(
         handler.calls.load(Ordering::SeqCst),

@@ -7,7 +7,7 @@
 //! retention, and a Kafka topic that keeps records longer (warnings, exit
 //! status 3).
 
-use onceonly::amqp::headers;
+use onceonly::Header;
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, url};
 use onceonly_integration_tests::cli::{Run, onceonly};
 use onceonly_integration_tests::own_db::OwnDb;
@@ -255,7 +255,7 @@ async fn doctor_compares_the_dedup_retention_with_the_brokers() {
     declare_queue(&channel, &dlq).await;
     let mut old = Msg::new(pay("D-1", 1).account("a"));
     let ten_days_ago = onceonly::Clock::now_ms(&onceonly::SystemClock) - 10 * 86_400_000;
-    old.headers = vec![(headers::FIRST_SEEN.into(), ten_days_ago.to_string())];
+    old.headers = vec![(Header::FirstSeen.name().into(), ten_days_ago.to_string())];
     publish(&channel, &dlq, &[old, Msg::new(pay("D-2", 1).account("a"))]).await;
 
     // A topic that keeps records for 30 days.

@@ -10,8 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use onceonly::outbox::{
-    AmqpPublisher, MESSAGE_ID_HEADER, Outbox, OutboxBackend, OutboxMessage, Relay, Status,
-    WebhookPublisher,
+    AmqpPublisher, Outbox, OutboxBackend, OutboxMessage, Relay, Status, WebhookPublisher,
 };
 use onceonly::{Delivery, Engine, HandlerError, Json, Outcome, SqlStore, Tx, handler_fn};
 use onceonly_integration_tests::{pg_store, pg_url, unique};
@@ -98,7 +97,8 @@ async fn relay_until<DB: OutboxBackend>(
 
 mod kafka_copies {
     use super::*;
-    use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+    use onceonly::Header;
+    use onceonly::kafka::{CancellationToken, KafkaConsumer};
     use onceonly::ops::replay::KafkaReplay;
     use onceonly_integration_tests::kafka::{
         Record, brokers, create_topic, header, pg_schema, produce, read_all,
@@ -130,7 +130,7 @@ mod kafka_copies {
                 return Err(HandlerError::retryable("downstream keeps timing out"));
             }
             let id = delivery
-                .metadata(MESSAGE_ID_HEADER)
+                .metadata(Header::MessageId.name())
                 .map(|v| String::from_utf8_lossy(v).into_owned())
                 .unwrap_or_default();
             let mut conn = tx.lock().await?;
@@ -167,7 +167,7 @@ mod kafka_copies {
             .iter()
             .map(|no| {
                 Record::new(*no, serde_json::json!({ "no": no }).to_string())
-                    .header(MESSAGE_ID_HEADER, &format!("m-{no}"))
+                    .header(Header::MessageId.name(), &format!("m-{no}"))
                     .header("x-onceonly-causation-id", &format!("c-{no}"))
             })
             .collect();
@@ -180,7 +180,7 @@ mod kafka_copies {
         let consume = || {
             KafkaConsumer::builder(
                 onceonly::Engine::builder(store.clone())
-                    .key_expr(&format!("header:{MESSAGE_ID_HEADER}"))
+                    .key_expr(&format!("header:{}", Header::MessageId.name()))
                     .retry(
                         onceonly::RetryPolicy::default()
                             .max_attempts(2)
@@ -219,13 +219,16 @@ mod kafka_copies {
         assert!(!after_first.contains_key("BROKEN"));
         let letters = read_all(&dlt, 1, 2, Duration::from_secs(10));
         assert_eq!(letters.len(), 1, "BROKEN dead-lettered once");
-        assert_eq!(header(&letters[0], MESSAGE_ID_HEADER), Some("m-BROKEN"));
+        assert_eq!(
+            header(&letters[0], Header::MessageId.name()),
+            Some("m-BROKEN")
+        );
         assert_eq!(
             header(&letters[0], "x-onceonly-causation-id"),
             Some("c-BROKEN")
         );
         assert_eq!(
-            header(&letters[0], headers::REASON),
+            header(&letters[0], Header::Reason.name()),
             Some("handler_error"),
             "dead-lettered for the handler's failure, not for a missing key"
         );
@@ -665,7 +668,8 @@ mod webhook_redirect {
 
 mod commit_faults {
     use super::*;
-    use onceonly::amqp::{AmqpConsumer, CancellationToken, headers};
+    use onceonly::Header;
+    use onceonly::amqp::{AmqpConsumer, CancellationToken};
     use onceonly_integration_tests::amqp::{
         Msg, connect, declare_queue, depth, header, publish, take, url,
     };
@@ -752,8 +756,8 @@ mod commit_faults {
                 let v: serde_json::Value = serde_json::from_slice(&m.delivery.data).expect("json");
                 (
                     v["no"].as_str().unwrap_or_default().to_owned(),
-                    header(&m.delivery.properties, headers::REASON),
-                    header(&m.delivery.properties, headers::ATTEMPTS),
+                    header(&m.delivery.properties, Header::Reason.name()),
+                    header(&m.delivery.properties, Header::Attempts.name()),
                 )
             })
             .collect();

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+use onceonly::Header;
+use onceonly::kafka::{CancellationToken, KafkaConsumer};
 use onceonly::{PgStore, RetryPolicy, SqlStore};
 use onceonly_integration_tests::demo::ledger;
 use onceonly_integration_tests::handler::Ledger;
@@ -277,7 +278,7 @@ async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
     let dead = read_all(&s.dlt, 1, 5, Duration::from_secs(20));
     let by_offset: BTreeMap<&str, &rdkafka::message::OwnedMessage> = dead
         .iter()
-        .map(|m| (header(m, headers::ORIGINAL_OFFSET).unwrap(), m))
+        .map(|m| (header(m, Header::OriginalOffset.name()).unwrap(), m))
         .collect();
     assert_eq!(dead.len(), 5, "five dead letters: {:?}", by_offset.keys());
     let expect = [
@@ -292,33 +293,47 @@ async fn poison_records_are_dead_lettered_with_headers_while_others_proceed() {
         let m = by_offset
             .get(offset)
             .unwrap_or_else(|| panic!("no dead letter for offset {offset}"));
-        assert_eq!(header(m, headers::REASON), Some(reason), "offset {offset}");
         assert_eq!(
-            header(m, headers::ATTEMPTS),
+            header(m, Header::Reason.name()),
+            Some(reason),
+            "offset {offset}"
+        );
+        assert_eq!(
+            header(m, Header::Attempts.name()),
             Some(attempts),
             "offset {offset}"
         );
-        assert_eq!(header(m, headers::ORIGINAL_TOPIC), Some(s.topic.as_str()));
-        assert_eq!(header(m, headers::ORIGINAL_PARTITION), Some("0"));
-        assert_eq!(header(m, headers::ORIGINAL_KEY), Some(key));
+        assert_eq!(
+            header(m, Header::OriginalTopic.name()),
+            Some(s.topic.as_str())
+        );
+        assert_eq!(header(m, Header::OriginalPartition.name()), Some("0"));
+        assert_eq!(header(m, Header::OriginalKey.name()), Some(key));
         assert_eq!(m.key(), Some(key.as_bytes()), "record key kept");
         assert_eq!(
             m.payload(),
             Some(&*records[offset.parse::<usize>().unwrap()].payload)
         );
-        assert!(!header(m, headers::ERROR).unwrap_or_default().is_empty());
-        let first_seen: u64 = header(m, headers::FIRST_SEEN).unwrap().parse().unwrap();
+        assert!(
+            !header(m, Header::Error.name())
+                .unwrap_or_default()
+                .is_empty()
+        );
+        let first_seen: u64 = header(m, Header::FirstSeen.name())
+            .unwrap()
+            .parse()
+            .unwrap();
         assert!(first_seen > 1_700_000_000_000, "first seen is epoch millis");
-        assert_eq!(header(m, headers::SCOPE), Some(s.group.as_str()));
+        assert_eq!(header(m, Header::Scope.name()), Some(s.group.as_str()));
     }
     let flaky = by_offset["1"];
-    assert_eq!(header(flaky, headers::IDEMPOTENCY_KEY), Some("P-2"));
+    assert_eq!(header(flaky, Header::IdempotencyKey.name()), Some("P-2"));
     assert!(
-        header(flaky, headers::ERROR)
+        header(flaky, Header::Error.name())
             .unwrap()
             .contains("always times out")
     );
-    assert_eq!(header(by_offset["5"], headers::IDEMPOTENCY_KEY), None);
+    assert_eq!(header(by_offset["5"], Header::IdempotencyKey.name()), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+use onceonly::Header;
+use onceonly::kafka::{CancellationToken, KafkaConsumer};
 use onceonly::{Delivery, Handler, HandlerError, Json, RetryPolicy, SqlStore};
 use onceonly_integration_tests::demo::ledger::{self, Payment, Receipt};
 use onceonly_integration_tests::kafka::{
@@ -134,10 +135,10 @@ async fn a_retryable_failure_waits_in_the_retry_topic_while_the_partition_moves_
     assert_eq!(letters.len(), 1, "one dead letter");
     let letter = &letters[0];
     assert_eq!(
-        header(letter, headers::ORIGINAL_TOPIC),
+        header(letter, Header::OriginalTopic.name()),
         Some(topic.as_str())
     );
-    assert_eq!(header(letter, headers::ORIGINAL_OFFSET), Some("5"));
-    assert_eq!(header(letter, headers::ATTEMPTS), Some("3"));
-    assert_eq!(header(letter, headers::REASON), Some("handler_error"));
+    assert_eq!(header(letter, Header::OriginalOffset.name()), Some("5"));
+    assert_eq!(header(letter, Header::Attempts.name()), Some("3"));
+    assert_eq!(header(letter, Header::Reason.name()), Some("handler_error"));
 }

@@ -13,9 +13,10 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use axum::routing::post;
+use onceonly::Header;
 use onceonly::http::{IdempotencyLayer, Tx as HttpTx};
 use onceonly::kafka::{CancellationToken, KafkaConsumer};
-use onceonly::outbox::{KafkaPublisher, MESSAGE_ID_HEADER, Outbox, OutboxMessage, Relay, Status};
+use onceonly::outbox::{KafkaPublisher, Outbox, OutboxMessage, Relay, Status};
 use onceonly::{HandlerError, Json, SqlStore, Tx, handler_fn};
 use onceonly_integration_tests::amqp::{self, Msg};
 use onceonly_integration_tests::kafka::{
@@ -270,7 +271,9 @@ async fn one_trace_from_the_http_request_through_the_outbox_and_kafka_to_the_con
     );
     assert_eq!(consume.span_kind, SpanKind::Consumer);
     // The messaging conventions, on both sides.
-    let message_id = header(&record, MESSAGE_ID_HEADER).expect("id").to_owned();
+    let message_id = header(&record, Header::MessageId.name())
+        .expect("id")
+        .to_owned();
     for span in [publish, consume] {
         assert_eq!(attr(span, "messaging.system").as_deref(), Some("kafka"));
         assert_eq!(

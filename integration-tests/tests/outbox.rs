@@ -3,14 +3,15 @@
 //! order per key with several relays, and survive a broker or an endpoint
 //! that fails for a while.
 
+use onceonly::Header;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use onceonly::outbox::{
-    Kind, MESSAGE_ID_HEADER, Outbox, OutboxBackend, OutboxMessage, Outgoing, PublishError,
-    Publisher, Relay, Status, WebhookPublisher,
+    Kind, Outbox, OutboxBackend, OutboxMessage, Outgoing, PublishError, Publisher, Relay, Status,
+    WebhookPublisher,
 };
 use onceonly::{
     Delivery, Engine, HandlerError, Json, Outcome, RetryPolicy, SqlStore, Tx, handler_fn,
@@ -167,7 +168,7 @@ impl Publisher for Recorder {
         let id = message
             .headers
             .iter()
-            .find(|(n, _)| n == MESSAGE_ID_HEADER)
+            .find(|(n, _)| n == Header::MessageId.name())
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
         static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -583,7 +584,7 @@ async fn kafka_relay_sends_every_message_with_its_id_and_waits_out_a_broker_outa
         let body: serde_json::Value =
             serde_json::from_slice(m.payload().unwrap_or_default()).expect("json");
         let no = body["out_trade_no"].as_str().expect("no").to_owned();
-        let id = header(m, MESSAGE_ID_HEADER)
+        let id = header(m, Header::MessageId.name())
             .expect("message id header")
             .to_owned();
         assert_eq!(header(m, "x-onceonly-causation-id"), Some(no.as_str()));
@@ -655,7 +656,7 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
                     return StatusCode::UNAUTHORIZED;
                 }
                 let id = headers
-                    .get(MESSAGE_ID_HEADER)
+                    .get(Header::MessageId.name())
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or_default()
                     .to_owned();
@@ -889,7 +890,7 @@ async fn pipelined_relay_keeps_each_keys_order_on_kafka_and_amqp() {
         let body: serde_json::Value =
             serde_json::from_slice(m.payload().unwrap_or_default()).expect("json");
         let key = String::from_utf8(m.key().unwrap_or_default().to_vec()).expect("key");
-        let id = header(m, MESSAGE_ID_HEADER).expect("id").to_owned();
+        let id = header(m, Header::MessageId.name()).expect("id").to_owned();
         kafka
             .entry(key)
             .or_default()

@@ -19,11 +19,11 @@
 //! SIGKILLed member, so a restarted consumer could be given no partitions
 //! for good (`onceonly_integration_tests::mock`).
 
+use onceonly::Header;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use onceonly::kafka::KafkaConsumer;
-use onceonly::outbox::MESSAGE_ID_HEADER;
 use onceonly::{Json, Tx, handler_fn};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::demo::ledger::Settled;
@@ -230,8 +230,8 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
     for m in &messages {
         let s: Settled =
             serde_json::from_slice(m.payload().unwrap_or_default()).expect("settled JSON");
-        let id = header(m, MESSAGE_ID_HEADER)
-            .unwrap_or_else(|| panic!("{s:?} has no {MESSAGE_ID_HEADER}"))
+        let id = header(m, Header::MessageId.name())
+            .unwrap_or_else(|| panic!("{s:?} has no {}", Header::MessageId.name()))
             .to_owned();
         assert_eq!(
             m.key(),
@@ -308,7 +308,7 @@ async fn kill_9_never_loses_doubles_or_invents_a_settled_message() {
     .await
     .expect("create applied");
     let consumer = KafkaConsumer::builder(
-        onceonly::Engine::builder(store).key_expr(&format!("header:{MESSAGE_ID_HEADER}")),
+        onceonly::Engine::builder(store).key_expr(&format!("header:{}", Header::MessageId.name())),
     )
     .brokers(kafka.bootstrap())
     .group_id(unique("ocrash_downstream"))

@@ -6,6 +6,7 @@
 //! Build the examples first: `cargo build --examples --all-features`
 //! (`payment_webhook` needs the `webhook` feature for `--notify-url`).
 
+use onceonly::Header;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,10 +16,6 @@ use axum::http::HeaderMap;
 use lapin::ExchangeKind;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
 use lapin::types::FieldTable;
-use onceonly::outbox::{
-    MESSAGE_ID_HEADER, SIGNATURE_HEADER, WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER,
-    WEBHOOK_TIMESTAMP_HEADER,
-};
 use onceonly_integration_tests::amqp::{Msg, connect, declare_queue, depth, publish, take, url};
 use onceonly_integration_tests::child::Logged;
 use onceonly_integration_tests::demo::ledger::Settled;
@@ -123,9 +120,11 @@ async fn amqp_orders_relays_one_settled_message_per_payment() {
                 .map(|(a, n)| (a, *n))
                 .unwrap_or_else(|| panic!("settled message for an unprocessed payment: {s:?}")),
         );
-        let id =
-            onceonly_integration_tests::amqp::header(&m.delivery.properties, MESSAGE_ID_HEADER)
-                .expect("message id header");
+        let id = onceonly_integration_tests::amqp::header(
+            &m.delivery.properties,
+            Header::MessageId.name(),
+        )
+        .expect("message id header");
         assert_eq!(
             m.delivery
                 .properties
@@ -277,21 +276,21 @@ async fn payment_webhook_notifies_the_merchant_once_per_payment() {
                 .unwrap_or_default()
                 .to_owned()
         };
-        let id = header(MESSAGE_ID_HEADER);
+        let id = header(Header::MessageId.name());
         assert_eq!(
-            header(WEBHOOK_ID_HEADER),
+            header(Header::WebhookId.name()),
             id,
             "webhook-id is the message id"
         );
-        let timestamp = header(WEBHOOK_TIMESTAMP_HEADER);
+        let timestamp = header(Header::WebhookTimestamp.name());
         let signed = [id.as_bytes(), b".", timestamp.as_bytes(), b".", body].concat();
         assert_eq!(
-            header(WEBHOOK_SIGNATURE_HEADER),
+            header(Header::WebhookSignature.name()),
             format!("v1,{}", openssl_hmac_base64(b"s3cret", &signed)),
             "a Standard Webhooks signature"
         );
         assert!(
-            headers.get(SIGNATURE_HEADER).is_none(),
+            headers.get(Header::Signature.name()).is_none(),
             "one signature scheme"
         );
         ids.insert(id);

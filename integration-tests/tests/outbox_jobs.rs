@@ -15,14 +15,14 @@
 //!   Kafka in the order they were enqueued (a delayed one holds back those
 //!   behind it), and no delayed reminder reaches Kafka before it was due.
 
+use onceonly::Header;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use onceonly::outbox::{
-    Kind, MESSAGE_ID_HEADER, Outbox, OutboxBackend, OutboxMessage, Outgoing, PublishError,
-    Publisher, Relay, Status,
+    Kind, Outbox, OutboxBackend, OutboxMessage, Outgoing, PublishError, Publisher, Relay, Status,
 };
 use onceonly::{SqlStore, SqliteStore};
 use onceonly_integration_tests::child::Logged;
@@ -73,7 +73,7 @@ impl Publisher for Recorder {
         let id = message
             .headers
             .iter()
-            .find(|(n, _)| n == MESSAGE_ID_HEADER)
+            .find(|(n, _)| n == Header::MessageId.name())
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
         self.seen.lock().unwrap().push((key, id, now_ms()));
@@ -571,7 +571,9 @@ async fn a_job_and_its_relay_killed_at_random_send_each_reminder_once_and_never_
     let mut early = Vec::new();
     for m in &records {
         let customer = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
-        let id = header(m, MESSAGE_ID_HEADER).expect("message id").to_owned();
+        let id = header(m, Header::MessageId.name())
+            .expect("message id")
+            .to_owned();
         let body: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
         let published = m.timestamp().to_millis().expect("timestamp");
         let (due_ms, row) = rows[&id];

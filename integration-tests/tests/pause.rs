@@ -15,8 +15,9 @@
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use onceonly::Header;
 use onceonly::amqp::AmqpConsumer;
-use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+use onceonly::kafka::{CancellationToken, KafkaConsumer};
 use onceonly::{
     ConsumerStats, Delivery, Handler, HandlerError, Json, PausePolicy, RetryPolicy, SqlStore,
 };
@@ -324,7 +325,7 @@ async fn without_a_pause_the_outage_dead_letters_payments() {
     );
     assert_eq!(stats.dead_lettered as usize, letters.len());
     for letter in &letters {
-        assert_eq!(header(letter, headers::REASON), Some("handler_error"));
+        assert_eq!(header(letter, Header::Reason.name()), Some("handler_error"));
     }
     assert_eq!(stats.pauses, 0);
     eprintln!(

@@ -9,8 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use onceonly::amqp::{AmqpConsumer, AmqpStats, CancellationToken, headers};
-use onceonly::ops::replay::{ORIGIN, REPLAYED_FROM, REPLAYS};
+use onceonly::Header;
+use onceonly::amqp::{AmqpConsumer, AmqpStats, CancellationToken};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::amqp::{
     Msg, connect, declare_queue, depth, header, publish, take, url,
@@ -112,17 +112,18 @@ fn dead_letter(
     m.message_id = Some(unique("mid"));
     m.correlation_id = Some("corr-1".into());
     m.headers = vec![
-        (headers::REASON.into(), reason.into()),
-        (headers::ERROR.into(), "boom".into()),
-        (headers::ATTEMPTS.into(), "3".into()),
-        (headers::ORIGINAL_EXCHANGE.into(), String::new()),
-        (headers::ORIGINAL_ROUTING_KEY.into(), queue.into()),
-        (headers::QUEUE.into(), queue.into()),
-        (headers::FIRST_SEEN.into(), first_seen.to_string()),
+        (Header::Reason.name().into(), reason.into()),
+        (Header::Error.name().into(), "boom".into()),
+        (Header::Attempts.name().into(), "3".into()),
+        (Header::OriginalExchange.name().into(), String::new()),
+        (Header::OriginalRoutingKey.name().into(), queue.into()),
+        (Header::Queue.name().into(), queue.into()),
+        (Header::FirstSeen.name().into(), first_seen.to_string()),
         ("trace-id".into(), "t-1".into()),
     ];
     if let Some(k) = key {
-        m.headers.push((headers::IDEMPOTENCY_KEY.into(), k.into()));
+        m.headers
+            .push((Header::IdempotencyKey.name().into(), k.into()));
     }
     m
 }
@@ -240,10 +241,13 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
     assert_eq!(dead.len(), 1);
     let p = &dead[0].delivery.properties;
     assert_eq!(
-        header(p, headers::REASON).as_deref(),
+        header(p, Header::Reason.name()).as_deref(),
         Some("fingerprint_mismatch")
     );
-    assert_eq!(header(p, REPLAYED_FROM).as_deref(), Some(s.dlq.as_str()));
+    assert_eq!(
+        header(p, Header::ReplayedFrom.name()).as_deref(),
+        Some(s.dlq.as_str())
+    );
     assert_eq!(
         dead[0].delivery.data,
         pay("P-1", 999).account("alice").body()
@@ -323,12 +327,22 @@ async fn filters_dry_run_and_limit_leave_the_rest_in_the_queue() {
     let m = &replayed[0].delivery;
     assert_eq!(m.data, pay("F-1", 1).account("a").body());
     let p = &m.properties;
-    for gone in [headers::REASON, headers::ERROR, headers::ATTEMPTS] {
+    for gone in [
+        Header::Reason.name(),
+        Header::Error.name(),
+        Header::Attempts.name(),
+    ] {
         assert_eq!(header(p, gone), None, "{gone} stripped");
     }
-    assert_eq!(header(p, headers::IDEMPOTENCY_KEY).as_deref(), Some("F-1"));
+    assert_eq!(
+        header(p, Header::IdempotencyKey.name()).as_deref(),
+        Some("F-1")
+    );
     assert_eq!(header(p, "trace-id").as_deref(), Some("t-1"));
-    assert_eq!(header(p, REPLAYED_FROM).as_deref(), Some(s.dlq.as_str()));
+    assert_eq!(
+        header(p, Header::ReplayedFrom.name()).as_deref(),
+        Some(s.dlq.as_str())
+    );
     assert_eq!(
         p.correlation_id().as_ref().map(|c| c.as_str()),
         Some("corr-1")
@@ -746,7 +760,7 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
     let copy = take(&channel, &s.queue, 1, Duration::from_secs(5)).await;
     let p = &copy[0].delivery.properties;
     assert_eq!(
-        header(p, headers::IDEMPOTENCY_KEY).as_deref(),
+        header(p, Header::IdempotencyKey.name()).as_deref(),
         Some("R-NEW")
     );
     assert_eq!(header(p, "x-onceonly-replays").as_deref(), Some("1"));
@@ -798,7 +812,7 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
     assert_eq!(stats.consumer.dead_lettered, 1);
     assert_eq!(depth(&channel, &s.dlq).await, 1);
     assert_eq!(
-        peek_header(&channel, &s.dlq, REPLAYS).await,
+        peek_header(&channel, &s.dlq, Header::Replays.name()).await,
         None,
         "never replayed yet"
     );
@@ -815,7 +829,9 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
         );
         assert_eq!(depth(&channel, &s.dlq).await, 0, "cycle {cycle}");
         assert_eq!(
-            peek_header(&channel, &s.queue, REPLAYS).await.as_deref(),
+            peek_header(&channel, &s.queue, Header::Replays.name())
+                .await
+                .as_deref(),
             Some(cycle.to_string().as_str()),
             "cycle {cycle}: the copy counts its replays"
         );
@@ -827,7 +843,9 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
         );
         assert_eq!(depth(&channel, &s.dlq).await, 1, "cycle {cycle}");
         assert_eq!(
-            peek_header(&channel, &s.dlq, REPLAYS).await.as_deref(),
+            peek_header(&channel, &s.dlq, Header::Replays.name())
+                .await
+                .as_deref(),
             Some(cycle.to_string().as_str()),
             "cycle {cycle}: the consumer kept the count when it dead-lettered the copy"
         );
@@ -863,16 +881,25 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
     let m = &parked[0].delivery;
     assert_eq!(m.data, payment.body());
     let p = &m.properties;
-    assert_eq!(header(p, REPLAYS), Some(MAX_REPLAYS.to_string()));
-    assert_eq!(header(p, headers::REASON).as_deref(), Some("handler_error"));
-    assert_eq!(header(p, headers::IDEMPOTENCY_KEY).as_deref(), Some("L-1"));
     assert_eq!(
-        header(p, headers::ERROR).as_deref(),
+        header(p, Header::Replays.name()),
+        Some(MAX_REPLAYS.to_string())
+    );
+    assert_eq!(
+        header(p, Header::Reason.name()).as_deref(),
+        Some("handler_error")
+    );
+    assert_eq!(
+        header(p, Header::IdempotencyKey.name()).as_deref(),
+        Some("L-1")
+    );
+    assert_eq!(
+        header(p, Header::Error.name()).as_deref(),
         Some("handler failed: payment L-1 of 25 EUR declined by the bank"),
         "parked as it was, with the last failure"
     );
     assert_eq!(
-        header(p, ORIGIN),
+        header(p, Header::Origin.name()),
         Some(format!("{q}/{q}", q = s.queue)),
         "where it was first consumed"
     );

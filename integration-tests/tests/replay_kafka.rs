@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
-use onceonly::ops::replay::{ORIGIN, REPLAYED_FROM, REPLAYS};
+use onceonly::Header;
+use onceonly::kafka::{CancellationToken, KafkaConsumer};
 use onceonly::{PgStore, SqlStore};
 use onceonly_integration_tests::cli::{Run, onceonly};
 use onceonly_integration_tests::demo::ledger;
@@ -104,13 +104,13 @@ async fn replay(s: &Setup, group: &str, extra: &[&str]) -> Run {
 fn dead_letter(topic: &str, key: &str, body: Vec<u8>, reason: &str) -> Record {
     Record::new(key, body)
         .header("trace-id", "t-1")
-        .header(headers::ORIGINAL_TOPIC, topic)
-        .header(headers::ORIGINAL_PARTITION, "0")
-        .header(headers::ORIGINAL_OFFSET, "7")
-        .header(headers::REASON, reason)
-        .header(headers::ERROR, "boom")
-        .header(headers::ATTEMPTS, "3")
-        .header(headers::IDEMPOTENCY_KEY, key)
+        .header(Header::OriginalTopic.name(), topic)
+        .header(Header::OriginalPartition.name(), "0")
+        .header(Header::OriginalOffset.name(), "7")
+        .header(Header::Reason.name(), reason)
+        .header(Header::Error.name(), "boom")
+        .header(Header::Attempts.name(), "3")
+        .header(Header::IdempotencyKey.name(), key)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -180,7 +180,7 @@ async fn a_replayed_fingerprint_mismatch_is_still_a_conflict() {
     let dead = read_all(&s.dlt, 1, 2, Duration::from_secs(10));
     assert_eq!(dead.len(), 2, "dead-lettered again");
     assert_eq!(
-        header(&dead[1], headers::REASON),
+        header(&dead[1], Header::Reason.name()),
         Some("fingerprint_mismatch")
     );
     assert_eq!(
@@ -242,15 +242,15 @@ async fn filters_dry_run_and_limit_commit_only_what_is_done() {
     assert_eq!(m.payload(), Some(b"{not json".as_slice()));
     assert_eq!(header(m, "trace-id"), Some("t-1"));
     for gone in [
-        headers::REASON,
-        headers::ERROR,
-        headers::ATTEMPTS,
-        headers::ORIGINAL_TOPIC,
+        Header::Reason.name(),
+        Header::Error.name(),
+        Header::Attempts.name(),
+        Header::OriginalTopic.name(),
     ] {
         assert_eq!(header(m, gone), None, "{gone} stripped");
     }
     assert_eq!(
-        header(m, REPLAYED_FROM),
+        header(m, Header::ReplayedFrom.name()),
         Some(format!("{}/0/1", s.dlt).as_str())
     );
 
@@ -291,7 +291,8 @@ async fn a_record_that_cannot_be_replayed_stops_its_partition_and_fails_the_run(
         &[
             dead_letter(t, "G-0", pay("G-0", 1).account("a").body(), "handler_error"),
             // Not a onceonly dead letter: no original topic.
-            Record::new("G-1", pay("G-1", 2).account("a")).header(headers::REASON, "handler_error"),
+            Record::new("G-1", pay("G-1", 2).account("a"))
+                .header(Header::Reason.name(), "handler_error"),
             dead_letter(t, "G-2", pay("G-2", 3).account("a").body(), "handler_error"),
         ],
     )
@@ -304,7 +305,7 @@ async fn a_record_that_cannot_be_replayed_stops_its_partition_and_fails_the_run(
         "{run:?}"
     );
     assert!(run.stderr.contains("could not be replayed"), "{run:?}");
-    assert!(run.stderr.contains(headers::ORIGINAL_TOPIC), "{run:?}");
+    assert!(run.stderr.contains(Header::OriginalTopic.name()), "{run:?}");
     assert_eq!(
         committed(&group, &s.dlt, 1)[&0],
         1,
@@ -449,7 +450,7 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
     let day = 86_400_000;
     let letter = |no: &str, first_seen: i64| {
         dead_letter(t, no, pay(no, 1).account("a").body(), "handler_error")
-            .header(headers::FIRST_SEEN, &first_seen.to_string())
+            .header(Header::FirstSeen.name(), &first_seen.to_string())
     };
     // The old one last: a refused record holds the offset, the others are
     // committed past.
@@ -457,7 +458,7 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
         &s.dlt,
         &[
             letter("R-NEW", now_ms()),
-            letter("R-LOOP", now_ms()).header(REPLAYS, "5"),
+            letter("R-LOOP", now_ms()).header(Header::Replays.name(), "5"),
             letter("R-OLD", now_ms() - 10 * day),
         ],
     )
@@ -511,29 +512,36 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
     assert_eq!(parked.len(), 1, "the cycling one is parked: {parked:?}");
     let m = &parked[0];
     assert_eq!(m.key(), Some("R-LOOP".as_bytes()));
-    assert_eq!(header(m, REPLAYS), Some("5"), "parked as it was");
-    assert_eq!(header(m, headers::REASON), Some("handler_error"));
-    assert_eq!(header(m, headers::ORIGINAL_TOPIC), Some(t));
+    assert_eq!(
+        header(m, Header::Replays.name()),
+        Some("5"),
+        "parked as it was"
+    );
+    assert_eq!(header(m, Header::Reason.name()), Some("handler_error"));
+    assert_eq!(header(m, Header::OriginalTopic.name()), Some(t));
 
     let copies = read_all(&s.topic, 1, 2, Duration::from_secs(5));
     assert_eq!(copies.len(), 1, "only R-NEW went back: {copies:?}");
     let m = &copies[0];
     assert_eq!(m.key(), Some("R-NEW".as_bytes()));
-    assert_eq!(header(m, REPLAYS), Some("1"));
+    assert_eq!(header(m, Header::Replays.name()), Some("1"));
     assert_eq!(
-        header(m, ORIGIN),
+        header(m, Header::Origin.name()),
         Some(format!("{t}/0@7").as_str()),
         "where the first delivery was consumed: the original coordinates"
     );
     assert_eq!(
-        header(m, REPLAYED_FROM),
+        header(m, Header::ReplayedFrom.name()),
         Some(format!("{}/0/0", s.dlt).as_str())
     );
-    assert!(header(m, headers::FIRST_SEEN).is_some(), "first-seen kept");
+    assert!(
+        header(m, Header::FirstSeen.name()).is_some(),
+        "first-seen kept"
+    );
     for gone in [
-        headers::ORIGINAL_TOPIC,
-        headers::ORIGINAL_OFFSET,
-        headers::REASON,
+        Header::OriginalTopic.name(),
+        Header::OriginalOffset.name(),
+        Header::Reason.name(),
     ] {
         assert_eq!(header(m, gone), None, "{gone} stripped");
     }
@@ -550,7 +558,7 @@ async fn old_letters_are_refused_and_cycling_letters_are_parked() {
     let copies = read_all(&s.topic, 1, 3, Duration::from_secs(5));
     assert_eq!(copies.len(), 2, "{copies:?}");
     assert_eq!(copies[1].key(), Some("R-OLD".as_bytes()));
-    assert_eq!(header(&copies[1], REPLAYS), Some("1"));
+    assert_eq!(header(&copies[1], Header::Replays.name()), Some("1"));
     assert_eq!(
         read_all(&parking, 1, 2, Duration::from_secs(2)).len(),
         1,
@@ -575,7 +583,11 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
     drain(&s, Arc::clone(&handler)).await;
     let dead = read_all(&s.dlt, 1, 1, Duration::from_secs(10));
     assert_eq!(dead.len(), 1);
-    assert_eq!(header(&dead[0], REPLAYS), None, "never replayed yet");
+    assert_eq!(
+        header(&dead[0], Header::Replays.name()),
+        None,
+        "never replayed yet"
+    );
 
     let group = unique("replay");
     let max = MAX_REPLAYS.to_string();
@@ -592,7 +604,7 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
         let copies = read_all(&s.topic, 1, n + 1, Duration::from_secs(10));
         assert_eq!(copies.len(), n + 1, "cycle {cycle}");
         assert_eq!(
-            header(&copies[n], REPLAYS),
+            header(&copies[n], Header::Replays.name()),
             Some(cycle.to_string().as_str()),
             "cycle {cycle}: the copy counts its replays"
         );
@@ -600,12 +612,12 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
         let dead = read_all(&s.dlt, 1, n + 2, Duration::from_secs(10));
         assert_eq!(dead.len(), n + 1, "cycle {cycle}: dead-lettered again");
         assert_eq!(
-            header(&dead[n], REPLAYS),
+            header(&dead[n], Header::Replays.name()),
             Some(cycle.to_string().as_str()),
             "cycle {cycle}: the consumer kept the count"
         );
         assert_eq!(
-            header(&dead[n], ORIGIN),
+            header(&dead[n], Header::Origin.name()),
             Some(format!("{}/0@0", s.topic).as_str()),
             "cycle {cycle}: the first delivery's coordinates"
         );
@@ -633,9 +645,9 @@ async fn a_letter_that_keeps_failing_is_parked_after_max_replays() {
     let m = &parked[0];
     assert_eq!(m.key(), Some("L-1".as_bytes()));
     assert_eq!(m.payload(), Some(payment.body().as_slice()));
-    assert_eq!(header(m, REPLAYS), Some(max.as_str()));
+    assert_eq!(header(m, Header::Replays.name()), Some(max.as_str()));
     assert_eq!(
-        header(m, headers::ERROR),
+        header(m, Header::Error.name()),
         Some("handler failed: payment L-1 of 25 EUR declined by the bank")
     );
     assert_eq!(

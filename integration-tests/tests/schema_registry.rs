@@ -13,9 +13,10 @@
 
 use std::time::{Duration, Instant};
 
+use onceonly::Header;
 use onceonly::amqp::AmqpConsumer;
 use onceonly::engine::{PayloadDecoder, PayloadError};
-use onceonly::kafka::{CancellationToken, KafkaConsumer, headers};
+use onceonly::kafka::{CancellationToken, KafkaConsumer};
 use onceonly::schema_registry::SchemaRegistry;
 use onceonly::store::InfraFault;
 use onceonly::{Delivery, FingerprintSpec, HandlerError, Json, KeySpec, SqlStore, Tx, handler_fn};
@@ -645,7 +646,7 @@ async fn kafka_books_each_payment_once_and_dead_letters_bad_payloads() {
         .iter()
         .map(|m| {
             let key = String::from_utf8(rdkafka::Message::key(m).unwrap().to_vec()).unwrap();
-            (key, header(m, headers::REASON).unwrap().to_owned())
+            (key, header(m, Header::Reason.name()).unwrap().to_owned())
         })
         .collect();
     reasons.sort();
@@ -761,7 +762,7 @@ async fn amqp_books_each_payment_once_and_dead_letters_bad_payloads() {
     );
     for m in &letters {
         assert_eq!(
-            amqp::header(&m.delivery.properties, onceonly::amqp::headers::REASON).as_deref(),
+            amqp::header(&m.delivery.properties, Header::Reason.name()).as_deref(),
             Some("decode_error")
         );
     }

@@ -9,7 +9,7 @@ mod builder;
 mod connect;
 mod consumer;
 mod error;
-pub mod headers;
+pub(crate) mod headers;
 pub(crate) mod message;
 pub(crate) mod pipeline;
 pub(crate) mod publish;

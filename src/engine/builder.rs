@@ -20,7 +20,7 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// (a redelivery whose key record expired is stopped only by its fence),
 /// and cover how late an old event can still arrive: providers retry for
 /// up to 3 days (Stripe) and dead-letter queues are replayed weeks later.
-pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(90 * 24 * 3600);
+pub(crate) const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(90 * 24 * 3600);
 
 /// A configuration that cannot work. Returned by [`EngineBuilder::build`].
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,7 @@ pub enum BuildError {
         records: Duration,
     },
     /// The downstream secret is shorter than
-    /// [`MIN_DOWNSTREAM_SECRET`](crate::engine::MIN_DOWNSTREAM_SECRET) bytes.
+    /// 16 bytes.
     #[error("the downstream secret must be at least {min} bytes long")]
     DownstreamSecret {
         /// The shortest secret taken.
@@ -147,7 +147,7 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// How long an entity's fence is kept after its last delivery
-    /// (default [`DEFAULT_FENCE_RETENTION`], 90 days; at least the record
+    /// (default 90 days; at least the record
     /// [`retention`](Self::retention)). Once it is purged, the entity's
     /// next delivery starts a new fence, whatever its order.
     #[must_use]
@@ -224,7 +224,7 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// How many times a message may kill the process before it is parked
-    /// (default [`DEFAULT_MAX_CRASHES`](super::DEFAULT_MAX_CRASHES), 3; at
+    /// (default 3; at
     /// least 1).
     ///
     /// A handler that aborts, is killed for memory or segfaults on one

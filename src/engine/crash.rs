@@ -56,7 +56,7 @@ use crate::store::{ClaimTimes, SqlStore, StoreError};
 use crate::sync::lock;
 
 /// The default [`EngineBuilder::max_crashes`](super::EngineBuilder::max_crashes): 3.
-pub const DEFAULT_MAX_CRASHES: u32 = 3;
+pub(crate) const DEFAULT_MAX_CRASHES: u32 = 3;
 
 /// What the engine keeps for crash counting.
 #[derive(Default)]

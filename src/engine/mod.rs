@@ -35,21 +35,21 @@ use crate::fingerprint::{Fingerprint, FingerprintSpec};
 use crate::key::{FenceSpec, FenceValue, IdemKey, KeySpec};
 use crate::store::{Claim, ClaimRequest, InfraFault, SqlStore, StoreError, classify_existing};
 
-pub use builder::{BuildError, DEFAULT_FENCE_RETENTION, DEFAULT_RETENTION, EngineBuilder};
-pub use crash::DEFAULT_MAX_CRASHES;
+pub use builder::{BuildError, DEFAULT_RETENTION, EngineBuilder};
+pub(crate) use crash::DEFAULT_MAX_CRASHES;
 pub use decision::{Decision, decide};
 pub use fence::{FenceCheck, Stale};
 pub use handler::{
     BoxError, DecodeError, FnHandler, FromDelivery, Handler, HandlerError, Json, handler_fn,
 };
 pub use outcome::{Failure, Outcome, OutcomeKind, Rejection, Report};
-pub use overrun::DEFAULT_MAX_DEADLINE_MISSES;
+pub(crate) use overrun::DEFAULT_MAX_DEADLINE_MISSES;
 pub(crate) use overrun::HANDLER_DEADLINE;
 pub use payload::{PayloadDecoder, PayloadError};
 pub use retry::RetryPolicy;
 pub use session::{ClaimError, ClaimSpec, Claimed, Finished, Session};
 #[allow(unused_imports)] // no transport compiled in: no user
-pub use steps::{MAX_STEP_NAME, MIN_DOWNSTREAM_SECRET, StepError};
+pub use steps::StepError;
 pub(crate) use telemetry::Telemetry;
 pub use tx::{Origin, Tx, TxGone, TxGuard};
 

@@ -21,7 +21,7 @@ use super::{Engine, Failure};
 use crate::store::{ClaimTimes, SqlStore, StoreError, internal_key};
 
 /// The default [`EngineBuilder::max_deadline_misses`](super::EngineBuilder::max_deadline_misses): 3.
-pub const DEFAULT_MAX_DEADLINE_MISSES: u32 = 3;
+pub(crate) const DEFAULT_MAX_DEADLINE_MISSES: u32 = 3;
 
 /// What [`Deadlines`](crate::store::Deadlines) calls the handler's
 /// transaction when it misses its deadline.

@@ -29,14 +29,14 @@ use super::handler::HandlerError;
 
 /// The shortest secret [`EngineBuilder::downstream_secret`](crate::EngineBuilder::downstream_secret)
 /// takes, in bytes.
-pub const MIN_DOWNSTREAM_SECRET: usize = 16;
+pub(crate) const MIN_DOWNSTREAM_SECRET: usize = 16;
 
 /// What a downstream key's HMAC starts with: a key for another purpose
 /// under the same secret is never a downstream key.
 const DOMAIN: &[u8] = b"onceonly downstream key v1\0";
 
 /// The longest step name, in bytes.
-pub const MAX_STEP_NAME: usize = 64;
+pub(crate) const MAX_STEP_NAME: usize = 64;
 
 /// Why a step or a downstream key could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -45,7 +45,7 @@ pub enum StepError {
     /// The engine has no [downstream secret](crate::EngineBuilder::downstream_secret).
     #[error("downstream keys need a secret: set EngineBuilder::downstream_secret")]
     NoSecret,
-    /// The step name is empty, longer than [`MAX_STEP_NAME`] or holds a
+    /// The step name is empty, longer than 64 bytes or holds a
     /// control character.
     #[error("invalid step name: 1 to {MAX_STEP_NAME} bytes without control characters")]
     BadName,

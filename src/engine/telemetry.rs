@@ -201,7 +201,7 @@ impl Telemetry {
     /// A new delivery span (see the [module documentation](self)).
     pub(crate) fn span(&self, delivery: &crate::Delivery) -> Span {
         let message_id = delivery
-            .metadata(crate::outbox::MESSAGE_ID_HEADER)
+            .metadata(crate::Header::MessageId.name())
             .and_then(|id| std::str::from_utf8(id).ok());
         self.span_of(delivery.source(), message_id)
     }

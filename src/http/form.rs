@@ -28,13 +28,13 @@ pub(crate) enum FormError {
     /// signature covers the bytes, not the content type, so such a body
     /// would be read one way or another by a header nobody signed.
     SignedNotForm,
-    /// More fields than [`MAX_FORM_FIELDS`].
+    /// More fields than 256.
     TooManyFields,
 }
 
 /// The most fields a form body may have: more is refused before anything
 /// is decoded or sorted (a payment notification has a few dozen).
-pub const MAX_FORM_FIELDS: usize = 256;
+pub(crate) const MAX_FORM_FIELDS: usize = 256;
 
 impl fmt::Display for FormError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -151,7 +151,7 @@ pub(crate) type RawPair = (Vec<u8>, Vec<u8>);
 
 /// The fields of a form body as raw bytes: `+` is a space and `%XX` a
 /// byte, nothing decoded into text yet (a signature may cover these bytes
-/// in the body's own charset). At most [`MAX_FORM_FIELDS`], counted before
+/// in the body's own charset). At most 256, counted before
 /// anything is decoded.
 pub(crate) fn raw_pairs(body: &[u8]) -> Result<Vec<RawPair>, FormError> {
     if body.split(|&b| b == b'&').nth(MAX_FORM_FIELDS).is_some() {

@@ -15,7 +15,7 @@
 //! |---|---|
 //! | Method not covered (default: POST, PATCH; callbacks: POST) | Passes through |
 //! | Body over `max_request_body` (default 1 MiB) | `413` `body-too-large` |
-//! | A form of more than [`MAX_FORM_FIELDS`] fields | `413` `too-many-fields`, before anything is decoded |
+//! | A form of more than 256 fields | `413` `too-many-fields`, before anything is decoded |
 //! | Bad, stale or missing signature (when configured), or a payment provider's callback that does not verify | `401`, nothing claimed; the problem `type` names the reason (see [`VerifyError`]): `missing-signature`, `malformed-signature`, `bad-signature`, `stale-timestamp`, `unknown-serial`, `undecryptable-resource`, `unsupported-signature`, `expired-callback` |
 //! | Key missing (`key_optional()` lets it through without dedup) | `400` `missing-idempotency-key` |
 //! | Key malformed: too long, not a UUID with `KeySpec::uuid_header`, control characters, repeated header | `400` `invalid-idempotency-key` (a structured-field string `"abc"` is unquoted first, as the draft sends it) |
@@ -57,8 +57,8 @@ pub use crate::engine::{Tx, TxGone, TxGuard};
 pub use config::{
     Ack, HttpBuildError, IdempotencyLayerBuilder, InFlight, OnStoreError, Principal, PrincipalFn,
 };
-pub use form::MAX_FORM_FIELDS;
+pub(crate) use form::MAX_FORM_FIELDS;
 pub use layer::{IdempotencyLayer, Idempotent};
-pub use signature::{MAX_SIGNATURES, MIN_SECRET_LEN, SecretError, SignatureCheck, SignatureError};
+pub use signature::{SecretError, SignatureCheck, SignatureError};
 pub use tx::TxRejection;
 pub use verify::VerifyError;

@@ -13,12 +13,12 @@ type HmacSha256 = Hmac<Sha256>;
 /// The shortest shared secret a verifier accepts, in bytes: a secret
 /// shorter than that (an unset variable, `--provider-secret ""`) would
 /// build a verifier anyone can satisfy. Use 32 random bytes.
-pub const MIN_SECRET_LEN: usize = 16;
+pub(crate) const MIN_SECRET_LEN: usize = 16;
 
 /// The most signatures one header may carry (Stripe sends one per active
 /// secret: two while a rotation overlaps): more is refused before any MAC
 /// is computed.
-pub const MAX_SIGNATURES: usize = 8;
+pub(crate) const MAX_SIGNATURES: usize = 8;
 
 /// The longest signature header read, in bytes.
 const MAX_HEADER_LEN: usize = 2_048;
@@ -27,7 +27,7 @@ const MAX_HEADER_LEN: usize = 2_048;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SecretError {
-    /// Shorter than [`MIN_SECRET_LEN`] (an empty one included).
+    /// Shorter than 16 bytes (an empty one included).
     #[error(
         "a signing secret of {len} bytes is too short: at least {MIN_SECRET_LEN} (use 32 random bytes)"
     )]
@@ -74,7 +74,7 @@ impl std::fmt::Debug for SignatureCheck {
 
 impl SignatureCheck {
     /// Checks header `X-Signature` with a five-minute tolerance; a secret
-    /// shorter than [`MIN_SECRET_LEN`] is refused.
+    /// shorter than 16 bytes is refused.
     pub fn new(secret: impl Into<Vec<u8>>) -> Result<Self, SecretError> {
         Ok(Self {
             key: hmac_key(&secret.into())?,
@@ -105,7 +105,7 @@ impl SignatureCheck {
 
     /// Verifies the signature of `body` in `headers` at `now_secs`; the
     /// comparison is constant-time. A header longer than 2 KiB or with
-    /// more than [`MAX_SIGNATURES`] signatures is malformed, before any
+    /// more than 8 signatures is malformed, before any
     /// MAC is computed.
     pub fn verify(
         &self,
@@ -159,8 +159,7 @@ impl SignatureCheck {
     }
 }
 
-/// An HMAC-SHA256 key from a shared secret of at least [`MIN_SECRET_LEN`]
-/// bytes.
+/// An HMAC-SHA256 key from a shared secret of at least 16 bytes.
 pub(crate) fn hmac_key(secret: &[u8]) -> Result<HmacSha256, SecretError> {
     if secret.len() < MIN_SECRET_LEN {
         return Err(SecretError::TooShort { len: secret.len() });

@@ -49,7 +49,7 @@ pub enum VerifyError {
     #[error("the signed event time is {0} s old, older than the layer's retention allows")]
     Expired(u64),
     /// A form with more fields than
-    /// [`MAX_FORM_FIELDS`](crate::http::MAX_FORM_FIELDS), refused before
+    /// 256, refused before
     /// anything was decoded or verified (`too-many-fields`, `413`).
     #[error("more than {0} fields")]
     TooManyFields(usize),

@@ -13,10 +13,10 @@ use crate::engine::EngineBuilder;
 use crate::store::SqlStore;
 
 /// The default [`KafkaConsumerBuilder::statistics_interval`]: 5 s.
-pub const DEFAULT_STATISTICS_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_STATISTICS_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The default [`KafkaConsumerBuilder::drain_timeout`]: 20 s.
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Builds a [`KafkaConsumer`]. Required: [`brokers`](Self::brokers),
 /// [`group_id`](Self::group_id), at least one [`topic`](Self::topic), and

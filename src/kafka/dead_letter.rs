@@ -13,45 +13,28 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use super::error::KafkaConsumerError;
 use super::message::Envelope;
 
-/// Header names written on every dead-lettered record. Values are UTF-8
-/// text; numbers are decimal.
-pub mod headers {
-    /// The topic the record was consumed from.
-    pub const ORIGINAL_TOPIC: &str = "x-onceonly-original-topic";
-    /// Its partition.
-    pub const ORIGINAL_PARTITION: &str = "x-onceonly-original-partition";
-    /// Its offset.
-    pub const ORIGINAL_OFFSET: &str = "x-onceonly-original-offset";
-    /// Its record key, verbatim (absent for a record without key). The
-    /// dead-letter record carries the same record key.
-    pub const ORIGINAL_KEY: &str = "x-onceonly-original-key";
-    /// The reason code, one of those in the table of
-    /// [`decide`](crate::engine::decide).
-    pub const REASON: &str = "x-onceonly-reason";
-    /// The error text.
-    pub const ERROR: &str = "x-onceonly-error";
-    /// How many times the handler ran (0 when the record was rejected before).
-    pub const ATTEMPTS: &str = "x-onceonly-attempts";
-    /// When this consumer first fetched the record, in milliseconds since
-    /// the Unix epoch.
-    pub const FIRST_SEEN: &str = "x-onceonly-first-seen";
-    /// The idempotency key, when one could be derived.
-    pub const IDEMPOTENCY_KEY: &str = "x-onceonly-idempotency-key";
-    /// The dedup scope (by default the consumer group).
-    pub const SCOPE: &str = "x-onceonly-scope";
-    /// On a copy in the retry topic: when it is due again, in milliseconds
-    /// since the Unix epoch.
-    pub const DUE: &str = "x-onceonly-due";
-    /// Prefix shared by all of the above (and by the outbox's
-    /// `x-onceonly-message-id` and `x-onceonly-causation-id`, which are the
-    /// message's own and travel with every copy).
-    pub const PREFIX: &str = "x-onceonly-";
+/// The names of the headers the Kafka consumer writes (see
+/// [`Header`](crate::Header), the one table of them).
+pub(crate) mod headers {
+    use crate::Header;
+
+    pub(crate) const ORIGINAL_TOPIC: &str = Header::OriginalTopic.name();
+    pub(crate) const ORIGINAL_PARTITION: &str = Header::OriginalPartition.name();
+    pub(crate) const ORIGINAL_OFFSET: &str = Header::OriginalOffset.name();
+    pub(crate) const ORIGINAL_KEY: &str = Header::OriginalKey.name();
+    pub(crate) const REASON: &str = Header::Reason.name();
+    pub(crate) const ERROR: &str = Header::Error.name();
+    pub(crate) const ATTEMPTS: &str = Header::Attempts.name();
+    pub(crate) const FIRST_SEEN: &str = Header::FirstSeen.name();
+    pub(crate) const IDEMPOTENCY_KEY: &str = Header::IdempotencyKey.name();
+    pub(crate) const SCOPE: &str = Header::Scope.name();
+    pub(crate) const DUE: &str = Header::Due.name();
 
     /// The headers this consumer writes on a copy (retry, dead letter): on
     /// an incoming record (a retried copy, a replayed dead letter) they are
     /// replaced, not repeated. Every other header, the outbox's message and
     /// causation ids included, is copied as it came.
-    pub const WRITTEN: [&str; 11] = [
+    pub(crate) const WRITTEN: [&str; 11] = [
         ORIGINAL_TOPIC,
         ORIGINAL_PARTITION,
         ORIGINAL_OFFSET,
@@ -66,7 +49,7 @@ pub mod headers {
     ];
 
     /// Whether `name` is one of the headers in [`WRITTEN`].
-    pub fn is_written(name: &str) -> bool {
+    pub(crate) fn is_written(name: &str) -> bool {
         WRITTEN.contains(&name)
     }
 }

@@ -28,7 +28,7 @@ pub use error::{KeyError, KeySpecError, OrderDecodeError};
 pub use fence::{DecodedOrder, FenceSpec, FenceValue, Order, OrderBuilder, OrderPart, OrderSpec};
 
 /// The default and largest key length in bytes (the store's column size).
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// Length of a compacted key: `sha256:` followed by 64 hex digits.
 const COMPACT_LEN: usize = 7 + 64;

@@ -5,19 +5,14 @@ use sha2::{Digest, Sha256};
 
 use crate::engine::Origin;
 
-/// The header every relayed message carries: its deterministic id. Key a
-/// downstream consumer on it (`header:x-onceonly-message-id`) to apply each
-/// message once.
-pub const MESSAGE_ID_HEADER: &str = "x-onceonly-message-id";
-/// The header naming the inbound key the message was sent for.
-pub const CAUSATION_HEADER: &str = "x-onceonly-causation-id";
+/// [`Header::MessageId`](crate::Header::MessageId).
+pub(crate) const MESSAGE_ID_HEADER: &str = crate::Header::MessageId.name();
+/// [`Header::CausationId`](crate::Header::CausationId).
+pub(crate) const CAUSATION_HEADER: &str = crate::Header::CausationId.name();
 /// The W3C trace context header, passed on from the inbound message.
-pub const TRACEPARENT_HEADER: &str = "traceparent";
-/// The header of a webhook's HMAC-SHA256 signature in onceonly's own
-/// format (`t=<unix secs>,v1=<hex>` over `<t>.<body>`), sent by a
-/// `WebhookPublisher` signing as `WebhookSigning::Onceonly` (the default
-/// is Standard Webhooks).
-pub const SIGNATURE_HEADER: &str = "x-onceonly-signature";
+pub(crate) const TRACEPARENT_HEADER: &str = "traceparent";
+/// [`Header::Signature`](crate::Header::Signature).
+pub(crate) const SIGNATURE_HEADER: &str = crate::Header::Signature.name();
 
 /// Where a message goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -308,7 +303,7 @@ impl OutboxMessage {
 /// again, as a new request (the retention is the promise: keep it longer
 /// than any redelivery or replay horizon): its effects are written again,
 /// and so are its messages, with new ids, which a downstream consumer
-/// keyed on [`MESSAGE_ID_HEADER`] applies instead of dropping them as the
+/// keyed on [`Header::MessageId`](crate::Header::MessageId) applies instead of dropping them as the
 /// old run's (the old run's message may be gone from its dedup window
 /// too, or not: either way the new effect's message arrives).
 pub fn message_id(origin: &Origin, position: u32) -> String {

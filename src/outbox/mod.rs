@@ -21,20 +21,15 @@ use std::sync::Arc;
 pub use admin::OutboxStats;
 pub use backend::StatusCount;
 pub use backend::{OutboxBackend, OutboxRecord, OutboxRow, Status};
-pub use message::{
-    CAUSATION_HEADER, Destination, Kind, MESSAGE_ID_HEADER, OutboxMessage, SIGNATURE_HEADER,
-    TRACEPARENT_HEADER, message_id,
-};
+pub(crate) use message::TRACEPARENT_HEADER;
+pub use message::{Destination, Kind, OutboxMessage, message_id};
+#[cfg(feature = "amqp")]
+pub use publish::AmqpPublisher;
 #[cfg(feature = "kafka")]
 pub use publish::KafkaPublisher;
-#[cfg(feature = "amqp")]
-pub use publish::{AmqpPublisher, DEFAULT_AMQP_CHANNELS};
 pub use publish::{Outgoing, PublishError, Publisher};
 #[cfg(feature = "webhook")]
-pub use publish::{
-    WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER, WEBHOOK_TIMESTAMP_HEADER, WebhookPublisher,
-    WebhookSecretError, WebhookSigning,
-};
+pub use publish::{WebhookPublisher, WebhookSecretError, WebhookSigning};
 pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;
 

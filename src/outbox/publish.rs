@@ -9,8 +9,8 @@ use super::backend::OutboxRow;
 use super::message::{CAUSATION_HEADER, Kind, MESSAGE_ID_HEADER, TRACEPARENT_HEADER};
 
 /// One message as it leaves: the row and every header it carries (the
-/// user's, then [`MESSAGE_ID_HEADER`], [`CAUSATION_HEADER`] and
-/// [`TRACEPARENT_HEADER`]).
+/// user's, then [`Header::MessageId`](crate::Header::MessageId),
+/// [`Header::CausationId`](crate::Header::CausationId) and `traceparent`).
 #[derive(Debug)]
 pub struct Outgoing<'a> {
     /// The row.
@@ -168,11 +168,8 @@ mod kafka;
 mod webhook;
 
 #[cfg(feature = "amqp")]
-pub use amqp::{AmqpPublisher, DEFAULT_AMQP_CHANNELS};
+pub use amqp::AmqpPublisher;
 #[cfg(feature = "kafka")]
 pub use kafka::KafkaPublisher;
 #[cfg(feature = "webhook")]
-pub use webhook::{
-    WEBHOOK_ID_HEADER, WEBHOOK_SIGNATURE_HEADER, WEBHOOK_TIMESTAMP_HEADER, WebhookPublisher,
-    WebhookSecretError, WebhookSigning,
-};
+pub use webhook::{WebhookPublisher, WebhookSecretError, WebhookSigning};

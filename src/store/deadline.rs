@@ -46,23 +46,23 @@ use super::error::{epoch, is_stale_connection, since_epoch_ms};
 
 /// The default [`Deadlines::statement`]: 15 s (above PostgreSQL's default
 /// claim lock timeout of 10 s).
-pub const DEFAULT_STATEMENT_DEADLINE: Duration = Duration::from_secs(15);
+pub(crate) const DEFAULT_STATEMENT_DEADLINE: Duration = Duration::from_secs(15);
 
 /// The default [`Deadlines::transaction`]: 30 s.
-pub const DEFAULT_TRANSACTION_DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_TRANSACTION_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The default [`Deadlines::acquire`]: 5 s.
-pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The default [`Deadlines::idle_in_transaction`]: 15 s.
-pub const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(15);
+pub(crate) const DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The default [`Deadlines::migration_lock`]: 10 s.
-pub const DEFAULT_MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The default [`Deadlines::tcp_keepalive`]: probes after 10 s of
 /// silence, every 5 s, 3 unanswered probes drop the connection.
-pub const DEFAULT_TCP_KEEPALIVE: TcpKeepalive = TcpKeepalive {
+pub(crate) const DEFAULT_TCP_KEEPALIVE: TcpKeepalive = TcpKeepalive {
     idle: Duration::from_secs(10),
     interval: Duration::from_secs(5),
     count: 3,
@@ -134,7 +134,8 @@ impl Default for Deadlines {
 
 impl Deadlines {
     /// How long one call of the store or the relay may take (default
-    /// [`DEFAULT_STATEMENT_DEADLINE`]; at least 1 ms).
+    /// 15 s, above PostgreSQL's default claim lock timeout of 10 s; at
+    /// least 1 ms).
     #[must_use]
     pub fn statement(mut self, deadline: Duration) -> Self {
         self.statement = deadline.max(Duration::from_millis(1));
@@ -143,7 +144,7 @@ impl Deadlines {
 
     /// How long a claim's transaction may run before its handler is given
     /// up on, counted from `BEGIN` (default
-    /// [`DEFAULT_TRANSACTION_DEADLINE`]; at least 1 ms).
+    /// 30 s; at least 1 ms).
     #[must_use]
     pub fn transaction(mut self, deadline: Duration) -> Self {
         self.transaction = deadline.max(Duration::from_millis(1));
@@ -152,7 +153,7 @@ impl Deadlines {
 
     /// How long taking a connection from the pool may take, connecting
     /// included (the pool's `acquire_timeout`; default
-    /// [`DEFAULT_ACQUIRE_TIMEOUT`]). Applies to pools built on
+    /// 5 s). Applies to pools built on
     /// [`pool_options_for`].
     #[must_use]
     pub fn acquire(mut self, timeout: Duration) -> Self {
@@ -162,7 +163,7 @@ impl Deadlines {
 
     /// Server side: how long a session may sit idle inside a transaction
     /// before the server ends it, rolling back and releasing its locks
-    /// (default [`DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT`]; `None`: the
+    /// (default 15 s; `None`: the
     /// server's setting). A client whose network went silent leaves its
     /// transaction open on the server; without this bound it holds its
     /// claim locks until the server's TCP keepalive gives up, by default
@@ -175,8 +176,8 @@ impl Deadlines {
     }
 
     /// Server side: the TCP keepalive of PostgreSQL's end of each
-    /// connection (default [`DEFAULT_TCP_KEEPALIVE`]; `None`: the
-    /// server's settings). sqlx 0.8 offers no keepalive on the client's
+    /// connection (default: probes after 10 s of silence, every 5 s, 3
+    /// unanswered probes drop the connection; `None`: the server's settings). sqlx 0.8 offers no keepalive on the client's
     /// end: the client side relies on the deadlines.
     #[must_use]
     pub fn tcp_keepalive(mut self, keepalive: Option<TcpKeepalive>) -> Self {
@@ -185,7 +186,7 @@ impl Deadlines {
     }
 
     /// How long a migration waits for a lock before it fails (default
-    /// [`DEFAULT_MIGRATION_LOCK_TIMEOUT`]), so that a startup migration
+    /// 10 s), so that a startup migration
     /// behind a stuck transaction fails instead of blocking forever.
     #[must_use]
     pub fn migration_lock(mut self, timeout: Duration) -> Self {
@@ -351,13 +352,13 @@ pub(crate) async fn rollback<DB: Database>(
 
 /// How long a pooled connection may have been idle before it is pinged
 /// as it is handed out ([`pool_options_for`]): 1 s.
-pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+pub(crate) const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 
 /// sqlx pool options with onceonly's connection hygiene and `deadlines`
 /// (see [`pool_options`](super::pool_options) for the defaults):
 ///
 /// - `acquire_timeout` is [`Deadlines::acquire`];
-/// - a connection idle for [`PING_IDLE_AFTER`] or longer is checked with a
+/// - a connection idle for 1 s or longer is checked with a
 ///   ping bounded by half of it before it is handed out (instead of sqlx's
 ///   unbounded `test_before_acquire`, which pings every time: a round trip
 ///   per transaction); one that does not answer is closed and replaced

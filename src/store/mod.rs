@@ -45,11 +45,7 @@ use crate::fingerprint::Fingerprint;
 
 pub(crate) use backend::Backend;
 pub(crate) use claim_tx::ClaimTx;
-pub use deadline::{
-    DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT, DEFAULT_MIGRATION_LOCK_TIMEOUT,
-    DEFAULT_STATEMENT_DEADLINE, DEFAULT_TCP_KEEPALIVE, DEFAULT_TRANSACTION_DEADLINE,
-    DeadlineMissed, Deadlines, PING_IDLE_AFTER, TcpKeepalive, pool_options_for,
-};
+pub use deadline::{DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for};
 pub use dialect::{Dialect, Layout};
 pub use error::{InfraFault, StoreError, infra_fault, is_write_fault, pool_options};
 pub(crate) use fence::FenceRecord;

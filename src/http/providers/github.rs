@@ -34,7 +34,7 @@ impl std::fmt::Debug for GitHub {
 
 impl GitHub {
     /// The webhook's secret; an empty or short one (under
-    /// [`MIN_SECRET_LEN`](crate::http::MIN_SECRET_LEN) bytes) is refused.
+    /// 16 bytes) is refused.
     pub fn new(secret: impl Into<Vec<u8>>) -> Result<Self, ProviderKeyError> {
         Ok(Self {
             key: crate::http::signature::hmac_key(&secret.into())

@@ -21,7 +21,7 @@ pub struct Stripe {
 impl Stripe {
     /// The endpoint's signing secret, as Stripe shows it (`whsec_...`,
     /// used as is); an empty or short one (under
-    /// [`MIN_SECRET_LEN`](crate::http::MIN_SECRET_LEN) bytes) is refused.
+    /// 16 bytes) is refused.
     pub fn new(signing_secret: impl Into<Vec<u8>>) -> Result<Self, ProviderKeyError> {
         let check = SignatureCheck::new(signing_secret)
             .map_err(|e| ProviderKeyError::HmacKey(e.to_string()))?;

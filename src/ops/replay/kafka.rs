@@ -18,7 +18,7 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use super::options::{ReplayOptions, required};
 use super::report::{Action, Letter, ProgressFn, ReplayReport, record};
 use super::{ORIGIN, PARKED_SUFFIX, REPLAYED_FROM, REPLAYS, ReplayError};
-use crate::kafka::headers;
+use crate::kafka::dead_letter::headers;
 
 /// The consumer group a replay commits its dead-letter offsets under,
 /// unless [`KafkaReplayBuilder::group`] says otherwise.
@@ -188,7 +188,7 @@ impl KafkaReplayBuilder {
 /// `x-onceonly-original-partition` (so it lands next to the records of its
 /// key), with its record key, payload and headers (the user's, and the
 /// outbox's `x-onceonly-message-id` and `x-onceonly-causation-id`) but
-/// without the failure's verdict and coordinates ([`headers::WRITTEN`],
+/// without the failure's verdict and coordinates (the Kafka consumer's headers in [`Header`](crate::Header),
 /// except the first-seen time), plus
 /// `x-onceonly-replayed-from: <dlt>/<partition>/<offset>`.
 ///

@@ -66,22 +66,11 @@ pub use report::{
 };
 pub use screen::{DedupLookup, Screen, Verdict};
 
-/// Header added to every replayed copy: where it was replayed from (the
-/// dead-letter queue, or `<topic>/<partition>/<offset>` of the dead-letter
-/// topic).
-pub const REPLAYED_FROM: &str = "x-onceonly-replayed-from";
+pub(crate) const REPLAYED_FROM: &str = crate::Header::ReplayedFrom.name();
 
-/// Header of every replayed copy: how often the message was replayed,
-/// this copy included. Kept when the copy is dead-lettered again, so that a
-/// letter replayed [`ReplayOptions::max_replays`] times is parked instead
-/// of cycling.
-pub const REPLAYS: &str = "x-onceonly-replays";
+pub(crate) const REPLAYS: &str = crate::Header::Replays.name();
 
-/// Header of every replayed copy: where the message was first consumed
-/// from, kept across replays: `topic/partition@offset` (Kafka), or the
-/// source the AMQP consumer stores (`queue/exchange/routing-key`,
-/// `queue/routing-key` through the default exchange).
-pub const ORIGIN: &str = "x-onceonly-origin";
+pub(crate) const ORIGIN: &str = crate::Header::Origin.name();
 
 /// Suffix of the parking queue or topic: letters replayed too often go to
 /// `<dead-letter queue or topic>.parked`.

@@ -16,7 +16,7 @@ use crate::amqp::pipeline::{self, Publish};
 use crate::amqp::publish::CONFIRM_TIMEOUT;
 
 /// How many channels an [`AmqpPublisher`] publishes on by default.
-pub const DEFAULT_AMQP_CHANNELS: usize = 8;
+pub(crate) const DEFAULT_AMQP_CHANNELS: usize = 8;
 
 /// Publishes to RabbitMQ with publisher confirms, `mandatory` and
 /// persistent delivery: a message counts as sent once the broker
@@ -87,7 +87,7 @@ impl AmqpPublisher {
     }
 
     /// How many channels ordering keys are spread over (default
-    /// [`DEFAULT_AMQP_CHANNELS`], at least 1): how many keys publish at once.
+    /// 8, at least 1): how many keys publish at once.
     #[must_use]
     pub fn with_channels(mut self, channels: usize) -> Self {
         self.slots = (0..channels.max(1)).map(|_| Mutex::new(None)).collect();

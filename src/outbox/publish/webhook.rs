@@ -29,17 +29,14 @@ pub enum WebhookSigning {
     Onceonly,
 }
 
-/// The Standard Webhooks headers.
-pub const WEBHOOK_ID_HEADER: &str = "webhook-id";
-/// The Standard Webhooks timestamp header (Unix seconds).
-pub const WEBHOOK_TIMESTAMP_HEADER: &str = "webhook-timestamp";
-/// The Standard Webhooks signature header (`v1,<base64>`).
-pub const WEBHOOK_SIGNATURE_HEADER: &str = "webhook-signature";
+pub(crate) const WEBHOOK_ID_HEADER: &str = crate::Header::WebhookId.name();
+pub(crate) const WEBHOOK_TIMESTAMP_HEADER: &str = crate::Header::WebhookTimestamp.name();
+pub(crate) const WEBHOOK_SIGNATURE_HEADER: &str = crate::Header::WebhookSignature.name();
 
 /// POSTs webhooks signed with HMAC-SHA256, as
 /// [Standard Webhooks](https://www.standardwebhooks.com/) by default, or in
 /// onceonly's own format ([`WebhookSigning`]). Every copy of a message
-/// carries the same id ([`MESSAGE_ID_HEADER`](crate::outbox::MESSAGE_ID_HEADER),
+/// carries the same id ([`Header::MessageId`](crate::Header::MessageId),
 /// and `webhook-id`). A 2xx
 /// answer is delivered; 5xx, 408, 429 and timeouts are retried; any other
 /// 4xx is permanent.

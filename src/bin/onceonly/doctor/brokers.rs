@@ -168,7 +168,7 @@ pub async fn amqp(
                 let props = &m.delivery.properties;
                 let h = props.headers().as_ref();
                 let header = h
-                    .and_then(|h| h.inner().get(onceonly::amqp::headers::FIRST_SEEN))
+                    .and_then(|h| h.inner().get(onceonly::Header::FirstSeen.name()))
                     .and_then(|v| match v {
                         lapin::types::AMQPValue::LongString(s) => {
                             std::str::from_utf8(s.as_bytes()).ok()?.parse::<i64>().ok()
