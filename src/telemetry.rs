@@ -151,8 +151,10 @@ pub(crate) const LABEL_OUTCOME: &str = "outcome";
 /// Label: a dead-letter or retry reason code.
 pub(crate) const LABEL_REASON: &str = "reason";
 /// Label: a Kafka topic.
+#[cfg(feature = "kafka")]
 pub(crate) const LABEL_TOPIC: &str = "topic";
 /// Label: a Kafka partition number.
+#[cfg(feature = "kafka")]
 pub(crate) const LABEL_PARTITION: &str = "partition";
 
 /// The transport label of an engine driven directly.

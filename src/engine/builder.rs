@@ -349,6 +349,7 @@ impl<S: SqlStore> EngineBuilder<S> {
 
     /// The scope, unless one was set (the transports' defaults: the
     /// consumer group, the queue, the route).
+    #[cfg(feature = "_broker")] // the consumers' defaults
     pub(crate) fn or_scope(mut self, scope: impl FnOnce() -> String) -> Self {
         if self.scope.is_none() {
             self.scope = Some(scope());
@@ -357,11 +358,13 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// Whether a scope was set.
+    #[cfg(feature = "http")] // the HTTP layer's defaults
     pub(crate) fn has_scope(&self) -> bool {
         self.scope.is_some()
     }
 
     /// The key, unless one was set.
+    #[cfg(feature = "http")] // the HTTP layer's defaults
     pub(crate) fn or_key(mut self, key: impl FnOnce() -> Result<KeySpec, KeySpecError>) -> Self {
         if self.key.is_none() {
             self.key = Some(key());
@@ -370,6 +373,7 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// The fingerprint spec, unless one was set.
+    #[cfg(feature = "http")] // the HTTP layer's defaults
     pub(crate) fn or_fingerprint(mut self, spec: impl FnOnce() -> FingerprintSpec) -> Self {
         if self.fingerprint.is_none() {
             self.fingerprint = Some(spec());
@@ -378,6 +382,7 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// The retention, unless one was set.
+    #[cfg(feature = "http")] // the HTTP layer's defaults
     pub(crate) fn or_retention(mut self, retention: Duration) -> Self {
         if self.retention.is_none() {
             self.retention = Some(retention);
@@ -386,11 +391,13 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// The retention set, if any.
+    #[cfg(feature = "http")] // the HTTP layer's defaults
     pub(crate) fn retention_set(&self) -> Option<Duration> {
         self.retention
     }
 
     /// The key set, if any (the HTTP layer checks what a provider signs).
+    #[cfg(feature = "http")] // the HTTP layer's defaults
     pub(crate) fn key_set(&self) -> Option<&Result<KeySpec, KeySpecError>> {
         self.key.as_ref()
     }
