@@ -19,7 +19,7 @@ pub fn onceonly_binary() -> PathBuf {
         .expect("target directory layout");
     assert!(
         bin.exists(),
-        "{} is missing: build it with `cargo build --bin onceonly --all-features` \
+        "{} is missing: build it with `cargo build -p onceonly-cli --all-features` \
          (`cargo test --workspace --all-features` builds it too)",
         bin.display()
     );

@@ -1,7 +1,7 @@
 //! The `onceonly` CLI and the background purger against real PostgreSQL and
 //! MariaDB: purges while consumers keep claiming, purges by age and scope,
 //! inspect and stats; `onceonly outbox` on PostgreSQL, MariaDB and SQLite.
-//! (The dedup subcommands on SQLite: `tests/cli.rs` of the root package.)
+//! (The dedup subcommands on SQLite: `onceonly-cli/tests/cli.rs`.)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

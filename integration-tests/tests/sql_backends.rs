@@ -1434,3 +1434,56 @@ async fn a_suspect_runs_alone() {
     .await
     .ok();
 }
+
+/// Migrations on PostgreSQL are quiet: neither the first start on a fresh
+/// database nor any later one logs PostgreSQL's notices ("relation ...
+/// already exists, skipping", one per `CREATE ... IF NOT EXISTS` that
+/// found its object), for the dedup table (both layouts) and the outbox.
+/// sqlx logs each notice as an INFO event of `sqlx::postgres::notice`;
+/// this test captures them (one thread: the subscriber is the thread's).
+#[tokio::test(flavor = "current_thread")]
+async fn postgres_migrations_log_no_notices() {
+    use std::sync::Mutex;
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let logged = || String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+
+    let url = pg_url();
+    let store = PgStore::connect(&url).await.expect("connect");
+    let plain = store.clone().with_table(&unique("quiet")).unwrap();
+    let generations = store
+        .clone()
+        .with_table(&unique("quiet_gen"))
+        .unwrap()
+        .generations(true);
+    let outbox =
+        onceonly::outbox::Outbox::<sqlx::Postgres>::on_table(&unique("quiet_out")).unwrap();
+    for start in ["first start (fresh tables)", "second start"] {
+        plain.migrate().await.expect("migrate plain");
+        generations.migrate().await.expect("migrate generations");
+        outbox.migrate(store.pool()).await.expect("migrate outbox");
+        let log = logged();
+        assert!(
+            !log.contains("sqlx::postgres::notice") && !log.contains("already exists"),
+            "{start} logged PostgreSQL's notices:\n{log}"
+        );
+    }
+}

@@ -19,7 +19,8 @@ mod worker;
 
 pub use crate::broker::ConsumerStats;
 pub use builder::AmqpConsumerBuilder;
-pub use connect::{AmqpTls, connect};
+pub use connect::AmqpTls;
+pub(crate) use connect::connect;
 pub use consumer::AmqpConsumer;
 pub use error::AmqpConsumerError;
 pub use stats::AmqpStats;

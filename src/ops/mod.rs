@@ -1,12 +1,14 @@
 //! Operations on a running deployment: purging the dedup table (once, or in
 //! the background with [`Purger`]) and, with the `amqp` or `kafka` feature,
 //! replaying dead letters ([`replay`]). The `onceonly` command-line tool
-//! (feature `cli`) is built on this module. The guide below covers the
+//! (crate `onceonly-cli`) is built on this module; [`admin`] holds the
+//! queries only such tools need. The guide below covers the
 //! CLI, checking a deployment, replaying dead letters, metrics, alerts and
 //! the dashboard, tracing, and running at scale.
 //!
 #![doc = include_str!("../../docs/operations.md")]
 
+pub mod admin;
 pub mod complete;
 pub mod purge;
 #[cfg(feature = "_broker")]

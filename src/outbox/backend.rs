@@ -392,8 +392,11 @@ where
         // forever (the caller bounds the whole migration).
         if matches!(Self::DIALECT, Dialect::Postgres) {
             let timeout = crate::store::Deadlines::default().migration_lock_timeout();
+            // Quiet too: no NOTICE for each `IF NOT EXISTS` that finds
+            // its object (sqlx logs them at INFO, on every start).
             let set = format!(
-                "SET LOCAL lock_timeout = '{}ms'",
+                "SELECT set_config('lock_timeout', '{}ms', true), \
+                 set_config('client_min_messages', 'warning', true)",
                 timeout.as_millis().max(1)
             );
             sqlx::query(&set).execute(&mut *tx).await?;

@@ -15,7 +15,8 @@ use super::conn::RedisConnection;
 use super::error::RedisError;
 use super::keys::KeyLayout;
 use crate::fingerprint::Fingerprint;
-use crate::store::{CacheTier, CachedRecord, Completed, SqlStore};
+use crate::store::raw::CachedRecord;
+use crate::store::{CacheTier, Completed, SqlStore};
 use crate::sync::lock;
 
 /// Counters of a [`CachedStore`].

@@ -59,7 +59,8 @@ pub(crate) trait Backend: Database {
 
     /// The statement that bounds a migration's lock waits to `timeout`, run
     /// first in its transaction (or session, when DDL is not
-    /// transactional); `None`: the backend's own bound.
+    /// transactional); `None`: the backend's own bound. PostgreSQL's also
+    /// silences the notices of `IF NOT EXISTS`.
     fn migration_lock_sql(_timeout: std::time::Duration) -> Option<String> {
         None
     }

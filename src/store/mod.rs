@@ -10,14 +10,14 @@
 //!
 #![doc = include_str!("../../docs/stores.md")]
 
-pub mod admin;
+pub(crate) mod admin;
 mod backend;
 mod base;
 mod batch;
 mod claim;
 pub(crate) mod claim_tx;
 pub(crate) mod deadline;
-mod dialect;
+pub(crate) mod dialect;
 pub(crate) mod error;
 mod fence;
 pub(crate) mod forward;
@@ -46,14 +46,15 @@ use crate::fingerprint::Fingerprint;
 pub(crate) use backend::Backend;
 pub(crate) use claim_tx::ClaimTx;
 pub use deadline::{DeadlineMissed, Deadlines, TcpKeepalive, pool_options_for};
-pub use dialect::{Dialect, Layout};
+pub(crate) use dialect::Dialect;
+pub use dialect::Layout;
 pub use error::{InfraFault, StoreError, infra_fault, is_write_fault, pool_options};
 pub(crate) use fence::FenceRecord;
 pub(crate) use raw::{Claim, ClaimRequest, ClaimTimes, Record};
 pub(crate) use steps::STARTED_PREFIX;
 pub(crate) use steps::{OrphanedStep, StepRecord};
 pub use table::TableName;
-pub(crate) use tier::{CacheTier, CachedRecord, Completed};
+pub(crate) use tier::{CacheTier, Completed};
 
 /// The default dedup table name.
 pub const DEFAULT_TABLE: &str = "onceonly_keys";
@@ -499,30 +500,6 @@ pub(crate) fn without_migration_lock(ddl: Vec<String>) -> Vec<String> {
     ddl.into_iter()
         .filter(|s| !s.starts_with("SELECT pg_advisory"))
         .collect()
-}
-
-/// The DDL [`SqlStore::migrate`] runs for dedup table `table` of `layout`
-/// on `dialect` (the table, its attempts table [`TableName::attempts`] and
-/// their indexes, `IF NOT EXISTS`), for your own migration tool: the same
-/// statements the store builds (`Backend::sql`). `None` if the backend is
-/// not compiled in, or has no such layout (generations: PostgreSQL only).
-/// PostgreSQL's migration lock is left out: run the statements in one
-/// migration.
-// Without any backend compiled in every arm returns `None`.
-#[allow(unreachable_code, unused_variables)]
-pub fn migration_sql(dialect: Dialect, layout: Layout, table: &TableName) -> Option<Vec<String>> {
-    use backend::Backend;
-    let ddl: Vec<String> = match (dialect, layout) {
-        #[cfg(feature = "postgres")]
-        (Dialect::Postgres, layout) => sqlx::Postgres::sql(table, layout).ddl,
-        #[cfg(feature = "mysql")]
-        (Dialect::MySql, Layout::Plain) => sqlx::MySql::sql(table, layout).ddl,
-        #[cfg(feature = "sqlite")]
-        (Dialect::Sqlite, Layout::Plain) => sqlx::Sqlite::sql(table, layout).ddl,
-        #[allow(unreachable_patterns)]
-        _ => return None,
-    };
-    Some(without_migration_lock(ddl))
 }
 
 /// Checks a scope: 1 to [`MAX_SCOPE_LEN`] bytes, no control characters.

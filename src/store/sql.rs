@@ -269,7 +269,10 @@ impl Sql {
                 table.index("expires_at", '"')
             ),
         ];
-        ddl.extend(pg_side_ddl(table));
+        // The attempts table; the fence and steps tables come with
+        // `with_side`, as on the other backends (`pg_side_ddl`, which has
+        // them too, is the generations layout's).
+        ddl.extend(attempts_ddl(table, &a, ("text", "bigint", "integer"), ""));
         // SKIP LOCKED: a purge never waits on rows a claim is reclaiming.
         let mut sql = numbered(&t, &a, ddl, " FOR UPDATE SKIP LOCKED");
         sql.insert_waiting = pg_waiting(

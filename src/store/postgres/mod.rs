@@ -403,9 +403,13 @@ impl Backend for Postgres {
     const BEGIN: &'static str = "BEGIN";
     const MIGRATE_BEGIN: Option<&'static str> = Some("BEGIN");
 
+    /// Also quiet: every `CREATE ... IF NOT EXISTS` that finds its object
+    /// would send a NOTICE ("relation ... already exists, skipping"),
+    /// which sqlx logs at INFO, on every start.
     fn migration_lock_sql(timeout: Duration) -> Option<String> {
         Some(format!(
-            "SET LOCAL lock_timeout = '{}'",
+            "SELECT set_config('lock_timeout', '{}', true), \
+             set_config('client_min_messages', 'warning', true)",
             lock_timeout_value(timeout)
         ))
     }
@@ -494,6 +498,28 @@ mod tests {
         sqlx::postgres::PgPoolOptions::new().connect_lazy_with(PgConnectOptions::new())
     }
 
+    /// Each statement of a migration runs once: the plain layout built
+    /// the fence and steps tables' DDL twice (`pg_side_ddl`, then
+    /// `with_side`), and each second `CREATE ... IF NOT EXISTS` logged
+    /// "relation ... already exists, skipping" on every start.
+    #[test]
+    fn a_migration_runs_each_statement_once() {
+        let table = TableName::default();
+        for layout in [Layout::Plain, Layout::Generations { buckets: 3 }] {
+            let ddl = Postgres::sql(&table, layout).ddl;
+            let mut seen = std::collections::HashSet::new();
+            for statement in &ddl {
+                assert!(seen.insert(statement), "{layout:?} runs twice: {statement}");
+            }
+            for side in ["_fence", "_steps", "_attempts"] {
+                assert!(
+                    ddl.iter().any(|s| s.contains(&format!("{table}{side}"))),
+                    "{layout:?} creates {table}{side}"
+                );
+            }
+        }
+    }
+
     /// Statements come from the table and its layout together: moving a
     /// store of the generations layout to another table cannot leave it
     /// with the plain statements, nor with the old table's fence.
@@ -532,17 +558,17 @@ mod tests {
     fn migration_sql_is_the_stores_ddl_without_the_lock() {
         let table = TableName::default();
         for layout in [Layout::Plain, Layout::Generations { buckets: 3 }] {
-            let ddl = crate::store::migration_sql(Dialect::Postgres, layout, &table).unwrap();
+            let ddl = crate::ops::admin::migration_sql(Dialect::Postgres, layout, &table).unwrap();
             let store = crate::store::without_migration_lock(Postgres::sql(&table, layout).ddl);
             assert_eq!(ddl, store);
         }
         assert_eq!(
-            crate::store::migration_sql(
+            crate::ops::admin::migration_sql(
                 Dialect::Postgres,
                 Layout::Generations { buckets: 0 },
                 &table
             ),
-            crate::store::migration_sql(
+            crate::ops::admin::migration_sql(
                 Dialect::Postgres,
                 Layout::Generations { buckets: 1 },
                 &table

@@ -2,8 +2,8 @@
 
 use clap::Args;
 use onceonly::SqlStore;
+use onceonly::ops::admin::AdminStore;
 use onceonly::store::TableName;
-use onceonly::store::admin::AdminStore;
 
 use crate::db::{Db, with_store};
 use crate::outbox::{OutboxLayout, OutboxTableArg, outbox_for};
@@ -88,7 +88,8 @@ enum BackendArg {
 
 /// Prints the DDL of the dedup table (and the outbox table) for `backend`.
 fn print_sql(args: &MigrateArgs, backend: BackendArg) -> CliResult {
-    use onceonly::store::{Dialect, Layout, migration_sql};
+    use onceonly::ops::admin::{Dialect, migration_sql};
+    use onceonly::store::Layout;
     let dialect = match backend {
         BackendArg::Postgres => Dialect::Postgres,
         BackendArg::Mysql => Dialect::MySql,
@@ -162,6 +163,8 @@ pub async fn run(args: MigrateArgs) -> CliResult {
             }
             Db::Postgres(store)
         }
+        // Unreachable with PostgreSQL alone.
+        #[cfg(any(feature = "mysql", feature = "sqlite"))]
         (db, Some(_)) => {
             return Err(format!("--layout is for PostgreSQL, not {}", db.backend()).into());
         }

@@ -9,8 +9,9 @@ mod sql;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use onceonly::store::admin::{AdminStore, RecordFilter};
-use onceonly::store::{TableName, migration_sql};
+use onceonly::ops::admin::migration_sql;
+use onceonly::ops::admin::{AdminStore, RecordFilter};
+use onceonly::store::TableName;
 
 use crate::db::{Db, with_store};
 use crate::outbox::OutboxTableArg;

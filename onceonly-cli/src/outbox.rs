@@ -127,8 +127,11 @@ impl OutboxLayout for sqlx::Sqlite {
 }
 
 /// The outbox DDL on `table` for `backend`, without a database.
-pub(crate) fn outbox_sql(dialect: onceonly::store::Dialect, table: &str) -> CliResult<Vec<String>> {
-    use onceonly::store::Dialect;
+pub(crate) fn outbox_sql(
+    dialect: onceonly::ops::admin::Dialect,
+    table: &str,
+) -> CliResult<Vec<String>> {
+    use onceonly::ops::admin::Dialect;
     Ok(match dialect {
         #[cfg(feature = "postgres")]
         Dialect::Postgres => Outbox::<sqlx::Postgres>::on_table(table)?.migration_sql(),

@@ -2,7 +2,7 @@
 //! of `replay`. The tests against PostgreSQL, MariaDB, RabbitMQ and Kafka are
 //! in `integration-tests/tests/{cli,replay_*}.rs`; this file also makes
 //! `cargo test --workspace --all-features` build the binary they run.
-#![cfg(all(feature = "cli", feature = "sqlite"))]
+#![cfg(feature = "sqlite")]
 
 use std::process::Command;
 use std::time::Duration;

@@ -136,8 +136,11 @@ pub async fn amqp(
     use lapin::options::{BasicGetOptions, QueueDeclareOptions};
     use lapin::types::FieldTable;
 
-    let connect =
-        tokio::time::timeout(Duration::from_secs(15), onceonly::amqp::connect(url, tls)).await;
+    let connect = tokio::time::timeout(
+        Duration::from_secs(15),
+        onceonly::ops::admin::amqp_connect(url, tls),
+    )
+    .await;
     let conn = match connect {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => return vec![Finding::fail("amqp", e.to_string(), "check --amqp-url")],

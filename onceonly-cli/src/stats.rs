@@ -1,7 +1,7 @@
 //! `onceonly stats`: what the dedup table holds.
 
 use clap::Args;
-use onceonly::store::admin::{AGE_BUCKET_LABELS, AdminStore, ScopeStats};
+use onceonly::ops::admin::{AGE_BUCKET_LABELS, AdminStore, ScopeStats};
 
 use crate::db::with_store;
 use crate::time::{age, now_ms, rfc3339_seconds};

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use onceonly::store::admin::{AdminStore, RecordFilter};
+use onceonly::ops::admin::{AdminStore, RecordFilter};
 use onceonly::store::raw::{FenceRecord, Record, StepRecord};
 use onceonly::{Order, SqlStore, Stale};
 use serde_json::json;

@@ -127,9 +127,9 @@ impl Db {
         }
     }
 
-    /// The database, for [`onceonly::store::migration_sql`].
-    pub fn dialect(&self) -> onceonly::store::Dialect {
-        use onceonly::store::Dialect;
+    /// The database, for [`onceonly::ops::admin::migration_sql`].
+    pub fn dialect(&self) -> onceonly::ops::admin::Dialect {
+        use onceonly::ops::admin::Dialect;
         match self {
             #[cfg(feature = "postgres")]
             Self::Postgres(_) => Dialect::Postgres,
@@ -140,7 +140,7 @@ impl Db {
         }
     }
 
-    /// The dedup table's layout, for [`onceonly::store::migration_sql`].
+    /// The dedup table's layout, for [`onceonly::ops::admin::migration_sql`].
     pub fn layout(&self) -> onceonly::store::Layout {
         match self {
             #[cfg(feature = "postgres")]
