@@ -348,7 +348,8 @@ impl<S: SqlStore> EngineBuilder<S> {
     }
 
     /// The scope, unless one was set (the transports' defaults: the
-    /// consumer group, the queue, the route).
+    /// consumer group, the queue).
+    #[cfg(feature = "_broker")] // the consumers' defaults
     pub(crate) fn or_scope(mut self, scope: impl FnOnce() -> String) -> Self {
         if self.scope.is_none() {
             self.scope = Some(scope());

@@ -57,7 +57,6 @@ pub use crate::engine::{Tx, TxGone, TxGuard};
 pub use config::{
     Ack, HttpBuildError, IdempotencyLayerBuilder, InFlight, OnStoreError, Principal, PrincipalFn,
 };
-pub(crate) use form::MAX_FORM_FIELDS;
 pub use layer::{IdempotencyLayer, Idempotent};
 pub use signature::{SecretError, SignatureCheck, SignatureError};
 pub use tx::TxRejection;

@@ -11,8 +11,6 @@ pub(crate) const MESSAGE_ID_HEADER: &str = crate::Header::MessageId.name();
 pub(crate) const CAUSATION_HEADER: &str = crate::Header::CausationId.name();
 /// The W3C trace context header, passed on from the inbound message.
 pub(crate) const TRACEPARENT_HEADER: &str = "traceparent";
-/// [`Header::Signature`](crate::Header::Signature).
-pub(crate) const SIGNATURE_HEADER: &str = crate::Header::Signature.name();
 
 /// Where a message goes.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -21,6 +21,7 @@ use std::sync::Arc;
 pub use admin::OutboxStats;
 pub use backend::StatusCount;
 pub use backend::{OutboxBackend, OutboxRecord, OutboxRow, Status};
+#[cfg(feature = "otel")]
 pub(crate) use message::TRACEPARENT_HEADER;
 pub use message::{Destination, Kind, OutboxMessage, message_id};
 #[cfg(feature = "amqp")]

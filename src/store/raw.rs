@@ -39,7 +39,7 @@ pub struct ClaimRequest<'a> {
     pub source: Option<&'a str>,
     /// How long the claim may wait for the key while another transaction
     /// holds it (a request in flight) before it fails with contention
-    /// ([`StoreError::is_contention`]). `None`: the store's own bound (the
+    /// ([`StoreError::is_contention`](crate::StoreError::is_contention)). `None`: the store's own bound (the
     /// lock timeout of [`PgStore`](crate::store::postgres::PgStore),
     /// SQLite's busy timeout, MySQL's `innodb_lock_wait_timeout`).
     /// PostgreSQL applies it to the claim's own statement only, in the same
@@ -105,7 +105,7 @@ pub enum Claim {
     },
 }
 
-/// A stored record, as read back by [`SqlStore::get`].
+/// A stored record, as read back by [`SqlStore::get`](crate::SqlStore::get).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
     /// The scope (consumer group, queue or handler name).

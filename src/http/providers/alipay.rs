@@ -100,7 +100,9 @@ impl Alipay {
             ));
         }
         let mut pairs = raw_pairs(body).map_err(|e| match e {
-            FormError::TooManyFields => VerifyError::TooManyFields(crate::http::MAX_FORM_FIELDS),
+            FormError::TooManyFields => {
+                VerifyError::TooManyFields(crate::http::form::MAX_FORM_FIELDS)
+            }
             e => VerifyError::Malformed(format!("notification ({e})")),
         })?;
         pairs.sort_by(|a, b| a.0.cmp(&b.0));

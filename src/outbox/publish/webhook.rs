@@ -8,7 +8,6 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 
 use super::{Kind, Outgoing, PublishError, Publisher};
-use crate::outbox::message::SIGNATURE_HEADER;
 
 /// How a [`WebhookPublisher`] signs its webhooks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -23,7 +22,7 @@ pub enum WebhookSigning {
     /// (share it with receivers as [`WebhookPublisher::standard_secret`]).
     #[default]
     Standard,
-    /// onceonly's own format: [`SIGNATURE_HEADER`] is
+    /// onceonly's own format: [`Header::Signature`](crate::Header::Signature) is
     /// `t=<unix seconds>,v1=<hex of HMAC-SHA256 of "<t>.<body>">`, the
     /// scheme [`SignatureCheck`](crate::http::SignatureCheck) verifies.
     Onceonly,
@@ -206,9 +205,10 @@ impl Publisher for WebhookPublisher {
                     WEBHOOK_SIGNATURE_HEADER,
                     self.sign_standard(&row.message_id, now, &row.payload),
                 ),
-            WebhookSigning::Onceonly => {
-                request.header(SIGNATURE_HEADER, self.sign(&row.payload, now))
-            }
+            WebhookSigning::Onceonly => request.header(
+                crate::Header::Signature.name(),
+                self.sign(&row.payload, now),
+            ),
         };
         for (name, value) in &message.headers {
             request = request.header(name, value);
