@@ -31,7 +31,7 @@ pub use publish::KafkaPublisher;
 pub use publish::{Outgoing, PublishError, Publisher};
 #[cfg(feature = "webhook")]
 pub use publish::{WebhookPublisher, WebhookSecretError, WebhookSigning};
-pub use relay::{DEFAULT_LEASE, Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
+pub use relay::{Relay, RelayBuildError, RelayBuilder, RelayHandle, RelayStats};
 pub use sql::DEFAULT_OUTBOX_TABLE;
 
 use crate::clock::{Clock, SystemClock};

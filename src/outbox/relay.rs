@@ -20,7 +20,7 @@ use crate::store::{Deadlines, StoreError};
 
 /// How long a relay holds the keys it took in a round by default (see
 /// [`RelayBuilder::lease`]).
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// Builds a [`Relay`]: `Relay::builder(pool, outbox).publisher(..).build()`.
 pub struct RelayBuilder<DB: OutboxBackend> {
@@ -561,7 +561,7 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     }
 
     /// How long the keys a round took stay its own (default
-    /// [`DEFAULT_LEASE`], at least 1 s). A round takes its rows in a short
+    /// 30 s, at least 1 s). A round takes its rows in a short
     /// transaction and publishes them with no transaction open; meanwhile
     /// the lease keeps other relays off those keys. A round starts no
     /// message of a key after half the lease (the rest wait for the next

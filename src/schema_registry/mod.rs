@@ -32,7 +32,7 @@ use protobuf::ProtoSchema;
 const MAX_CACHED: usize = 10_000;
 
 /// The default [`SchemaRegistryBuilder::unknown_id_grace`]: 60 s.
-pub const DEFAULT_UNKNOWN_ID_GRACE: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_UNKNOWN_ID_GRACE: Duration = Duration::from_secs(60);
 
 /// A [`PayloadDecoder`] for payloads in the Confluent wire format: it reads
 /// the schema id, fetches that schema from the registry once (and keeps it:
@@ -346,7 +346,7 @@ impl SchemaRegistryBuilder {
 
     /// How long a schema id that every registry URL calls unknown is
     /// waited for, like an outage, before its payloads are malformed
-    /// (`decode_error`) (default [`DEFAULT_UNKNOWN_ID_GRACE`]): a registry
+    /// (`decode_error`) (default 60 s): a registry
     /// replica may not have the schema a producer just registered with
     /// another. Counted from the first time the id was found unknown; zero
     /// dead-letters at once.

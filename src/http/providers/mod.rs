@@ -38,7 +38,7 @@ use crate::key::{KeyError, KeySpec};
 /// How much longer than a provider's retry horizon its records are kept at
 /// least, and how much younger than the retention a signed event time must
 /// be (clock skew, delivery delays).
-pub const REPLAY_MARGIN: Duration = Duration::from_secs(3600);
+pub(crate) const REPLAY_MARGIN: Duration = Duration::from_secs(3600);
 
 const HOUR: u64 = 3600;
 const DAY: u64 = 24 * HOUR;
@@ -137,7 +137,8 @@ impl Provider {
     }
 
     /// The shortest retention a layer for this provider may keep: its
-    /// [retry horizon](Self::retry_horizon) and [`REPLAY_MARGIN`].
+    /// [retry horizon](Self::retry_horizon) and one hour (clock skew,
+    /// delivery delays).
     pub fn min_retention(&self) -> Duration {
         self.retry_horizon() + REPLAY_MARGIN
     }
@@ -155,7 +156,7 @@ impl Provider {
     }
 
     /// The provider for a layer that keeps its records for `retention`:
-    /// signed event times older than that less [`REPLAY_MARGIN`] are
+    /// signed event times older than that less one hour are
     /// refused (Alipay's `notify_time`).
     pub(crate) fn with_retention(self, retention: Duration) -> Self {
         let max_age = retention.saturating_sub(REPLAY_MARGIN);

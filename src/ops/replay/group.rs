@@ -17,7 +17,7 @@ use super::screen::Verdict;
 
 /// The error text with `key` and every word containing a digit masked, and
 /// runs of whitespace collapsed.
-pub fn error_pattern(error: &str, key: Option<&str>) -> String {
+pub(crate) fn error_pattern(error: &str, key: Option<&str>) -> String {
     let text = match key.filter(|k| !k.is_empty()) {
         Some(key) => error.replace(key, "<key>"),
         None => error.to_owned(),

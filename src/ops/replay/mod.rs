@@ -56,7 +56,8 @@ mod screen;
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub use amqp::{AmqpReplay, AmqpReplayBuilder};
 pub use error::ReplayError;
-pub use group::{FailureGroup, error_pattern, group_id};
+pub(crate) use group::error_pattern;
+pub use group::{FailureGroup, group_id};
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use kafka::{DEFAULT_GROUP, KafkaReplay, KafkaReplayBuilder};
@@ -74,4 +75,4 @@ pub(crate) const ORIGIN: &str = crate::Header::Origin.name();
 
 /// Suffix of the parking queue or topic: letters replayed too often go to
 /// `<dead-letter queue or topic>.parked`.
-pub const PARKED_SUFFIX: &str = ".parked";
+pub(crate) const PARKED_SUFFIX: &str = ".parked";

@@ -44,7 +44,7 @@ pub struct Letter {
     pub scope: Option<String>,
     /// Its `x-onceonly-error`, if any.
     pub error: Option<String>,
-    /// Its error text with keys and numbers masked (see [`error_pattern`](super::error_pattern)).
+    /// Its error text with keys and numbers masked (the key and every word containing a digit masked, runs of whitespace collapsed).
     pub pattern: String,
     /// Its failure group (see [`group_id`](super::group_id)).
     pub group: String,

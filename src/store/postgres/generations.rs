@@ -622,7 +622,7 @@ async fn full_buckets(base: &SqlBase<Postgres>, g: &str) -> Result<Vec<(String, 
 
 /// The default [`PgStore::rotation_step`](super::PgStore::rotation_step):
 /// 1 GiB.
-pub const DEFAULT_ROTATION_STEP: u64 = 1 << 30;
+pub(crate) const DEFAULT_ROTATION_STEP: u64 = 1 << 30;
 
 /// `buckets` (name, bytes) in steps of at most `budget` bytes each (or one
 /// bucket), without the last step: the switch truncates what is left.

@@ -28,7 +28,7 @@
 
 mod generations;
 mod pipelined;
-pub use generations::DEFAULT_ROTATION_STEP;
+pub(crate) use generations::DEFAULT_ROTATION_STEP;
 pub(crate) use generations::{adopt_plain_table, partitions_ddl, rows_sql, switch_sql};
 mod unnest;
 
@@ -71,7 +71,7 @@ fn bucket_count(buckets: u16) -> u16 {
 }
 
 /// The default [`PgStore::lock_timeout`]: 10 s.
-pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `BEGIN` with a transaction-local `lock_timeout`, and the rotation
 /// fence of the generations layout, in one round trip.
@@ -217,7 +217,7 @@ impl PgStore {
 
     /// How long a statement of a claim transaction (the claim, and the
     /// handler's statements in it) waits for a row lock before it fails
-    /// with `55P03` (default [`DEFAULT_LOCK_TIMEOUT`]; `None`: the server's
+    /// with `55P03` (default 10 s; `None`: the server's
     /// setting, by default no limit). A claim stuck behind a transaction
     /// that never ends would otherwise hold its partition or queue slot
     /// forever; a lock timeout is contention, and the delivery waits in
@@ -311,7 +311,7 @@ impl PgStore {
 
     /// How many bytes of files (tables and indexes) a rotation of the
     /// [`generations`](Self::generations) layout frees per fenced step, at
-    /// most (default [`DEFAULT_ROTATION_STEP`], 1 GiB; at least 1): it
+    /// most (default 1 GiB; at least 1): it
     /// truncates as many buckets of the other generation as fit, pauses
     /// twenty times as long as that commit took, and so on; the last step's
     /// worth goes with the switch. A generation smaller than one step is
