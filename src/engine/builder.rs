@@ -381,15 +381,6 @@ impl<S: SqlStore> EngineBuilder<S> {
         self
     }
 
-    /// The retention, unless one was set.
-    #[cfg(feature = "http")]
-    pub(crate) fn or_retention(mut self, retention: Duration) -> Self {
-        if self.retention.is_none() {
-            self.retention = Some(retention);
-        }
-        self
-    }
-
     /// The retention set, if any.
     #[cfg(feature = "http")]
     pub(crate) fn retention_set(&self) -> Option<Duration> {

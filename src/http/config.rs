@@ -242,8 +242,6 @@ pub struct IdempotencyLayerBuilder<S> {
     /// The layer's default retention, unless the engine builder sets one.
     retention: Duration,
     cfg: Settings,
-    /// Set when the engine builder came with a scope (refused by `build`).
-    scope_set_twice: bool,
 }
 
 impl<S: SqlStore> IdempotencyLayerBuilder<S> {
@@ -259,14 +257,12 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
             // a repeated notification must get the ack, not a conflict.
             Mode::Callback { .. } => (vec![Method::POST], FingerprintSpec::Disabled),
         };
-        let scope_set_twice = engine.has_scope();
         Self {
             engine: engine
                 .or_key(|| key)
                 .or_fingerprint(|| fingerprint)
                 .transport(TRANSPORT_HTTP),
             scope,
-            scope_set_twice,
             retention: Duration::from_secs(24 * 3600),
             cfg: Settings {
                 mode,
@@ -399,7 +395,9 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
     /// `scope` the layer's scope without the per-principal suffix) are
     /// resolved here: install the metrics recorder before.
     pub fn build(self) -> Result<IdempotencyLayer<S>, HttpBuildError> {
-        if self.scope_set_twice {
+        // The layer's scope is set only here, at `build`: a scope already
+        // on the engine builder came with it.
+        if self.engine.has_scope() {
             return Err(HttpBuildError::ScopeSetTwice);
         }
         validate_scope(&self.scope)?;
@@ -440,7 +438,7 @@ impl<S: SqlStore> IdempotencyLayerBuilder<S> {
         let engine = self
             .engine
             .scope(self.scope)
-            .or_retention(retention)
+            .retention(retention)
             .build()
             .map_err(|e| match e {
                 BuildError::Key(e) => HttpBuildError::Key(e),
