@@ -16,11 +16,12 @@ use onceonly::{FingerprintSpec, PgStore, RetryPolicy, SqlStore};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use super::child::{BenchLedger, ChildSpec, Msg, business_write};
+use super::child::{BenchLedger, ChildSpec, Consumer, Msg, business_write, inbox_write};
 use super::common::{
-    Bench, Child, Measured, Observer, Plan, Res, RunResult, business_tables, columns,
-    drain_backlog, latencies, ledger_counts, payload, pool,
+    Bench, Child, Measured, Observer, Plan, RATIO_COLUMNS, Res, RunResult, business_tables,
+    columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
+use super::inbox::Form;
 use super::scale_out::{self, ScaleRun};
 use super::stats::Table;
 
@@ -29,65 +30,48 @@ pub const PREFETCH: u16 = 32;
 /// Messages handled at once (both consumers).
 pub const CONCURRENCY: usize = 8;
 
+/// The consumers compared, in table order.
+const CONSUMERS: [Consumer; 5] = [
+    Consumer::Baseline,
+    Consumer::Inbox(Form::ClaimFirst),
+    Consumer::Inbox(Form::ClaimLast),
+    Consumer::Onceonly,
+    Consumer::OnceonlyOptimistic,
+];
+
 pub async fn run(b: &mut Bench) -> Res<()> {
-    for (i, dup) in b.dups.clone().into_iter().enumerate() {
+    for dup in b.dups.clone() {
+        let mut first = vec!["consumer", "msgs/s", "p50", "p99", "peak RSS"];
+        first.extend(RATIO_COLUMNS);
         let mut table = Table::new(
             format!(
                 "AMQP → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, prefetch {PREFETCH}, concurrency {CONCURRENCY})",
                 b.sizes.backlog, b.sizes.paced, b.sizes.paced_rate
             ),
-            &columns(
-                &[
-                    "consumer",
-                    "msgs/s",
-                    "p50",
-                    "p99",
-                    "peak RSS",
-                    "vs baseline",
-                ],
-                "msgs / rows / distinct keys",
-            ),
+            &columns(&first, "msgs / rows / distinct keys"),
         );
-        let mut base = None;
-        // Runs interleave baseline and onceonly, so drifting load on the
-        // shared machine hits both alike.
-        let mut results = [Vec::new(), Vec::new()];
+        // Runs interleave the consumers, so drifting load on the shared
+        // machine hits all alike.
+        let mut results: Vec<Vec<RunResult>> = CONSUMERS.iter().map(|_| Vec::new()).collect();
         let inline = b.inline_counts();
         for r in 0..b.runs {
-            for (v, dedup) in [false, true].into_iter().enumerate() {
-                results[v].push(one_run(b, dedup, dup, 2000 + r as u64, inline).await?);
+            for (v, consumer) in CONSUMERS.into_iter().enumerate() {
+                results[v].push(one_run(b, consumer, dup, 2000 + r as u64, inline).await?);
             }
         }
-        let mut counted = [None, None];
+        let mut counted: Vec<Option<RunResult>> = CONSUMERS.iter().map(|_| None).collect();
         if b.counted_pass() {
-            for (v, dedup) in [false, true].into_iter().enumerate() {
-                counted[v] = Some(one_run(b, dedup, dup, 2999, true).await?);
+            for (v, consumer) in CONSUMERS.into_iter().enumerate() {
+                counted[v] = Some(one_run(b, consumer, dup, 2999, true).await?);
             }
         }
-        for ((dedup, runs), counted) in [false, true].into_iter().zip(results).zip(counted) {
-            let m = Measured::combine(&runs, counted.as_ref());
-            let name = if dedup {
-                "onceonly"
-            } else {
-                "baseline (no dedup)"
-            };
-            let mut cells = vec![name.to_owned()];
-            cells.extend(m.cells(if dedup { base } else { None }));
-            table.row(cells);
-            match base {
-                None => base = Some(m.rate),
-                Some(bl) if i == 0 => {
-                    let ratio = m.rate / bl;
-                    b.target(
-                        &format!("AMQP per-message dedup throughput, {dup}% dup"),
-                        format!("{ratio:.2}× ({:.0} vs {bl:.0} msgs/s)", m.rate),
-                        "≥ 0.6× baseline",
-                        ratio >= 0.6,
-                    );
-                }
-                Some(_) => {}
-            }
-        }
+        let measured: Vec<(Consumer, Measured)> = CONSUMERS
+            .into_iter()
+            .zip(results)
+            .zip(counted)
+            .map(|((c, runs), counted)| (c, Measured::combine(&runs, counted.as_ref())))
+            .collect();
+        super::common::consumer_rows(b, &mut table, &measured, "AMQP per message", dup, None);
         b.table(table);
     }
     scale_out(b).await
@@ -127,7 +111,7 @@ async fn scale_run(
         publish(&channel, &queue, &plan.keys).await?;
         let observer = Observer::start(db.clone());
         let spec = ChildSpec::Amqp {
-            dedup: true,
+            consumer: Consumer::Onceonly,
             url: b.services.amqp_url.clone(),
             queue: queue.clone(),
             db_url: client.url.clone(),
@@ -212,7 +196,14 @@ async fn publish_one(channel: &Channel, queue: &str, key: &str) -> Res<lapin::Pu
         .await?)
 }
 
-async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64, counted: bool) -> Res<RunResult> {
+async fn one_run(
+    b: &mut Bench,
+    consumer: Consumer,
+    dup: u32,
+    seed: u64,
+    counted: bool,
+) -> Res<RunResult> {
+    let dedup = consumer.dedup();
     let queue = b.unique("amqp");
     let schema = b.schema("amqp").await?;
     let client = b.db_client(&schema.url, counted)?;
@@ -230,7 +221,7 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64, counted: bool)
 
         let observer = Observer::start(db.clone());
         let mut child = Child::spawn(&ChildSpec::Amqp {
-            dedup,
+            consumer,
             url: b.services.amqp_url.clone(),
             queue: queue.clone(),
             db_url: client.url.clone(),
@@ -291,7 +282,7 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64, counted: bool)
     let _ = conn.close(200, "bye".into()).await;
     b.drop_schema(&schema).await;
     let (run, left, distinct_keys) = result?;
-    let who = if dedup { "onceonly" } else { "baseline" };
+    let who = consumer.name();
     b.check(left == 0, || {
         format!("amqp {who}: {left} messages left in the queue")
     });
@@ -299,9 +290,10 @@ async fn one_run(b: &mut Bench, dedup: bool, dup: u32, seed: u64, counted: bool)
     Ok(run)
 }
 
-/// The consumer child: plain lapin (`dedup == false`) or onceonly.
+/// The consumer child: plain lapin (no dedup or the hand-written inbox)
+/// or onceonly.
 pub async fn consume(
-    dedup: bool,
+    consumer: Consumer,
     url: &str,
     queue: &str,
     db_url: &str,
@@ -309,11 +301,11 @@ pub async fn consume(
     concurrency: usize,
     stop: CancellationToken,
 ) -> Res<()> {
-    if dedup {
+    if consumer.onceonly() {
         let store = super::variant::pg_store(db_url, false).await?;
-        let consumer = AmqpConsumer::builder(
+        let amqp = AmqpConsumer::builder(
             onceonly::Engine::builder(store)
-                .optimistic(super::variant::optimistic())
+                .optimistic(consumer.optimistic())
                 .key_expr("json:/out_trade_no")
                 .fingerprint(FingerprintSpec::Fields(vec![
                     "/account".into(),
@@ -327,7 +319,7 @@ pub async fn consume(
         .concurrency(concurrency)
         .build()?;
         println!("ready");
-        consumer.run_until(BenchLedger, stop).await?;
+        amqp.run_until(BenchLedger, stop).await?;
         return Ok(());
     }
     let db = pool(db_url, 10).await?;
@@ -335,7 +327,7 @@ pub async fn consume(
     channel
         .basic_qos(prefetch, BasicQosOptions::default())
         .await?;
-    let mut consumer = channel
+    let mut deliveries = channel
         .basic_consume(
             queue.into(),
             "".into(),
@@ -349,7 +341,7 @@ pub async fn consume(
     loop {
         let delivery = tokio::select! {
             () = stop.cancelled() => break,
-            d = consumer.next() => match d {
+            d = deliveries.next() => match d {
                 Some(d) => d?,
                 None => break,
             },
@@ -360,9 +352,20 @@ pub async fn consume(
             let _permit = permit;
             let m: Msg = serde_json::from_slice(&delivery.data)?;
             let mut tx = db.begin().await?;
-            business_write(&mut tx, &m).await?;
+            let new_key = match consumer {
+                Consumer::Inbox(form) => inbox_write(&mut tx, form, &m).await?,
+                _ => {
+                    business_write(&mut tx, &m).await?;
+                    true
+                }
+            };
             let t = Instant::now();
-            tx.commit().await?;
+            if new_key {
+                tx.commit().await?;
+            } else {
+                // A duplicate: nothing of it is kept.
+                tx.rollback().await?;
+            }
             super::child::add_time(&super::child::COMMIT_NANOS, t);
             delivery.acker.ack(BasicAckOptions::default()).await?;
             Ok::<_, super::common::BoxError>(())

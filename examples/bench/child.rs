@@ -18,11 +18,13 @@ use super::ledger::Payment;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ChildSpec {
-    /// Kafka consumer: plain rdkafka (`dedup: false`) or onceonly.
+    /// Kafka consumer: plain rdkafka, the hand-written inbox on rdkafka,
+    /// or onceonly.
     Kafka(KafkaSpec),
-    /// AMQP consumer: plain lapin (`dedup: false`) or onceonly.
+    /// AMQP consumer: plain lapin, the hand-written inbox on lapin, or
+    /// onceonly.
     Amqp {
-        dedup: bool,
+        consumer: Consumer,
         url: String,
         queue: String,
         db_url: String,
@@ -39,19 +41,57 @@ pub enum ChildSpec {
     },
 }
 
+/// Which consumer a Kafka or AMQP child runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Consumer {
+    /// The same business writes without dedup (at least once): the floor.
+    Baseline,
+    /// The hand-written inbox (see [`inbox`](super::inbox)).
+    Inbox(super::inbox::Form),
+    /// onceonly with its defaults.
+    Onceonly,
+    /// onceonly, claiming after the handler (`EngineBuilder::optimistic`).
+    OnceonlyOptimistic,
+}
+
+impl Consumer {
+    /// Whether it dedupes (every consumer but the baseline).
+    pub fn dedup(self) -> bool {
+        self != Self::Baseline
+    }
+
+    /// Whether onceonly runs it.
+    pub fn onceonly(self) -> bool {
+        matches!(self, Self::Onceonly | Self::OnceonlyOptimistic)
+    }
+
+    /// The name in the tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Baseline => "baseline (no dedup)",
+            Self::Inbox(form) => form.name(),
+            Self::Onceonly => "onceonly (default)",
+            Self::OnceonlyOptimistic => "onceonly, optimistic",
+        }
+    }
+
+    /// onceonly's engine builder for this consumer's claims.
+    pub fn optimistic(self) -> bool {
+        self == Self::OnceonlyOptimistic || super::variant::optimistic()
+    }
+}
+
 /// A Kafka consumer child.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct KafkaSpec {
-    /// onceonly (`true`) or the plain rdkafka baseline.
-    pub dedup: bool,
+    /// Which consumer.
+    pub consumer: Consumer,
     pub brokers: String,
     pub topic: String,
     pub group: String,
     pub db_url: String,
     /// Records per transaction.
     pub batch: usize,
-    /// onceonly's `max_in_flight` (its default if `None`).
-    pub max_in_flight: Option<usize>,
 }
 
 /// Runs the child described by `spec` until its stdin closes.
@@ -74,13 +114,15 @@ pub async fn run(spec: &str) -> Res<()> {
     let result = match spec {
         ChildSpec::Kafka(spec) => super::kafka::consume(&spec, stop).await,
         ChildSpec::Amqp {
-            dedup,
+            consumer,
             url,
             queue,
             db_url,
             prefetch,
             concurrency,
-        } => super::amqp::consume(dedup, &url, &queue, &db_url, prefetch, concurrency, stop).await,
+        } => {
+            super::amqp::consume(consumer, &url, &queue, &db_url, prefetch, concurrency, stop).await
+        }
         ChildSpec::Http {
             server,
             db_url,
@@ -156,6 +198,31 @@ pub async fn business_write(conn: &mut PgConnection, m: &Msg) -> sqlx::Result<()
     WRITES.fetch_add(1, Ordering::Relaxed);
     add_time(&WRITE_NANOS, t);
     Ok(())
+}
+
+/// The hand-written inbox's consumer transaction for `m` on the open
+/// transaction `conn`: its key claimed first (done at once: a consumer
+/// has no response to store) or last, around the same business write.
+/// Whether the key was new (if not, the caller rolls back: a duplicate).
+pub async fn inbox_write(
+    conn: &mut PgConnection,
+    form: super::inbox::Form,
+    m: &Msg,
+) -> sqlx::Result<bool> {
+    use super::inbox::{Form, claim, claim_done};
+    match form {
+        Form::ClaimFirst => {
+            if !claim(conn, &m.out_trade_no, 1).await? {
+                return Ok(false);
+            }
+            business_write(conn, m).await?;
+            Ok(true)
+        }
+        Form::ClaimLast => {
+            business_write(conn, m).await?;
+            claim_done(conn, &m.out_trade_no, None).await
+        }
+    }
 }
 
 /// The onceonly handler: the same business write inside the claim's transaction.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{Json, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use onceonly::http::{IdempotencyLayer, Tx};
 use onceonly::redis::CachedStore;
@@ -21,8 +21,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::child::ChildSpec;
 use super::common::{
-    Bench, Child, Measured, Plan, Res, RunResult, account_of, business_tables, columns, pool,
+    Against, Bench, Child, Measured, Plan, RATIO_COLUMNS, Res, RunResult, account_of,
+    business_tables, columns, pool,
 };
+use super::inbox::{self, Form};
 use super::ledger::{NewOrder, Order};
 use super::stats::Table;
 
@@ -30,6 +32,7 @@ use super::stats::Table;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Server {
     BaselinePg,
+    InboxPg(Form),
     OnceonlyPgOptimistic,
     OnceonlyPgStatements,
     OnceonlyRedis,
@@ -41,6 +44,7 @@ impl Server {
     fn name(self) -> &'static str {
         match self {
             Self::BaselinePg => "baseline, Postgres (no dedup)",
+            Self::InboxPg(form) => form.name(),
             Self::OnceonlyPgOptimistic => "onceonly, Postgres (optimistic)",
             Self::OnceonlyPgStatements => "onceonly, Postgres (default: a statement per step)",
             Self::OnceonlyRedis => "onceonly, Redis two-tier + Postgres",
@@ -58,8 +62,10 @@ impl Server {
     }
 }
 
-const SERVERS: [Server; 6] = [
+const SERVERS: [Server; 8] = [
     Server::BaselinePg,
+    Server::InboxPg(Form::ClaimFirst),
+    Server::InboxPg(Form::ClaimLast),
     Server::OnceonlyPgStatements,
     Server::OnceonlyPgOptimistic,
     Server::OnceonlyRedis,
@@ -69,24 +75,15 @@ const SERVERS: [Server; 6] = [
 
 pub async fn run(b: &mut Bench) -> Res<()> {
     for dup in b.dups.clone() {
+        let mut first = vec!["server", "req/s", "p50", "p99", "peak RSS"];
+        first.extend(RATIO_COLUMNS);
         let mut table = Table::new(
             format!(
-                "HTTP POST /orders ({} requests, {} keep-alive clients, {dup}% duplicates = retried Idempotency-Keys)",
+                "HTTP POST /orders ({} requests, {} keep-alive clients, {dup}% duplicates = retried Idempotency-Keys; ratios against the same database)",
                 b.sizes.requests, b.sizes.http_clients
             ),
-            &columns(
-                &[
-                    "server",
-                    "req/s",
-                    "p50",
-                    "p99",
-                    "peak RSS",
-                    "vs baseline (same DB)",
-                ],
-                "requests / orders rows / distinct keys",
-            ),
+            &columns(&first, "requests / orders rows / distinct keys"),
         );
-        let (mut base_pg, mut base_sqlite) = (None, None);
         // Runs interleave the servers, so drifting load on the shared
         // machine hits all alike.
         let mut results: Vec<Vec<RunResult>> = SERVERS.iter().map(|_| Vec::new()).collect();
@@ -105,20 +102,64 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 }
             }
         }
-        for ((server, runs), counted) in SERVERS.into_iter().zip(results).zip(counted) {
-            let m = Measured::combine(&runs, counted.as_ref());
-            let base = if server.sqlite() {
-                base_sqlite
-            } else {
-                base_pg
+        let measured: Vec<(Server, Measured)> = SERVERS
+            .into_iter()
+            .zip(results)
+            .zip(counted)
+            .map(|((server, runs), counted)| (server, Measured::combine(&runs, counted.as_ref())))
+            .collect();
+        let rate_of = |pick: &dyn Fn(Server) -> bool| {
+            measured
+                .iter()
+                .filter(|(s, _)| pick(*s))
+                .map(|(_, m)| m.rate)
+                .reduce(f64::max)
+        };
+        let base_pg = rate_of(&|s| s == Server::BaselinePg);
+        let base_sqlite = rate_of(&|s| s == Server::BaselineSqlite);
+        let inbox = rate_of(&|s| matches!(s, Server::InboxPg(_)));
+        for (server, m) in &measured {
+            let server = *server;
+            let against = Against {
+                baseline: if server.sqlite() {
+                    base_sqlite
+                } else {
+                    base_pg
+                },
+                inbox: (!server.sqlite()).then_some(inbox).flatten(),
+                is_baseline: !server.dedup(),
+                is_inbox: false,
             };
             let mut cells = vec![server.name().to_owned()];
-            cells.extend(m.cells(if server.dedup() { base } else { None }));
+            cells.extend(m.cells(against));
             table.row(cells);
-            match server {
-                Server::BaselinePg => base_pg = Some(m.rate),
-                Server::BaselineSqlite => base_sqlite = Some(m.rate),
-                _ => {}
+            let goals: &[(Server, &str, f64, f64)] = &[
+                (Server::OnceonlyPgStatements, "default", 0.78, 1.0),
+                (Server::OnceonlyPgOptimistic, "optimistic", 0.0, 1.0),
+            ];
+            for &(s, what, vs_base, vs_inbox) in goals {
+                if s != server {
+                    continue;
+                }
+                let (Some(bl), Some(ib)) = (base_pg, inbox) else {
+                    continue;
+                };
+                let dup_goal = if dup >= 90 { 1.5 } else { vs_inbox };
+                let (r_base, r_inbox) = (m.rate / bl, m.rate / ib);
+                b.target(
+                    &format!("HTTP {what} vs best hand-written inbox, {dup}% dup"),
+                    format!("{r_inbox:.2}× ({:.0} vs {ib:.0} req/s)", m.rate),
+                    &format!("≥ {dup_goal:.1}×"),
+                    r_inbox >= dup_goal,
+                );
+                if vs_base > 0.0 && dup == 0 {
+                    b.target(
+                        &format!("HTTP {what} vs no dedup, {dup}% dup"),
+                        format!("{r_base:.2}× ({:.0} vs {bl:.0} req/s)", m.rate),
+                        &format!("≥ {vs_base:.2}×"),
+                        r_base >= vs_base,
+                    );
+                }
             }
         }
         b.table(table);
@@ -327,6 +368,69 @@ async fn baseline_pg(State(db): State<PgPool>, Json(new): Json<NewOrder>) -> Ans
     Ok((StatusCode::CREATED, Json(order)))
 }
 
+/// The hand-written inbox's answers: the order, or the stored one of a key
+/// claimed before (`409` while a copy is in flight, which the client
+/// retries).
+type InboxAnswer = Result<(StatusCode, Vec<u8>), (StatusCode, String)>;
+
+/// `POST /orders` with the hand-written inbox (see [`inbox`]), as a
+/// careful user would write it on plain sqlx.
+async fn inbox_pg(
+    State((db, form)): State<(PgPool, Form)>,
+    headers: HeaderMap,
+    Json(new): Json<NewOrder>,
+) -> InboxAnswer {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .filter(|k| !k.is_empty() && k.len() <= 128)
+        .ok_or((
+            StatusCode::BAD_REQUEST,
+            "Idempotency-Key missing".to_owned(),
+        ))?
+        .to_owned();
+    let mut tx = db.begin().await.map_err(internal)?;
+    let new_key = match form {
+        Form::ClaimFirst => {
+            if inbox::claim(&mut tx, &key, 0).await.map_err(internal)? {
+                let order = super::ledger::postgres::insert_order(&mut tx, &new)
+                    .await
+                    .map_err(internal)?;
+                let body = serde_json::to_vec(&order).map_err(internal)?;
+                inbox::record(&mut tx, &key, &body)
+                    .await
+                    .map_err(internal)?;
+                Some(body)
+            } else {
+                None
+            }
+        }
+        Form::ClaimLast => {
+            let order = super::ledger::postgres::insert_order(&mut tx, &new)
+                .await
+                .map_err(internal)?;
+            let body = serde_json::to_vec(&order).map_err(internal)?;
+            inbox::claim_done(&mut tx, &key, Some(&body))
+                .await
+                .map_err(internal)?
+                .then_some(body)
+        }
+    };
+    match new_key {
+        Some(body) => {
+            tx.commit().await.map_err(internal)?;
+            Ok((StatusCode::CREATED, body))
+        }
+        None => {
+            tx.rollback().await.map_err(internal)?;
+            match inbox::stored(&db, &key).await.map_err(internal)? {
+                Some(body) => Ok((StatusCode::CREATED, body)),
+                None => Err((StatusCode::CONFLICT, "in flight".to_owned())),
+            }
+        }
+    }
+}
+
 async fn baseline_sqlite(State(db): State<SqlitePool>, Json(new): Json<NewOrder>) -> Answer {
     let mut tx = db.begin().await.map_err(internal)?;
     let order = super::ledger::sqlite::insert_order(&mut tx, &new)
@@ -365,6 +469,9 @@ pub async fn serve(
         Server::BaselinePg => Router::new()
             .route("/orders", post(baseline_pg))
             .with_state(pool(db_url, 10).await?),
+        Server::InboxPg(form) => Router::new()
+            .route("/orders", post(inbox_pg))
+            .with_state((pool(db_url, 10).await?, form)),
         Server::OnceonlyPgOptimistic | Server::OnceonlyPgStatements => {
             let optimistic = server == Server::OnceonlyPgOptimistic || super::variant::optimistic();
             let store = super::variant::pg_store(db_url, false).await?;

@@ -3,123 +3,91 @@
 //! after the transaction, batches of the same size) vs
 //! `onceonly::kafka::KafkaConsumer`, per message and batched.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use onceonly::kafka::KafkaConsumer;
 use onceonly::{FingerprintSpec, PgStore, RetryPolicy, SqlStore};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
-use super::child::{BenchLedger, ChildSpec, KafkaSpec, Msg, business_write};
+use super::child::{BenchLedger, ChildSpec, Consumer, KafkaSpec, Msg, business_write, inbox_write};
 use super::common::{
-    Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, Res, RunResult, account_of,
-    business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
+    Bench, Child, FETCH_WAIT_MS, Measured, Observer, Plan, RATIO_COLUMNS, Res, RunResult,
+    account_of, business_tables, columns, drain_backlog, latencies, ledger_counts, payload, pool,
 };
+use super::inbox::{self, Form};
 use super::scale_out::{self, ScaleRun};
 use super::stats::Table;
-
-/// A `max_in_flight` larger than any backlog: the partition is never held
-/// back, which shows what the default bound costs.
-const UNBOUNDED: usize = 1_000_000;
 
 /// Batch sizes compared (1 = a transaction per message).
 const BATCHES: [usize; 3] = [1, 100, 1000];
 
+/// The consumers compared at `batch`, in table order. The hand-written
+/// inbox claims a batch's keys first, in one `UNNEST` insert; claiming
+/// last is a per-message form (a batch would lose every message's writes
+/// to one duplicate).
+fn consumers(batch: usize) -> Vec<Consumer> {
+    let mut v = vec![Consumer::Baseline, Consumer::Inbox(Form::ClaimFirst)];
+    if batch == 1 {
+        v.push(Consumer::Inbox(Form::ClaimLast));
+    }
+    v.extend([Consumer::Onceonly, Consumer::OnceonlyOptimistic]);
+    v
+}
+
 pub async fn run(b: &mut Bench) -> Res<()> {
-    for (i, dup) in b.dups.clone().into_iter().enumerate() {
+    for dup in b.dups.clone() {
+        let mut first = vec!["consumer", "batch", "msgs/s", "p50", "p99", "peak RSS"];
+        first.extend(RATIO_COLUMNS);
         let mut table = Table::new(
             format!(
-                "Kafka → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, 1 partition, fetch.wait.max.ms {FETCH_WAIT_MS})",
+                "Kafka → Postgres ({} backlog msgs drained + {} paced at {}/s, {dup}% duplicates, 1 partition, fetch.wait.max.ms {FETCH_WAIT_MS}; ratios against the same batch)",
                 b.sizes.backlog, b.sizes.paced, b.sizes.paced_rate
             ),
-            &columns(
-                &[
-                    "consumer",
-                    "batch",
-                    "msgs/s",
-                    "p50",
-                    "p99",
-                    "peak RSS",
-                    "vs baseline (same batch)",
-                ],
-                "msgs / rows / distinct keys",
-            ),
+            &columns(&first, "msgs / rows / distinct keys"),
         );
-        let mut base: HashMap<usize, f64> = HashMap::new();
         for batch in BATCHES {
             // A smoke run's backlog is smaller than the largest batch, whose
             // code path batch 100 already takes.
             if b.mode == super::common::Mode::Quick && batch > 100 {
                 continue;
             }
-            // A batched onceonly consumer also runs with a window so large
-            // that the partition is never held back (first duplicate ratio
-            // only): the difference is the cost of the in-flight bound.
-            let mut variants = vec![(false, None), (true, None)];
-            if batch > 1 && i == 0 {
-                variants.push((true, Some(UNBOUNDED)));
-            }
-            // Runs interleave the variants (baseline, onceonly, baseline,
-            // ...), so drifting load on the shared machine hits both alike.
+            let variants = consumers(batch);
+            // Runs interleave the variants (baseline, inbox, onceonly,
+            // baseline, ...), so drifting load on the shared machine hits
+            // all alike.
             let mut results: Vec<Vec<RunResult>> = variants.iter().map(|_| Vec::new()).collect();
             let inline = b.inline_counts();
             for r in 0..b.runs {
-                for (v, &(dedup, max_in_flight)) in variants.iter().enumerate() {
+                for (v, &consumer) in variants.iter().enumerate() {
                     let seed = 1000 + r as u64;
-                    let run = one_run(b, dedup, batch, max_in_flight, dup, seed, inline).await?;
+                    let run = one_run(b, consumer, batch, dup, seed, inline).await?;
                     results[v].push(run);
                 }
             }
             let mut counted: Vec<Option<RunResult>> = variants.iter().map(|_| None).collect();
             if b.counted_pass() {
-                for (v, &(dedup, max_in_flight)) in variants.iter().enumerate() {
-                    let run = one_run(b, dedup, batch, max_in_flight, dup, 1999, true).await?;
-                    counted[v] = Some(run);
+                for (v, &consumer) in variants.iter().enumerate() {
+                    counted[v] = Some(one_run(b, consumer, batch, dup, 1999, true).await?);
                 }
             }
-            for (((dedup, max_in_flight), runs), counted) in
-                variants.into_iter().zip(results).zip(counted)
-            {
-                let m = Measured::combine(&runs, counted.as_ref());
-                let name = match (dedup, max_in_flight) {
-                    (false, _) => "baseline (no dedup)".to_owned(),
-                    (true, None) => "onceonly".to_owned(),
-                    (true, Some(n)) => format!("onceonly, max_in_flight {n} (unbounded)"),
-                };
-                let mut cells = vec![name, batch.to_string()];
-                cells.extend(m.cells(if dedup {
-                    base.get(&batch).copied()
-                } else {
-                    None
-                }));
-                table.row(cells);
-                if !dedup {
-                    base.insert(batch, m.rate);
-                } else if i == 0 && max_in_flight.is_none() {
-                    let ratio = m.rate / base.get(&batch).copied().unwrap_or(f64::MAX);
-                    let (goal, min) = if batch == 1 {
-                        ("≥ 0.8× baseline", 0.8)
-                    } else {
-                        ("≥ 0.9× baseline", 0.9)
-                    };
-                    let what = if batch == 1 {
-                        "Kafka per-message dedup throughput".to_owned()
-                    } else {
-                        format!("Kafka batched dedup throughput (batch {batch})")
-                    };
-                    b.target(
-                        &format!("{what}, {dup}% dup"),
-                        format!("{ratio:.2}× ({:.0} vs {:.0} msgs/s)", m.rate, base[&batch]),
-                        goal,
-                        ratio >= min,
-                    );
-                }
-            }
+            let measured: Vec<(Consumer, Measured)> = variants
+                .into_iter()
+                .zip(results)
+                .zip(counted)
+                .map(|((c, runs), counted)| (c, Measured::combine(&runs, counted.as_ref())))
+                .collect();
+            let what = if batch == 1 {
+                "Kafka per message".to_owned()
+            } else {
+                format!("Kafka batch {batch}")
+            };
+            super::common::consumer_rows(b, &mut table, &measured, &what, dup, Some(batch));
         }
         b.table(table);
     }
@@ -177,13 +145,12 @@ async fn scale_run(
         let observer = Observer::start(db.clone());
         let group = format!("{topic}-group");
         let spec = ChildSpec::Kafka(KafkaSpec {
-            dedup: true,
+            consumer: Consumer::Onceonly,
             brokers: b.services.brokers.clone(),
             topic: topic.clone(),
             group: group.clone(),
             db_url: client.url.clone(),
             batch: 100,
-            max_in_flight: None,
         });
         let run = scale_out::drain(b, &vec![spec; procs], &client, &observer, &plan).await?;
         observer.stop().await?;
@@ -209,13 +176,13 @@ async fn scale_run(
 /// (onceonly: one row per distinct key) and the offsets were committed.
 async fn one_run(
     b: &mut Bench,
-    dedup: bool,
+    consumer: Consumer,
     batch: usize,
-    max_in_flight: Option<usize>,
     dup: u32,
     seed: u64,
     counted: bool,
 ) -> Res<RunResult> {
+    let dedup = consumer.dedup();
     let topic = b.unique("kafka");
     let schema = b.schema("kafka").await?;
     let client = b.db_client(&schema.url, counted)?;
@@ -231,13 +198,12 @@ async fn one_run(
         let observer = Observer::start(db.clone());
         let group = format!("{topic}-group");
         let mut child = Child::spawn(&ChildSpec::Kafka(KafkaSpec {
-            dedup,
+            consumer,
             brokers: b.services.brokers.clone(),
             topic: topic.clone(),
             group: group.clone(),
             db_url: client.url.clone(),
             batch,
-            max_in_flight,
         }))
         .await?;
         let window = b.window(&child, &client).await?;
@@ -295,7 +261,7 @@ async fn one_run(
     b.drop_schema(&schema).await;
     delete_topics(&b.services, &[&topic, &format!("{topic}.dlt")]).await;
     let (run, offsets_ok, offsets, distinct_keys) = result?;
-    let who = if dedup { "onceonly" } else { "baseline" };
+    let who = consumer.name();
     b.check(offsets_ok, || {
         format!("kafka {who} batch {batch}: not every offset committed ({offsets})")
     });
@@ -440,33 +406,29 @@ fn committed(
         .collect())
 }
 
-/// The consumer child: plain rdkafka (`dedup == false`) or onceonly.
+/// The consumer child: plain rdkafka (no dedup or the hand-written inbox)
+/// or onceonly.
 pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
     let KafkaSpec {
-        dedup,
+        consumer,
         brokers,
         topic,
         group,
         db_url,
         batch,
-        max_in_flight,
     } = spec.clone();
     let (brokers, topic, group, db_url) = (&brokers[..], &topic[..], &group[..], &db_url[..]);
-    if dedup {
+    if consumer.onceonly() {
         let store = super::variant::pg_store(db_url, false).await?;
         let engine = onceonly::Engine::builder(store)
-            .optimistic(super::variant::optimistic())
+            .optimistic(consumer.optimistic())
             .key_expr("json:/out_trade_no")
             .fingerprint(FingerprintSpec::Fields(vec![
                 "/account".into(),
                 "/amount".into(),
             ]))
             .retry(RetryPolicy::default().max_attempts(1));
-        let mut builder = KafkaConsumer::builder(engine);
-        if let Some(n) = max_in_flight {
-            builder = builder.max_in_flight(n);
-        }
-        let consumer = builder
+        let kafka = KafkaConsumer::builder(engine)
             .brokers(brokers)
             .group_id(group)
             .topic(topic)
@@ -475,21 +437,27 @@ pub async fn consume(spec: &KafkaSpec, stop: CancellationToken) -> Res<()> {
             .consumer_config("fetch.wait.max.ms", FETCH_WAIT_MS)
             .build()?;
         println!("ready");
-        consumer.run_until(BenchLedger, stop).await?;
+        kafka.run_until(BenchLedger, stop).await?;
         return Ok(());
     }
-    baseline(brokers, topic, group, db_url, batch, stop).await
+    let inbox = match consumer {
+        Consumer::Inbox(form) => Some(form),
+        _ => None,
+    };
+    baseline(brokers, topic, group, db_url, batch, inbox, stop).await
 }
 
 /// The baseline: the same writes, one transaction per batch (5 ms linger,
 /// like onceonly's default), offsets committed every 500 ms after the
-/// transaction committed, and on shutdown.
+/// transaction committed, and on shutdown; with `inbox`, each key claimed
+/// in the hand-written inbox in the same transaction (see [`inbox`]).
 async fn baseline(
     brokers: &str,
     topic: &str,
     group: &str,
     db_url: &str,
     batch: usize,
+    inbox: Option<Form>,
     stop: CancellationToken,
 ) -> Res<()> {
     let db = pool(db_url, 4).await?;
@@ -531,13 +499,43 @@ async fn baseline(
                 Err(_) => break,
             }
         }
+        let msgs = records
+            .iter()
+            .map(|r| serde_json::from_slice(r.payload().unwrap_or_default()))
+            .collect::<Result<Vec<Msg>, _>>()?;
         let mut tx = db.begin().await?;
-        for r in &records {
-            let m: Msg = serde_json::from_slice(r.payload().unwrap_or_default())?;
-            business_write(&mut tx, &m).await?;
-        }
+        let kept = match inbox {
+            None => {
+                for m in &msgs {
+                    business_write(&mut tx, m).await?;
+                }
+                true
+            }
+            // One message: claimed first or last around its writes.
+            Some(form) if msgs.len() == 1 => inbox_write(&mut tx, form, &msgs[0]).await?,
+            // A batch: its keys claimed first in one insert, then the
+            // writes of the new ones (each once).
+            Some(_) => {
+                let keys: Vec<&str> = msgs.iter().map(|m| m.out_trade_no.as_str()).collect();
+                let mut new: std::collections::HashSet<String> = inbox::claim_many(&mut tx, &keys)
+                    .await?
+                    .into_iter()
+                    .collect();
+                for m in &msgs {
+                    if new.remove(&m.out_trade_no) {
+                        business_write(&mut tx, m).await?;
+                    }
+                }
+                true
+            }
+        };
         let t = Instant::now();
-        tx.commit().await?;
+        if kept {
+            tx.commit().await?;
+        } else {
+            // A duplicate: nothing of it is kept.
+            tx.rollback().await?;
+        }
         super::child::add_time(&super::child::COMMIT_NANOS, t);
         for r in &records {
             next.insert((r.topic().to_owned(), r.partition()), r.offset() + 1);

@@ -48,6 +48,7 @@ mod child;
 mod common;
 mod growth;
 mod http;
+mod inbox;
 mod kafka;
 mod ledger;
 mod memory;

@@ -13,7 +13,7 @@ use lapin::options::{ConfirmSelectOptions, QueueDeleteOptions};
 use onceonly::{PgStore, SqlStore};
 
 use super::amqp::{CONCURRENCY, PREFETCH, connect, declare, publish};
-use super::child::ChildSpec;
+use super::child::{ChildSpec, Consumer};
 use super::common::{Bench, Child, Observer, Plan, Res, business_tables, ledger_counts, pool};
 use super::stats::Table;
 
@@ -42,7 +42,7 @@ pub async fn run(b: &mut Bench) -> Res<()> {
         let observer = Observer::start(db.clone());
         let started = Instant::now();
         let mut child = Child::spawn(&ChildSpec::Amqp {
-            dedup: true,
+            consumer: Consumer::Onceonly,
             url: b.services.amqp_url.clone(),
             queue: queue.clone(),
             db_url: schema.url.clone(),

@@ -1487,3 +1487,94 @@ async fn postgres_migrations_log_no_notices() {
         );
     }
 }
+
+/// A claim-first engine (the default) looks keys up before claiming them
+/// while duplicates are common, as optimistic engines do: a duplicate is
+/// then one indexed read, with no claim transaction. Shown by a table lock
+/// that stops every insert but no read (`EXCLUSIVE`): before, the
+/// duplicate's claim waited on it (until the 10 s `lock_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_first_engines_answer_common_duplicates_without_a_transaction() {
+    let url = pg_url();
+    let table = unique("lookup");
+    let store = pg_store(&url, &table).await;
+    let engine = Engine::builder(store.clone())
+        .scope("payments")
+        .key_expr("json:/out_trade_no")
+        .retry(RetryPolicy::none())
+        .build()
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = handler_fn(
+        move |_tx: onceonly::Tx<sqlx::Postgres>, Json(_p): Json<Pay>| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, HandlerError>(())
+            }
+        },
+    );
+    // Every key twice: half the claims find their key taken.
+    for j in 0..40 {
+        let key = format!("L-{j:03}");
+        for _ in 0..2 {
+            engine
+                .process(&handler, &Delivery::new(pay(&key, 10)))
+                .await;
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 40);
+
+    let mut locker = store.pool().begin().await.unwrap();
+    sqlx::query(&format!("LOCK TABLE {table} IN EXCLUSIVE MODE"))
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let duplicate = tokio::time::timeout(
+        Duration::from_secs(5),
+        engine.process(&handler, &Delivery::new(pay("L-007", 10))),
+    )
+    .await;
+    locker.rollback().await.unwrap();
+    let report =
+        duplicate.expect("the duplicate waited on the table lock: it was claimed, not looked up");
+    assert!(
+        matches!(report.outcome, Outcome::Duplicate { .. }),
+        "{:?}",
+        report.outcome
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 40);
+}
+
+/// A store that connected itself starts its sessions with the claim's
+/// `lock_timeout` (10 s) instead of setting it on every `BEGIN`: the
+/// handler's statements in the claim transaction still wait at most that
+/// long for a lock.
+#[tokio::test]
+async fn a_connected_stores_claims_wait_at_most_its_lock_timeout() {
+    let url = pg_url();
+    let store = pg_store(&url, &unique("bounded")).await;
+    let engine = Engine::builder(store)
+        .scope("payments")
+        .key_expr("json:/out_trade_no")
+        .retry(RetryPolicy::none())
+        .build()
+        .unwrap();
+    let handler = handler_fn(
+        |tx: onceonly::Tx<sqlx::Postgres>, Json(_p): Json<Pay>| async move {
+            let mut conn = tx.lock().await?;
+            let bound: String = sqlx::query_scalar("SHOW lock_timeout")
+                .fetch_one(&mut *conn)
+                .await?;
+            Ok::<_, HandlerError>(bound)
+        },
+    );
+    let report = engine
+        .process(&handler, &Delivery::new(pay("B-1", 1)))
+        .await;
+    match report.outcome {
+        Outcome::Processed { result } => assert_eq!(result, "10s"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -281,16 +281,20 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// suspects ([`max_crashes`](Self::max_crashes)) are claimed first.
     ///
     /// Only for handlers whose every effect is a write in the transaction
-    /// (the outbox included): a duplicate runs the handler again before it
-    /// is found out, and two concurrent copies of one key both run it (the
-    /// second one's writes are rolled back). A handler that fails is
-    /// checked against the dedup table before the failure counts: a key
+    /// (the outbox included) or goes through a [step](crate::Tx::step): a
+    /// duplicate runs the handler again before it is found out, and two
+    /// concurrent copies of one key both run it (the second one's writes
+    /// are rolled back). That is why it is off by default: onceonly cannot
+    /// see a handler's direct calls to other systems, which claiming first
+    /// keeps from every copy of a committed or in-flight key (see
+    /// [the guide](crate::engine#optimistic-claims)). A handler that fails
+    /// is checked against the dedup table before the failure counts: a key
     /// committed meanwhile (a concurrent copy's writes made the handler's
-    /// own insert fail) is a duplicate. While more than one in five of
-    /// the recent claims found their key taken (duplicates, conflicts),
-    /// each key is looked up first (one read, no transaction), so
-    /// duplicates stop running the handler; the look-up stops again when
-    /// they become rare.
+    /// own insert fail) is a duplicate. Either way, while more than one in
+    /// five of the recent claims found their key taken (duplicates,
+    /// conflicts), each key is looked up first (one read, no transaction),
+    /// so duplicates cost that read (see [`ClaimSpec::look_up_first`](crate::engine::ClaimSpec::look_up_first));
+    /// the look-up stops again when they become rare.
     ///
     /// Batches ([`Engine::process_batch`], the Kafka consumer's
     /// `batch_size`) look their keys up in one statement first, so keys
@@ -300,11 +304,8 @@ impl<S: SqlStore> EngineBuilder<S> {
     /// transaction rolls the batch back, and its deliveries go one by one.
     /// [Sessions](Engine::claim_with) of an optimistic engine claim their
     /// key in [`Session::finish`](crate::engine::Session::finish). The
-    /// HTTP layer has its own switch
-    /// (`IdempotencyLayerBuilder::optimistic`) with the same rule: it looks
-    /// a key up before the handler only while retries are common (or when
-    /// a [`ClaimSpec::look_up_first`](crate::engine::ClaimSpec::look_up_first)
-    /// says so).
+    /// HTTP layer follows the engine builder it is given, with the same
+    /// look-up while retries are common.
     ///
     /// On MySQL and MariaDB, a deadlock (1213) that the handler swallowed
     /// has rolled the whole transaction back: the claim checks that the

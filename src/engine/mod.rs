@@ -87,8 +87,8 @@ struct Inner<S: SqlStore> {
     /// Claims after the handler, with the result (see
     /// [`EngineBuilder::optimistic`]).
     optimistic: bool,
-    /// How common duplicates were lately (optimistic engines look keys up
-    /// first while they are common).
+    /// How common duplicates were lately (engines look keys up first
+    /// while they are common).
     recent_duplicates: DuplicateShare,
     /// The per-entity fence, if any (see [`EngineBuilder::fence`]).
     fence: Option<FenceSpec>,
@@ -101,10 +101,10 @@ struct Inner<S: SqlStore> {
     decoder: Option<Arc<dyn PayloadDecoder>>,
 }
 
-/// A moving share of duplicates among an optimistic engine's recent
-/// claims (a key found taken by the look-up, the claim with the result, or
-/// after a failed handler; against a key committed): an exponential
-/// average over about 64, in 1/65,536.
+/// A moving share of duplicates among an engine's recent claims (a key
+/// found taken by the look-up, the claim, the optimistic claim with the
+/// result, or after a failed handler; against a key claimed): an
+/// exponential average over about 64, in 1/65,536.
 #[derive(Default)]
 struct DuplicateShare(std::sync::atomic::AtomicU32);
 

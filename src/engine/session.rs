@@ -61,14 +61,15 @@ impl<'a> ClaimSpec<'a> {
         self
     }
 
-    /// On an [optimistic](crate::EngineBuilder::optimistic) engine,
-    /// whether to read the key's committed record before the handler runs
+    /// Whether to read the key's committed record before anything else
     /// (one statement on the pool, no transaction), so that a committed
-    /// duplicate or conflict is answered without running the handler. By
-    /// default the engine decides: it looks up while more than one in five
-    /// of its recent optimistic claims found their key taken. The cache
-    /// tier, if any, is asked first either way. Claim-first engines ignore
-    /// it: their claim finds committed keys at once.
+    /// duplicate or conflict is answered without a claim transaction and
+    /// (on an [optimistic](crate::EngineBuilder::optimistic) engine)
+    /// without running the handler. By default the engine decides: it
+    /// looks up while more than one in five of its recent claims found
+    /// their key taken, so a duplicate costs one read when duplicates are
+    /// common and nothing is paid for the read when they are rare. The
+    /// cache tier, if any, is asked first either way.
     #[must_use]
     pub fn look_up_first(mut self, look_up: bool) -> Self {
         self.look_up_first = Some(look_up);
@@ -412,11 +413,16 @@ impl<S: SqlStore> Engine<S> {
             tracing::debug!("answered from the cache tier");
             return Claimed::settled(hit, spec.fingerprint);
         }
+        if let Some(found) = self.looked_up(scope, &spec, &req).await? {
+            return Claimed::settled(found, spec.fingerprint);
+        }
         if inner.optimistic && !spec.suspect {
-            return self.open_optimistic(scope, &spec, &req).await;
+            return self.open_optimistic(scope, &spec).await;
         }
         let gate = self.shared_gate().await;
-        let (tx, times) = match self.open_claim(scope, &req).await? {
+        let opened = self.open_claim(scope, &req).await?;
+        inner.recent_duplicates.note(opened.is_err());
+        let (tx, times) = match opened {
             Ok(claimed) => claimed,
             Err(claim) => return Claimed::settled(claim, spec.fingerprint),
         };
@@ -452,26 +458,43 @@ impl<S: SqlStore> Engine<S> {
         }
     }
 
-    /// An optimistic session: the key looked up if `spec` asks, then a
-    /// plain transaction; the claim comes with the result.
-    async fn open_optimistic(
+    /// What the look-up before a claim found, if `spec` asks for one (by
+    /// default: while duplicates are common, see
+    /// [`ClaimSpec::look_up_first`]): the committed, unexpired record's
+    /// duplicate or conflict; `None` to claim.
+    async fn looked_up(
         &self,
         scope: &str,
         spec: &ClaimSpec<'_>,
         req: &ClaimRequest<'_>,
-    ) -> Result<Claimed<S>, StoreError> {
+    ) -> Result<Option<Claim>, StoreError> {
         let inner = &*self.inner;
         let look_up = spec
             .look_up_first
             .unwrap_or_else(|| inner.recent_duplicates.common());
-        if look_up {
-            let record = inner.store.get(scope, spec.key).await?;
-            if let Some(record) = record.filter(|r| r.expires_at_ms > inner.clock.now_ms()) {
-                inner.recent_duplicates.note(true);
-                let found = classify_existing(record.fingerprint, record.result, req);
-                return Claimed::settled(found, spec.fingerprint);
-            }
+        if !look_up {
+            return Ok(None);
         }
+        let record = inner.store.get(scope, spec.key).await?;
+        let Some(record) = record.filter(|r| r.expires_at_ms > inner.clock.now_ms()) else {
+            return Ok(None);
+        };
+        inner.recent_duplicates.note(true);
+        Ok(Some(classify_existing(
+            record.fingerprint,
+            record.result,
+            req,
+        )))
+    }
+
+    /// An optimistic session: a plain transaction; the claim comes with
+    /// the result.
+    async fn open_optimistic(
+        &self,
+        scope: &str,
+        spec: &ClaimSpec<'_>,
+    ) -> Result<Claimed<S>, StoreError> {
+        let inner = &*self.inner;
         let gate = self.shared_gate().await;
         let began = Instant::now();
         let tx = ClaimTx::new(inner.store.begin().await?, began);

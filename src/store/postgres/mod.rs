@@ -54,6 +54,12 @@ pub struct PgStore {
     base: SqlBase<Postgres>,
     /// The claim transactions' `lock_timeout` (`None`: the server's).
     lock_timeout: Option<Duration>,
+    /// The `lock_timeout` the pool's sessions start with, when this store
+    /// built the pool ([`PgStore::connect_with_deadlines`] sets it in the
+    /// startup options): while it is [`lock_timeout`](Self::lock_timeout),
+    /// a claim's `BEGIN` needs no `SET LOCAL`, one statement less per
+    /// delivery. `None`: unknown (a pool of the caller's).
+    session_lock_timeout: Option<Duration>,
     /// Whether claims travel with `BEGIN` and results with `COMMIT`.
     pipelined: bool,
     /// How many buckets each generation's migration creates (the table's
@@ -73,12 +79,14 @@ fn bucket_count(buckets: u16) -> u16 {
 /// The default [`PgStore::lock_timeout`]: 10 s.
 pub(crate) const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `BEGIN` with a transaction-local `lock_timeout`, and the rotation
-/// fence of the generations layout, in one round trip.
-fn begin_sql(lock_timeout: Option<Duration>, fence: Option<String>) -> Cow<'static, str> {
-    let begin = match lock_timeout {
+/// `BEGIN` with a transaction-local `lock_timeout` if `set` asks for one
+/// (`Some(None)`: no limit), and the rotation fence of the generations
+/// layout, in one round trip.
+fn begin_sql(set: Option<Option<Duration>>, fence: Option<String>) -> Cow<'static, str> {
+    let begin = match set {
         None => Cow::Borrowed(Postgres::BEGIN),
-        Some(t) => Cow::Owned(format!(
+        Some(None) => Cow::Borrowed("BEGIN; SET LOCAL lock_timeout = 0"),
+        Some(Some(t)) => Cow::Owned(format!(
             "BEGIN; SET LOCAL lock_timeout = '{}'",
             lock_timeout_value(t)
         )),
@@ -99,6 +107,7 @@ impl PgStore {
         Self {
             base: SqlBase::new(pool, TableName::default()),
             lock_timeout: Some(DEFAULT_LOCK_TIMEOUT),
+            session_lock_timeout: None,
             pipelined: false,
             buckets: DEFAULT_GENERATION_BUCKETS,
             rotation_step: DEFAULT_ROTATION_STEP,
@@ -135,8 +144,19 @@ impl PgStore {
         let fence = layout
             .is_generations()
             .then(|| generations::fence_shared(&self.base.table));
-        self.base.begin = begin_sql(self.lock_timeout, fence);
+        self.base.begin = begin_sql(self.lock_timeout_to_set(), fence);
         self
+    }
+
+    /// The `lock_timeout` a claim transaction sets for itself: `None` when
+    /// its session starts with the store's already, `Some(None)` for no
+    /// limit.
+    fn lock_timeout_to_set(&self) -> Option<Option<Duration>> {
+        match (self.lock_timeout, self.session_lock_timeout) {
+            (Some(wanted), Some(session)) if wanted == session => None,
+            (None, None) => None,
+            (wanted, _) => Some(wanted),
+        }
     }
 
     /// Connects to `url` with a default pool (10 connections, built on
@@ -162,11 +182,17 @@ impl PgStore {
         options: PgConnectOptions,
         deadlines: Deadlines,
     ) -> Result<Self, StoreError> {
+        let options = Self::session_options(options, &deadlines)
+            .options([("lock_timeout", DEFAULT_LOCK_TIMEOUT.as_millis().to_string())]);
         let pool = crate::store::pool_options_for(&deadlines)
             .max_connections(10)
-            .connect_with(Self::session_options(options, &deadlines))
+            .connect_with(options)
             .await?;
-        Ok(Self::new(pool).deadlines(deadlines))
+        let store = Self {
+            session_lock_timeout: Some(DEFAULT_LOCK_TIMEOUT),
+            ..Self::new(pool)
+        };
+        Ok(store.layout().deadlines(deadlines))
     }
 
     /// `options` with the server-side bounds of `deadlines` in its startup
@@ -221,7 +247,11 @@ impl PgStore {
     /// setting, by default no limit). A claim stuck behind a transaction
     /// that never ends would otherwise hold its partition or queue slot
     /// forever; a lock timeout is contention, and the delivery waits in
-    /// place and tries again. Set on `BEGIN`, in the same round trip.
+    /// place and tries again. A store that connected itself
+    /// ([`PgStore::connect`] and its kin) starts its sessions with the
+    /// default, so its claims set nothing; another value (or a pool of
+    /// your own) is set on `BEGIN`, in the same round trip. Statements on
+    /// the connected store's pool outside a claim wait as long.
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.lock_timeout = timeout;
@@ -518,6 +548,48 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A claim's `BEGIN` sets `lock_timeout` only where its session does
+    /// not start with the store's: a store that built its pool (and set
+    /// the bound in the sessions' startup options) begins with a plain
+    /// `BEGIN`, one statement less per delivery; a pool of the caller's,
+    /// another bound, or none, still set theirs.
+    #[tokio::test]
+    async fn begin_sets_the_lock_timeout_only_where_the_session_lacks_it() {
+        let connected = PgStore {
+            session_lock_timeout: Some(DEFAULT_LOCK_TIMEOUT),
+            ..PgStore::new(lazy_pool())
+        }
+        .layout();
+        assert_eq!(connected.base.begin, "BEGIN");
+        let own_pool = PgStore::new(lazy_pool());
+        assert_eq!(
+            own_pool.base.begin,
+            "BEGIN; SET LOCAL lock_timeout = '10000ms'"
+        );
+        let other = connected.clone().lock_timeout(Some(Duration::from_secs(3)));
+        assert_eq!(other.base.begin, "BEGIN; SET LOCAL lock_timeout = '3000ms'");
+        let unbounded = connected.clone().lock_timeout(None);
+        assert_eq!(unbounded.base.begin, "BEGIN; SET LOCAL lock_timeout = 0");
+        assert_eq!(
+            PgStore::new(lazy_pool()).lock_timeout(None).base.begin,
+            "BEGIN"
+        );
+        // The pipelined claim alike.
+        let req = ClaimRequest {
+            key: "k",
+            fingerprint: None,
+            source: None,
+            lock_wait: None,
+        };
+        let times = ClaimTimes::new(0, Duration::from_secs(1));
+        let (sql, insert_at) = pipelined::open_sql(&connected, "s", times, &req);
+        assert!(!sql.contains("lock_timeout"), "{sql}");
+        assert_eq!(insert_at, 1);
+        let (sql, insert_at) = pipelined::open_sql(&own_pool, "s", times, &req);
+        assert!(sql.contains("SET LOCAL lock_timeout = '10000ms'"), "{sql}");
+        assert_eq!(insert_at, 2);
     }
 
     /// Statements come from the table and its layout together: moving a

@@ -92,6 +92,14 @@ fn set_lock_timeout(sql: &mut String, bound: Option<Duration>) {
     }
 }
 
+/// `SET LOCAL lock_timeout` to the store's `bound` (`None`: no limit).
+fn set_store_lock_timeout(sql: &mut String, bound: Option<Duration>) {
+    match bound {
+        Some(bound) => set_lock_timeout(sql, Some(bound)),
+        None => sql.push_str("SET LOCAL lock_timeout = 0; "),
+    }
+}
+
 /// The statements that open a claim, and the position of the insert
 /// among them.
 pub(super) fn open_sql(
@@ -104,8 +112,9 @@ pub(super) fn open_sql(
     let mut sql = String::with_capacity(512 + 2 * req.key.len());
     sql.push_str("BEGIN; ");
     let mut insert_at = 1;
-    if let Some(bound) = store.lock_timeout {
-        set_lock_timeout(&mut sql, Some(bound));
+    // Nothing when the session starts with the store's bound.
+    if let Some(bound) = store.lock_timeout_to_set() {
+        set_store_lock_timeout(&mut sql, bound);
         insert_at += 1;
     }
     if let Some(wait) = req.lock_wait {
@@ -125,7 +134,11 @@ pub(super) fn open_sql(
     push_text(&mut sql, Some(req.key));
     sql.push_str(") ON CONFLICT (scope, idem_key) DO NOTHING; ");
     if req.lock_wait.is_some() {
-        set_lock_timeout(&mut sql, store.lock_timeout);
+        // Back to the store's bound: the session's, or the one set above.
+        match store.lock_timeout_to_set() {
+            None => set_lock_timeout(&mut sql, None),
+            Some(bound) => set_store_lock_timeout(&mut sql, bound),
+        }
     }
     let _ = write!(
         sql,
