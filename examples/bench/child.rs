@@ -75,7 +75,8 @@ impl Consumer {
         }
     }
 
-    /// onceonly's engine builder for this consumer's claims.
+    /// Whether onceonly claims after the handler (this variant, or every
+    /// onceonly consumer with `BENCH_OPTIMISTIC=1`).
     pub fn optimistic(self) -> bool {
         self == Self::OnceonlyOptimistic || super::variant::optimistic()
     }

@@ -1,13 +1,18 @@
 //! The benchmark harness (not a test: it prints tables and asserts nothing
 //! about speed). One invocation runs, against the same services, each
 //! scenario side by side with a baseline that does the same business writes
-//! without dedup, and prints one Markdown table per scenario:
+//! without dedup (and, for the transports, with the dedup a user would
+//! write by hand), and prints one Markdown table per scenario:
 //!
-//! - `kafka`: Kafka → Postgres, a plain rdkafka consumer vs
-//!   `onceonly::kafka::KafkaConsumer`, per message and batched (100, 1000);
-//! - `amqp`: AMQP → Postgres, a plain lapin consumer vs `AmqpConsumer`;
-//! - `http`: `POST /orders`, a plain axum handler vs `IdempotencyLayer` on
-//!   Postgres, SQLite and the Redis two-tier;
+//! - `kafka`: Kafka → Postgres, a plain rdkafka consumer (no dedup, and
+//!   the hand-written inbox of [`inbox`]) vs
+//!   `onceonly::kafka::KafkaConsumer` (default and optimistic), per
+//!   message and batched (100, 1000);
+//! - `amqp`: AMQP → Postgres, a plain lapin consumer (no dedup, and the
+//!   hand-written inbox) vs `AmqpConsumer` (default and optimistic);
+//! - `http`: `POST /orders`, a plain axum handler (no dedup, and the
+//!   hand-written inbox) vs `IdempotencyLayer` on Postgres (default and
+//!   optimistic), SQLite and the Redis two-tier;
 //! - `growth`: claim latency with 0 / 100k / 1M / 10M existing records, and
 //!   while a bounded purge runs;
 //! - `purge`: claim stalls while 200k expired records are purged;
