@@ -37,6 +37,7 @@
 //! | `onceonly_outbox_backlog`, `onceonly_outbox_oldest_pending_seconds`, `onceonly_outbox_dead_rows` | gauge | `table` | pending outbox messages that are due (delayed messages are left out until they are due), the age of the oldest, dead messages (the [relay](crate::outbox::Relay) refreshes them every 5 s) |
 //! | `onceonly_outbox_published_total`, `onceonly_outbox_publish_seconds` | counter, histogram | `kind` | outbox messages confirmed by their destination, and the time of each publish, confirm included (for pipelined messages: until their key's last confirm) |
 //! | `onceonly_outbox_failures_total` | counter | `kind`, `destination`, `permanent` | failed outbox publishes |
+//! | `onceonly_outbox_destination_wait_seconds` | histogram | `kind` | how long a relayed webhook waited for a place among its URL's [`max_in_flight_per_destination`](crate::outbox::RelayBuilder::max_in_flight_per_destination) (not part of `onceonly_outbox_publish_seconds`): a URL whose webhooks wait long is at its bound |
 //!
 //! Histograms: exporters that need bucket bounds get good ones for every
 //! onceonly duration from [`DURATION_BUCKETS`] (1 ms to 30 s). With

@@ -22,6 +22,11 @@
 //!   for the 100M-record run);
 //! - `memory`: peak RSS of the AMQP consumer draining a large backlog
 //!   (1,000,000 messages with `--full`);
+//! - `outbox`: the relay draining a Kafka backlog against its DB-only
+//!   drain (the same take, lease and mark statements, a publisher that
+//!   confirms at once) and a plain producer, end-to-end latency, and the
+//!   drain of 400 webhooks to a receiver failing one call in ten, per
+//!   ordering;
 //! - `registry`: Avro and Protobuf payloads decoded through a
 //!   `SchemaRegistry` against the same records parsed as JSON, alone and
 //!   inside a claim.

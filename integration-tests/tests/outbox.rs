@@ -742,6 +742,255 @@ async fn a_webhook_receiver_that_fails_times_out_and_recovers_gets_each_notifica
     assert!(r.copies >= r.applied.len());
 }
 
+/// A loopback webhook receiver at `url`: answers each call after `delay`,
+/// with 500 when `fail(body, call)` says so (`call`: the body's calls so
+/// far, this one included), else 204; records the bodies it answered 2xx
+/// in the order it answered them, each body's calls, and the most calls
+/// it had in flight at once.
+struct Hooks {
+    url: String,
+    state: Arc<HookState>,
+}
+
+#[derive(Default)]
+struct HookState {
+    delivered: Mutex<Vec<String>>,
+    calls: Mutex<BTreeMap<String, usize>>,
+    in_flight: std::sync::atomic::AtomicUsize,
+    max_in_flight: std::sync::atomic::AtomicUsize,
+}
+
+impl Hooks {
+    async fn start(
+        fail: impl Fn(&str, usize) -> bool + Send + Sync + 'static,
+        delay: Duration,
+    ) -> Self {
+        use axum::Router;
+        use axum::http::StatusCode;
+        use axum::routing::post;
+        use std::sync::atomic::Ordering::SeqCst;
+        let state = Arc::new(HookState::default());
+        let fail = Arc::new(fail);
+        let shared = Arc::clone(&state);
+        let app = Router::new().route(
+            "/notify",
+            post(move |body: axum::body::Bytes| {
+                let (state, fail) = (Arc::clone(&shared), Arc::clone(&fail));
+                async move {
+                    let body = String::from_utf8_lossy(&body).into_owned();
+                    let now = state.in_flight.fetch_add(1, SeqCst) + 1;
+                    state.max_in_flight.fetch_max(now, SeqCst);
+                    let call = {
+                        let mut calls = state.calls.lock().expect("lock");
+                        let n = calls.entry(body.clone()).or_default();
+                        *n += 1;
+                        *n
+                    };
+                    tokio::time::sleep(delay).await;
+                    let status = if fail(&body, call) {
+                        StatusCode::INTERNAL_SERVER_ERROR
+                    } else {
+                        state.delivered.lock().expect("lock").push(body);
+                        StatusCode::NO_CONTENT
+                    };
+                    state.in_flight.fetch_sub(1, SeqCst);
+                    status
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}/notify", listener.local_addr().expect("addr"));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Self { url, state }
+    }
+
+    fn delivered(&self) -> Vec<String> {
+        self.state.delivered.lock().expect("lock").clone()
+    }
+
+    fn calls(&self, body: &str) -> usize {
+        self.state
+            .calls
+            .lock()
+            .expect("lock")
+            .get(body)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn max_in_flight(&self) -> usize {
+        self.state
+            .max_in_flight
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// An outbox on PostgreSQL with `messages` enqueued, each in its own
+/// transaction, in order (without a claim).
+async fn webhook_outbox(messages: Vec<OutboxMessage>) -> (sqlx::PgPool, Outbox<sqlx::Postgres>) {
+    let store = pg_store(&pg_url(), &unique("obk")).await;
+    let outbox = Outbox::<sqlx::Postgres>::on_table(&unique("obx")).expect("table");
+    outbox.migrate(store.pool()).await.expect("migrate");
+    let pool = store.pool().clone();
+    for message in messages {
+        let mut tx = pool.begin().await.expect("begin");
+        outbox
+            .enqueue_in(&mut *tx, "notify", message)
+            .await
+            .expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+    (pool, outbox)
+}
+
+/// A webhook relay retrying quickly.
+fn webhook_relay(
+    pool: &sqlx::PgPool,
+    outbox: &Outbox<sqlx::Postgres>,
+) -> onceonly::outbox::RelayBuilder<sqlx::Postgres> {
+    Relay::builder(pool.clone(), outbox.clone())
+        .publisher(WebhookPublisher::new(b"notify-secret".to_vec()).expect("secret"))
+        .backoff(Duration::from_millis(50), Duration::from_millis(200))
+        .poll_interval(Duration::from_millis(20))
+}
+
+/// Issue 46, item 3: webhooks without an order key were ordered per URL,
+/// so one merchant's notification that its receiver refused held back
+/// every other payment's notification to that URL until it went through.
+/// Now each is ordered on its own: the other nine arrive while the first
+/// one is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_webhook_does_not_hold_back_the_others_to_its_url() {
+    // Merchant m0's notification is refused three times.
+    let hooks = Hooks::start(|body, call| body == "m0" && call < 4, Duration::ZERO).await;
+    let messages = (0..10)
+        .map(|i| OutboxMessage::webhook(&hooks.url, format!("m{i}")))
+        .collect();
+    let (pool, outbox) = webhook_outbox(messages).await;
+    let relay = webhook_relay(&pool, &outbox)
+        .build()
+        .expect("relay")
+        .spawn();
+    wait_sent(
+        &outbox,
+        &pool,
+        10,
+        Duration::from_secs(60),
+        "not every notification was delivered",
+    )
+    .await;
+    let stats = relay.stop().await;
+    let delivered = hooks.delivered();
+    assert_eq!(delivered.len(), 10, "each delivered once: {delivered:?}");
+    assert_eq!(
+        delivered.last().map(String::as_str),
+        Some("m0"),
+        "the refused notification held back the others: {delivered:?}"
+    );
+    assert_eq!(hooks.calls("m0"), 4);
+    for i in 1..10 {
+        assert_eq!(hooks.calls(&format!("m{i}")), 1, "m{i} sent once");
+    }
+    assert_eq!((stats.failed, stats.dead), (3, 0), "{stats:?}");
+}
+
+/// Webhooks with one `order_by` key to one URL still arrive in the order
+/// they were enqueued, each after the one before it was confirmed, while
+/// another key's head is refused and retried; that key's followers wait
+/// for it, and nothing else does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhooks_of_one_order_key_arrive_in_order_while_another_key_retries() {
+    // B-0 is refused twice.
+    let hooks = Hooks::start(|body, call| body == "B-0" && call < 3, Duration::ZERO).await;
+    let mut messages = Vec::new();
+    for i in 0..5 {
+        if i < 3 {
+            messages.push(OutboxMessage::webhook(&hooks.url, format!("B-{i}")).order_by("B"));
+        }
+        messages.push(OutboxMessage::webhook(&hooks.url, format!("A-{i}")).order_by("A"));
+        messages.push(OutboxMessage::webhook(&hooks.url, format!("u-{i}")));
+    }
+    let (pool, outbox) = webhook_outbox(messages).await;
+    let relay = webhook_relay(&pool, &outbox)
+        .build()
+        .expect("relay")
+        .spawn();
+    wait_sent(
+        &outbox,
+        &pool,
+        13,
+        Duration::from_secs(60),
+        "not every notification was delivered",
+    )
+    .await;
+    let stats = relay.stop().await;
+    let delivered = hooks.delivered();
+    assert_eq!(delivered.len(), 13, "each delivered once: {delivered:?}");
+    let of = |prefix: &str| -> Vec<String> {
+        delivered
+            .iter()
+            .filter(|b| b.starts_with(prefix))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(
+        of("A-"),
+        ["A-0", "A-1", "A-2", "A-3", "A-4"],
+        "{delivered:?}"
+    );
+    assert_eq!(of("B-"), ["B-0", "B-1", "B-2"], "{delivered:?}");
+    // B's followers were never sent before B-0 went through.
+    assert_eq!((hooks.calls("B-1"), hooks.calls("B-2")), (1, 1));
+    assert_eq!(hooks.calls("B-0"), 3);
+    // Key A and the unordered ones did not wait for B.
+    let b0 = delivered.iter().position(|b| b == "B-0").expect("B-0");
+    for other in delivered
+        .iter()
+        .filter(|b| b.starts_with("A-") || b.starts_with("u-"))
+    {
+        let at = delivered
+            .iter()
+            .position(|b| b == other)
+            .expect("delivered");
+        assert!(at < b0, "{other} waited for B-0: {delivered:?}");
+    }
+    assert_eq!((stats.failed, stats.dead), (2, 0), "{stats:?}");
+}
+
+/// A batch of webhooks to one URL goes out side by side, but never more
+/// than `max_in_flight_per_destination` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_has_at_most_its_bound_of_webhooks_in_flight_per_url() {
+    let hooks = Hooks::start(|_, _| false, Duration::from_millis(100)).await;
+    let n = 40;
+    let messages = (0..n)
+        .map(|i| OutboxMessage::webhook(&hooks.url, format!("n{i}")))
+        .collect();
+    let (pool, outbox) = webhook_outbox(messages).await;
+    let relay = webhook_relay(&pool, &outbox)
+        .max_in_flight_per_destination(4)
+        .build()
+        .expect("relay")
+        .spawn();
+    wait_sent(
+        &outbox,
+        &pool,
+        n,
+        Duration::from_secs(60),
+        "not every notification was delivered",
+    )
+    .await;
+    relay.stop().await;
+    assert_eq!(hooks.delivered().len(), n as usize, "each delivered once");
+    let max = hooks.max_in_flight();
+    assert!(max <= 4, "{max} calls in flight at once, bound 4");
+    // Side by side, not one after another (a single order per URL sent
+    // them one at a time).
+    assert!(max >= 2, "the notifications went one at a time");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_relay_wakes_when_a_claim_commits() {
     let store = pg_store(&pg_url(), &unique("obk")).await;

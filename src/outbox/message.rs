@@ -191,7 +191,22 @@ impl OutboxMessage {
 
     /// Orders this message after every earlier one with the same
     /// destination and `key`, instead of the default: the Kafka message key,
-    /// the AMQP routing key, or the webhook URL.
+    /// the AMQP routing key, or, for a webhook, none (each webhook is
+    /// ordered on its own).
+    ///
+    /// A webhook without an `order_by` key holds back no other webhook,
+    /// and none holds it back: one merchant's notification that its
+    /// receiver keeps refusing (retried with backoff, then parked as dead)
+    /// never delays another payment's notification to the same URL, and
+    /// the relay sends a URL's webhooks side by side, at most
+    /// [`RelayBuilder::max_in_flight_per_destination`](super::RelayBuilder::max_in_flight_per_destination)
+    /// at once. Give the webhooks that must arrive in order (the events of
+    /// one payment, say) one key: `.order_by(payment_id)`; they then leave
+    /// one at a time, each after the one before it was confirmed.
+    ///
+    /// The ordering key is computed when the message is enqueued and
+    /// stored with it: webhooks enqueued before this default (ordered by
+    /// their URL) keep that order until they are sent.
     #[must_use]
     pub fn order_by(mut self, key: impl Into<String>) -> Self {
         self.order_by = Some(key.into());
@@ -263,7 +278,7 @@ impl OutboxMessage {
 
     /// The ordering key as stored for message `id` enqueued at `now_ms`:
     /// a SHA-256 over the destination and the key messages are ordered by.
-    /// A message delayed past `now_ms` without an
+    /// A webhook, or a message delayed past `now_ms`, without an
     /// [`order_by`](Self::order_by) key is ordered on its own (by its id):
     /// it holds back nothing, and nothing holds it back. One due now (a
     /// `not_before` in the past, a zero delay) is no delayed message: it
@@ -272,10 +287,10 @@ impl OutboxMessage {
         let delayed = self.due_ms(now_ms) > now_ms;
         let by: &[u8] = match (&self.order_by, &self.destination) {
             (Some(by), _) => by.as_bytes(),
+            (None, Destination::Webhook { .. }) => id.as_bytes(),
             (None, _) if delayed => id.as_bytes(),
             (None, Destination::Kafka { .. }) => self.key.as_deref().unwrap_or_default(),
             (None, Destination::Amqp { routing_key, .. }) => routing_key.as_bytes(),
-            (None, Destination::Webhook { .. }) => b"",
         };
         let mut h = Sha256::new();
         for part in [
@@ -419,5 +434,24 @@ mod tests {
             "order_by replaces the key"
         );
         assert_eq!(a.order_key("id", 0).len(), 64);
+    }
+
+    /// Issue 46, item 3: a webhook without an `order_by` key is ordered
+    /// on its own (one failing notification held back every other one to
+    /// its URL); with one, it keeps that key's order.
+    #[test]
+    fn webhooks_are_ordered_alone_unless_ordered_by_a_key() {
+        let hook = OutboxMessage::webhook("https://m.example/notify", "{}");
+        assert_ne!(hook.order_key("a", 0), hook.order_key("b", 0));
+        assert_eq!(hook.order_key("a", 0), hook.order_key("a", 0));
+        let ordered = hook.clone().order_by("pay-1");
+        assert_eq!(ordered.order_key("a", 0), ordered.order_key("b", 0));
+        assert_ne!(
+            ordered.order_key("a", 0),
+            hook.clone().order_by("pay-2").order_key("a", 0)
+        );
+        // The same key at another URL is another order.
+        let elsewhere = OutboxMessage::webhook("https://n.example/notify", "{}").order_by("pay-1");
+        assert_ne!(ordered.order_key("a", 0), elsewhere.order_key("a", 0));
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge, histogram};
 use sqlx::Pool;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, Semaphore, watch};
 
 use super::Outbox;
 use super::backend::{Failed, OutboxBackend, OutboxRow, Status};
@@ -21,6 +21,10 @@ use crate::store::{Deadlines, StoreError};
 /// How long a relay holds the keys it took in a round by default (see
 /// [`RelayBuilder::lease`]).
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// How many webhooks a relay has in flight to one URL at most by default
+/// (see [`RelayBuilder::max_in_flight_per_destination`]).
+const DEFAULT_IN_FLIGHT_PER_DESTINATION: usize = 16;
 
 /// Builds a [`Relay`]: `Relay::builder(pool, outbox).publisher(..).build()`.
 pub struct RelayBuilder<DB: OutboxBackend> {
@@ -46,6 +50,7 @@ pub struct Relay<DB: OutboxBackend> {
     keep_sent: Option<Duration>,
     purge_every: Duration,
     lease: Duration,
+    in_flight_per_destination: usize,
     wake: Arc<Notify>,
     deadlines: Deadlines,
 }
@@ -80,6 +85,7 @@ impl<DB: OutboxBackend> Relay<DB> {
                 keep_sent: Some(Duration::from_secs(24 * 3600)),
                 purge_every: Duration::from_secs(60),
                 lease: DEFAULT_LEASE,
+                in_flight_per_destination: DEFAULT_IN_FLIGHT_PER_DESTINATION,
                 wake: Arc::new(Notify::new()),
                 deadlines: Deadlines::default(),
             },
@@ -185,25 +191,40 @@ impl<DB: OutboxBackend> Relay<DB> {
             return Ok(0);
         }
         // Keys in parallel, each key's rows in order (pipelined where the
-        // publisher can), within half the lease.
+        // publisher can), within half the lease; a webhook URL's keys at
+        // most `in_flight_per_destination` at a time.
         let deadline = Instant::now() + self.lease / 2;
         let mut by_key: BTreeMap<&str, Vec<&OutboxRow>> = BTreeMap::new();
         for row in &rows {
             by_key.entry(&row.order_key).or_default().push(row);
         }
-        let results = futures_util::future::join_all(
-            by_key
-                .into_values()
-                .map(|queue| self.publish_in_order(queue, deadline)),
-        )
+        let mut slots: std::collections::HashMap<&str, Arc<Semaphore>> =
+            std::collections::HashMap::new();
+        let results = futures_util::future::join_all(by_key.into_values().map(|queue| {
+            let slot = queue
+                .first()
+                .filter(|head| head.kind == Kind::Webhook.as_str())
+                .map(|head| {
+                    Arc::clone(slots.entry(head.destination.as_str()).or_insert_with(|| {
+                        Arc::new(Semaphore::new(self.in_flight_per_destination))
+                    }))
+                });
+            self.publish_in_turn(queue, slot, deadline)
+        }))
         .await;
         let mut sent = Vec::with_capacity(rows.len());
         let mut failures = Vec::new();
-        for (ids, failure) in results {
-            sent.extend(ids);
-            failures.extend(failure);
+        let mut untried = Vec::new();
+        for outcome in results {
+            match outcome {
+                Turn::Published(ids, failure) => {
+                    sent.extend(ids);
+                    failures.extend(failure);
+                }
+                Turn::Untried(head) => untried.push(head),
+            }
         }
-        self.record(&sent, &failures, stats).await?;
+        self.record(&sent, &failures, &untried, stats).await?;
         Ok(rows.len())
     }
 
@@ -234,18 +255,25 @@ impl<DB: OutboxBackend> Relay<DB> {
     }
 
     /// Records a round's results in a short transaction: `sent` rows as
-    /// sent, each failure as due again later or parked as dead.
+    /// sent, each failure as due again later or parked as dead, and the
+    /// leases of the `untried` heads (whose turn did not come before the
+    /// round's deadline) ended, so that they are due again now rather
+    /// than when the lease ends.
     async fn record(
         &self,
         sent: &[i64],
         failures: &[(&OutboxRow, PublishError)],
+        untried: &[i64],
         stats: &mut RelayStats,
     ) -> Result<(), StoreError> {
         let sql = self.outbox.sql();
         let statement = self.statement();
         let mut tx = within(self.on_pool(), "begin", self.pool.begin()).await?;
-        let marked = DB::update_pending(&mut tx, &sql.sent_prefix, SystemClock.now_ms(), sent);
+        let now = SystemClock.now_ms();
+        let marked = DB::update_pending(&mut tx, &sql.sent_prefix, now, sent);
         within(statement, "outbox mark sent", marked).await?;
+        let released = DB::update_pending(&mut tx, &sql.lease_prefix, now, untried);
+        within(statement, "outbox lease end", released).await?;
         let mut recorded = Vec::with_capacity(failures.len());
         for (row, error) in failures {
             let dead = error.is_permanent()
@@ -277,6 +305,48 @@ impl<DB: OutboxBackend> Relay<DB> {
             }
         }
         Ok(())
+    }
+
+    /// Publishes one key's rows in order ([`publish_in_order`](Self::publish_in_order))
+    /// once `slot` (its webhook URL's share of
+    /// [`RelayBuilder::max_in_flight_per_destination`]) has room, holding
+    /// it meanwhile. A key whose turn has not come by `deadline` is left
+    /// untried.
+    async fn publish_in_turn<'r>(
+        &self,
+        queue: Vec<&'r OutboxRow>,
+        slot: Option<Arc<Semaphore>>,
+        deadline: Instant,
+    ) -> Turn<'r> {
+        let _permit = match slot {
+            Some(slot) => {
+                let waited = Instant::now();
+                let until = tokio::time::Instant::from_std(deadline);
+                match tokio::time::timeout_at(until, slot.acquire_owned()).await {
+                    Ok(Ok(permit)) => {
+                        if let Some(head) = queue.first() {
+                            histogram!(
+                                "onceonly_outbox_destination_wait_seconds",
+                                "kind" => head.kind.clone(),
+                            )
+                            .record(waited.elapsed().as_secs_f64());
+                        }
+                        Some(permit)
+                    }
+                    // Past the deadline (or, never, a closed semaphore):
+                    // the key waits for the next round.
+                    Ok(Err(_)) | Err(_) => {
+                        return match queue.first() {
+                            Some(head) => Turn::Untried(head.id),
+                            None => Turn::Published(Vec::new(), None),
+                        };
+                    }
+                }
+            }
+            None => None,
+        };
+        let (sent, failure) = self.publish_in_order(queue, deadline).await;
+        Turn::Published(sent, failure)
     }
 
     /// Publishes one key's rows in order through its publisher's
@@ -419,6 +489,14 @@ impl<DB: OutboxBackend> Relay<DB> {
             }
         }
     }
+}
+
+/// What became of one key's rows in a round.
+enum Turn<'r> {
+    /// The rows confirmed before the first failure, and that failure.
+    Published(Vec<i64>, Option<(&'r OutboxRow, PublishError)>),
+    /// None tried: the round's deadline came first (the key's head).
+    Untried(i64),
 }
 
 /// Aborts a background task when dropped.
@@ -577,6 +655,24 @@ impl<DB: OutboxBackend> RelayBuilder<DB> {
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.relay.lease = lease.max(Duration::from_secs(1));
+        self
+    }
+
+    /// How many webhooks the relay has in flight to one URL at most
+    /// (default 16, at least 1). Webhooks without an
+    /// [`order_by`](super::OutboxMessage::order_by) key are ordered on
+    /// their own, so a round may hold a batch of them for one merchant's
+    /// URL: they go out side by side, this many at a time, the others
+    /// waiting their turn (a key with an `order_by` key, its messages one
+    /// after another, takes one place). A key whose turn has not come by
+    /// half the [`lease`](Self::lease) waits for the next round, due at
+    /// once. The bound is per relay: two relays may have twice as many in
+    /// flight to one URL. Kafka and AMQP are bounded by their publishers
+    /// (one producer; the channels of `AmqpPublisher::with_channels`),
+    /// not by this.
+    #[must_use]
+    pub fn max_in_flight_per_destination(mut self, n: usize) -> Self {
+        self.relay.in_flight_per_destination = n.clamp(1, Semaphore::MAX_PERMITS);
         self
     }
 
