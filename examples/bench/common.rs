@@ -812,7 +812,7 @@ impl Measured {
             ms(self.p99),
             format!("{:.1} MiB", self.rss_mib),
             ratio(against.baseline, against.is_baseline),
-            ratio(against.inbox, against.is_inbox),
+            ratio(against.inbox, false),
         ]
         .into_iter()
         .chain(cost_cells(&self.cost))
@@ -828,13 +828,13 @@ impl Measured {
 pub const RATIO_COLUMNS: [&str; 2] = ["vs no dedup", "vs best hand-written inbox"];
 
 /// What a row's rate is compared with: the no-dedup baseline's and the
-/// best hand-written inbox's rates, and whether the row is one of them.
+/// best hand-written inbox's rates, and whether the row is the baseline
+/// (the best inbox row shows its own `1.00×`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Against {
     pub baseline: Option<f64>,
     pub inbox: Option<f64>,
     pub is_baseline: bool,
-    pub is_inbox: bool,
 }
 
 /// The median of each cost over the runs that measured it; counts from
@@ -893,21 +893,13 @@ pub fn consumer_rows(
     batch: Option<usize>,
 ) {
     use super::child::Consumer;
-    let rate_of = |pick: &dyn Fn(Consumer) -> bool| {
-        measured
-            .iter()
-            .filter(|(c, _)| pick(*c))
-            .map(|(_, m)| m.rate)
-            .reduce(f64::max)
-    };
-    let baseline = rate_of(&|c| c == Consumer::Baseline);
-    let inbox = rate_of(&|c| matches!(c, Consumer::Inbox(_)));
+    let baseline = best_rate(measured, |c| c == Consumer::Baseline);
+    let inbox = best_rate(measured, |c| matches!(c, Consumer::Inbox(_)));
     for (consumer, m) in measured {
         let against = Against {
             baseline,
             inbox,
             is_baseline: *consumer == Consumer::Baseline,
-            is_inbox: false,
         };
         let mut cells = vec![consumer.name().to_owned()];
         cells.extend(batch.map(|n| n.to_string()));
@@ -927,4 +919,13 @@ pub fn consumer_rows(
             );
         }
     }
+}
+
+/// The best rate among the `measured` variants that `pick` selects.
+pub fn best_rate<T: Copy>(measured: &[(T, Measured)], pick: impl Fn(T) -> bool) -> Option<f64> {
+    measured
+        .iter()
+        .filter(|(v, _)| pick(*v))
+        .map(|(_, m)| m.rate)
+        .reduce(f64::max)
 }

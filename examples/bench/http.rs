@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::child::ChildSpec;
 use super::common::{
-    Against, Bench, Child, Measured, Plan, RATIO_COLUMNS, Res, RunResult, account_of,
+    Against, Bench, Child, Measured, Plan, RATIO_COLUMNS, Res, RunResult, account_of, best_rate,
     business_tables, columns, pool,
 };
 use super::inbox::{self, Form};
@@ -108,16 +108,9 @@ pub async fn run(b: &mut Bench) -> Res<()> {
             .zip(counted)
             .map(|((server, runs), counted)| (server, Measured::combine(&runs, counted.as_ref())))
             .collect();
-        let rate_of = |pick: &dyn Fn(Server) -> bool| {
-            measured
-                .iter()
-                .filter(|(s, _)| pick(*s))
-                .map(|(_, m)| m.rate)
-                .reduce(f64::max)
-        };
-        let base_pg = rate_of(&|s| s == Server::BaselinePg);
-        let base_sqlite = rate_of(&|s| s == Server::BaselineSqlite);
-        let inbox = rate_of(&|s| matches!(s, Server::InboxPg(_)));
+        let base_pg = best_rate(&measured, |s| s == Server::BaselinePg);
+        let base_sqlite = best_rate(&measured, |s| s == Server::BaselineSqlite);
+        let inbox = best_rate(&measured, |s| matches!(s, Server::InboxPg(_)));
         for (server, m) in &measured {
             let server = *server;
             let against = Against {
@@ -128,7 +121,6 @@ pub async fn run(b: &mut Bench) -> Res<()> {
                 },
                 inbox: (!server.sqlite()).then_some(inbox).flatten(),
                 is_baseline: !server.dedup(),
-                is_inbox: false,
             };
             let mut cells = vec![server.name().to_owned()];
             cells.extend(m.cells(against));
