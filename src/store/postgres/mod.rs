@@ -251,7 +251,10 @@ impl PgStore {
     /// ([`PgStore::connect`] and its kin) starts its sessions with the
     /// default, so its claims set nothing; another value (or a pool of
     /// your own) is set on `BEGIN`, in the same round trip. Statements on
-    /// the connected store's pool outside a claim wait as long.
+    /// the connected store's pool outside a claim wait as long. A handler
+    /// that changes `lock_timeout` for its session (`SET` without `LOCAL`)
+    /// changes it for the later claims on that connection too: use
+    /// `SET LOCAL`.
     #[must_use]
     pub fn lock_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.lock_timeout = timeout;
