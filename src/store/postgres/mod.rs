@@ -21,10 +21,15 @@
 //! waits for locks at most 10 s (`SET LOCAL lock_timeout`). For a pool of
 //! your own, pass your connect options through
 //! [`PgStore::session_options`] and build the pool on
-//! [`pool_options_for`](crate::store::pool_options_for). Behind PgBouncer,
-//! add `options` to its `ignore_startup_parameters`, or set the two
-//! settings on the role (`ALTER ROLE ... SET
-//! idle_in_transaction_session_timeout = '15s'`).
+//! [`pool_options_for`](crate::store::pool_options_for). A store that
+//! connected itself also starts its sessions with the claims'
+//! `lock_timeout` (10 s), so a claim's `BEGIN` sets nothing. Behind
+//! PgBouncer, add `options` to its `ignore_startup_parameters` and set
+//! the settings on the role instead (`ALTER ROLE ... SET
+//! idle_in_transaction_session_timeout = '15s'`, and `lock_timeout =
+//! '10s'`, which the connected store's claims then rely on), or build the
+//! store on a pool of your own ([`PgStore::new`]), whose claims set
+//! `lock_timeout` on `BEGIN`.
 
 mod generations;
 mod pipelined;
