@@ -14,7 +14,7 @@ use crate::delivery::Delivery;
 use crate::fingerprint::Fingerprint;
 use crate::key::{FenceValue, IdemKey, KeyError};
 use crate::store::{
-    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, InfraFault, SqlStore, StoreError,
+    Claim, ClaimRequest, ClaimTimes, ClaimTx, Completed, InfraFault, Record, SqlStore, StoreError,
     classify_existing, is_write_fault,
 };
 
@@ -475,8 +475,7 @@ impl<S: SqlStore> Engine<S> {
         if !look_up {
             return Ok(None);
         }
-        let record = inner.store.get(scope, spec.key).await?;
-        let Some(record) = record.filter(|r| r.expires_at_ms > inner.clock.now_ms()) else {
+        let Some(record) = self.live_record(scope, spec.key).await? else {
             return Ok(None);
         };
         inner.recent_duplicates.note(true);
@@ -485,6 +484,12 @@ impl<S: SqlStore> Engine<S> {
             record.result,
             req,
         )))
+    }
+
+    /// The key's committed record if it has not expired.
+    async fn live_record(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        let record = self.inner.store.get(scope, key).await?;
+        Ok(record.filter(|r| r.expires_at_ms > self.inner.clock.now_ms()))
     }
 
     /// An optimistic session: a plain transaction; the claim comes with
@@ -616,11 +621,7 @@ impl<S: SqlStore> Engine<S> {
         key: &str,
         fingerprint: Option<Fingerprint>,
     ) -> Option<Finished> {
-        let inner = &*self.inner;
-        let record = inner.store.get(scope, key).await.ok()??;
-        if record.expires_at_ms <= inner.clock.now_ms() {
-            return None;
-        }
+        let record = self.live_record(scope, key).await.ok()??;
         let req = ClaimRequest {
             key,
             fingerprint: fingerprint.as_ref(),

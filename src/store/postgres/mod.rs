@@ -90,15 +90,20 @@ pub(crate) const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 fn begin_sql(set: Option<Option<Duration>>, fence: Option<String>) -> Cow<'static, str> {
     let begin = match set {
         None => Cow::Borrowed(Postgres::BEGIN),
-        Some(None) => Cow::Borrowed("BEGIN; SET LOCAL lock_timeout = 0"),
-        Some(Some(t)) => Cow::Owned(format!(
-            "BEGIN; SET LOCAL lock_timeout = '{}'",
-            lock_timeout_value(t)
-        )),
+        Some(bound) => Cow::Owned(format!("BEGIN; {}", set_local_lock_timeout(bound))),
     };
     match fence {
         None => begin,
         Some(fence) => Cow::Owned(format!("{begin}; {fence}")),
+    }
+}
+
+/// `SET LOCAL lock_timeout` to a claim transaction's `bound` (`None`:
+/// no limit).
+fn set_local_lock_timeout(bound: Option<Duration>) -> String {
+    match bound {
+        Some(t) => format!("SET LOCAL lock_timeout = '{}'", lock_timeout_value(t)),
+        None => "SET LOCAL lock_timeout = 0".to_owned(),
     }
 }
 

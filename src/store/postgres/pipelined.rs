@@ -94,10 +94,8 @@ fn set_lock_timeout(sql: &mut String, bound: Option<Duration>) {
 
 /// `SET LOCAL lock_timeout` to the store's `bound` (`None`: no limit).
 fn set_store_lock_timeout(sql: &mut String, bound: Option<Duration>) {
-    match bound {
-        Some(bound) => set_lock_timeout(sql, Some(bound)),
-        None => sql.push_str("SET LOCAL lock_timeout = 0; "),
-    }
+    sql.push_str(&super::set_local_lock_timeout(bound));
+    sql.push_str("; ");
 }
 
 /// The statements that open a claim, and the position of the insert
